@@ -1,0 +1,258 @@
+"""Checkpoints: safetensors files plus a JSON manifest written last. Never pickles.
+
+Writing streams tensor by tensor: the safetensors header is computed from shapes and dtypes before
+any data, so a merge can write its output while it reads its inputs, and the sha256 is computed on
+the way. The data file is published atomically, then the manifest (round, worker, steps, tokens,
+sha256, bytes, base hash, ...). Readers trust only a checkpoint whose manifest exists and whose
+bytes hash to the manifest's sha256: a half-written or damaged file is never taken for a whole one.
+
+Reading is lazy: the header is parsed first, then each tensor is read when asked for (by seek on
+any fsspec file), so memory does not grow with the number of checkpoints open at once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+from core.errors import CheckpointError, StorageError
+from core.layout import manifest_key
+from core.storage import Storage
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "F32"
+    shape: tuple[int, ...]
+    start: int  # byte offsets inside the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+
+def spec_of(name: str, t: torch.Tensor) -> tuple[str, str, tuple[int, ...], int]:
+    if t.dtype not in DTYPES:
+        raise CheckpointError(f"tensor {name}: dtype {t.dtype} cannot be stored in safetensors")
+    return name, DTYPES[t.dtype], tuple(t.shape), t.numel() * t.element_size()
+
+
+def build_header(specs: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: Mapping[str, str] | None) -> tuple[bytes, list[TensorSpec]]:
+    """The safetensors header for tensors written in the given order (no data needed)."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset, out = 0, []
+    for name, dtype, shape, nbytes in specs:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        out.append(TensorSpec(name, dtype, tuple(shape), offset, offset + nbytes))
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw, out
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+class HashingWriter:
+    """Wraps a binary file: counts and hashes every byte written."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.sha, self.nbytes = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.nbytes += len(data)
+
+
+def write_checkpoint(
+    storage: Storage,
+    key: str,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    *,
+    specs: list[tuple[str, str, tuple[int, ...], int]] | None = None,
+    stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None,
+    metadata: Mapping[str, str] | None = None,
+    manifest: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write a checkpoint and then its manifest; return the manifest.
+
+    Either `tensors` (a mapping, written in sorted-name order) or `specs` + `stream` (a generator
+    yielding the tensors in the order of `specs`, e.g. a merge computing them one at a time).
+    """
+    if tensors is not None:
+        names = sorted(tensors)
+        specs = [spec_of(n, tensors[n]) for n in names]
+        stream = lambda: ((n, tensors[n]) for n in names)  # noqa: E731
+    assert specs is not None and stream is not None
+    header, layout = build_header(specs, metadata)
+    try:
+        with storage.open_atomic(key) as f:
+            w = HashingWriter(f)
+            w.write(header)
+            _write_stream(w, layout, stream())
+    except OSError as exc:
+        raise storage.error(f"write checkpoint {key}", exc) from exc
+    entry = {**(manifest or {}), "file": key.rsplit("/", 1)[-1], "sha256": w.sha.hexdigest(),
+             "bytes": w.nbytes, "tensors": len(layout), "written_at": time.time()}
+    storage.write_json(manifest_key(key), entry)
+    return entry
+
+
+def _write_stream(w: HashingWriter, layout: list[TensorSpec], items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    count = 0
+    for spec, (name, t) in zip(layout, items):
+        if name != spec.name or DTYPES.get(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+            raise CheckpointError(f"tensor {name} {t.dtype} {tuple(t.shape)} does not match the header entry "
+                                  f"{spec.name} {spec.dtype} {spec.shape}: the writer's specs and stream disagree")
+        w.write(tensor_bytes(t))
+        count += 1
+    if count != len(layout):
+        raise CheckpointError(f"the stream ended after {count} of {len(layout)} tensors")
+
+
+def read_manifest(storage: Storage, key: str) -> dict[str, Any] | None:
+    """The manifest of checkpoint `key`, or None when there is none (not yet, or never, whole)."""
+    try:
+        m = storage.read_json(manifest_key(key))
+    except StorageError as exc:
+        raise CheckpointError(f"manifest of {storage.display(key)} is damaged: {exc}") from None
+    if m is not None and not isinstance(m, dict) or (m is not None and "sha256" not in m):
+        raise CheckpointError(f"manifest of {storage.display(key)} lacks a sha256; delete it so the checkpoint is rewritten")
+    return m
+
+
+class LazyCheckpoint:
+    """A safetensors file opened for lazy per-tensor reads, checked against its manifest.
+
+    Reading tensors in file order hashes the bytes on the way; `verify()` then costs nothing
+    extra. Out-of-order reads fall back to one sequential pass when `verify()` is called.
+    """
+
+    def __init__(self, storage: Storage, key: str, manifest: Mapping[str, Any] | None = None, label: str = "") -> None:
+        self.storage, self.key, self.label = storage, key, label or storage.display(key)
+        self.manifest = dict(manifest) if manifest is not None else None
+        try:
+            self.f = storage.open_read(key)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.label}: checkpoint file is missing") from None
+        self._sha = hashlib.sha256()
+        self._pos = 0  # bytes hashed so far, always a prefix of the file
+        self.metadata, self.specs, self.data_start = self._read_header()
+        self.size = self.data_start + max((s.end for s in self.specs.values()), default=0)
+
+    def __enter__(self) -> LazyCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.f.close()
+
+    def _read_header(self) -> tuple[dict[str, str], dict[str, TensorSpec], int]:
+        head = self._read_at(0, 8)
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER:
+            raise CheckpointError(f"{self.label}: header length {n} is implausible: not a safetensors file, or damaged")
+        try:
+            header = json.loads(self._read_at(8, n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{self.label}: safetensors header is not valid JSON ({exc}): the file is damaged") from None
+        meta = header.pop("__metadata__", None) or {}
+        specs = {}
+        for name, e in header.items():
+            try:
+                specs[name] = TensorSpec(name, e["dtype"], tuple(e["shape"]), *e["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.label}: header entry for tensor {name} is malformed") from None
+            if e["dtype"] not in TORCH_DTYPES:
+                raise CheckpointError(f"{self.label}: tensor {name} has unsupported dtype {e['dtype']}")
+        ordered = dict(sorted(specs.items(), key=lambda kv: kv[1].start))
+        return meta, ordered, 8 + n
+
+    def _read_at(self, offset: int, n: int) -> bytes:
+        self.f.seek(offset)
+        data = self.f.read(n)
+        if len(data) != n:
+            raise CheckpointError(f"{self.label}: file is truncated (wanted {n} bytes at offset {offset}, got {len(data)})")
+        if offset == self._pos:
+            self._sha.update(data)
+            self._pos += n
+        return data
+
+    def keys(self) -> list[str]:
+        return list(self.specs)
+
+    def get(self, name: str) -> torch.Tensor:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.label}: has no tensor {name}")
+        data = self._read_at(self.data_start + spec.start, spec.nbytes)
+        if not spec.nbytes:
+            return torch.empty(spec.shape, dtype=spec.torch_dtype)
+        return torch.frombuffer(bytearray(data), dtype=spec.torch_dtype).reshape(spec.shape)
+
+    def load_all(self, verify: bool = True) -> dict[str, torch.Tensor]:
+        out = {name: self.get(name) for name in self.specs}
+        if verify:
+            self.verify()
+        return out
+
+    def verify(self) -> None:
+        """Raise unless the whole file hashes to the manifest's sha256 (and has its size)."""
+        if self.manifest is None:
+            raise CheckpointError(f"{self.label}: no manifest, so the checkpoint may be incomplete; it was never published")
+        while self._pos < self.size:
+            self._read_at(self._pos, min(16 << 20, self.size - self._pos))
+        if self.f.read(1):
+            raise CheckpointError(f"{self.label}: file has bytes after the last tensor: damaged")
+        if self.manifest.get("bytes") not in (None, self.size):
+            raise CheckpointError(f"{self.label}: size {self.size} differs from the manifest's {self.manifest['bytes']}: truncated or replaced")
+        if self._sha.hexdigest() != self.manifest["sha256"]:
+            raise CheckpointError(f"{self.label}: sha256 does not match the manifest: the file is corrupt; "
+                                  "delete it and its .json so it is written again")
+
+
+def open_checkpoint(storage: Storage, key: str, label: str = "") -> LazyCheckpoint:
+    """Open a published checkpoint (its manifest must exist)."""
+    manifest = read_manifest(storage, key)
+    if manifest is None:
+        raise CheckpointError(f"{label or storage.display(key)}: no manifest, so the checkpoint is incomplete or absent")
+    return LazyCheckpoint(storage, key, manifest, label)
+
+
+def load_checkpoint(storage: Storage, key: str, label: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
+    """Read and verify a whole checkpoint: (tensors, safetensors metadata, manifest)."""
+    with open_checkpoint(storage, key, label) as ck:
+        tensors = ck.load_all(verify=True)
+        return tensors, ck.metadata, ck.manifest or {}
+
+
+def sha256_of(storage: Storage, key: str) -> str | None:
+    m = read_manifest(storage, key)
+    return None if m is None else m["sha256"]

@@ -1,0 +1,88 @@
+"""Every path of a run directory, in one place. Nobody else formats a path.
+
+Paths are keys relative to the run root, '/'-separated, so the same layout works on a local
+filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
+
+    config.yaml                                   resolved config (what `resume` uses)
+    lock.json                                     which orchestrator drives the run
+    CANCEL                                        marker: `orchestrate cancel` asked to stop
+    failed.json                                   why the run stopped for good, if it did
+    global/round_00003.safetensors (+ .json)      global weights that round 3 starts from
+    outer/state_00003.safetensors (+ .json)       outer-optimizer state the merge of round 3 reads
+    rounds/00003/jobs.json                        jobs submitted for round 3 (ids, attempts, bases)
+    rounds/00003/contrib/worker_001.safetensors   worker 1's weights after round 3 (+ .json manifest)
+    rounds/00003/record.json                      the round's commit record, written last
+    rounds/00003/rejected/                        contributions refused by the merge, with why
+    workers/worker_001/state_00003.safetensors    worker 1's inner optimizer state after round 3
+    workers/worker_001/inflight_00003.safetensors mid-round checkpoint of a preempted worker
+    final/model.safetensors                       the exported final model
+    jobs/                                         submitit's folder (job scripts, logs)
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+
+SAFETENSORS = ".safetensors"
+
+
+def manifest_key(checkpoint_key: str) -> str:
+    """The manifest sits beside its checkpoint and is written after it: it is the commit."""
+    if not checkpoint_key.endswith(SAFETENSORS):
+        raise ValueError(f"not a checkpoint key: {checkpoint_key}")
+    return checkpoint_key[: -len(SAFETENSORS)] + ".json"
+
+
+class RunLayout:
+    CONFIG = "config.yaml"
+    LOCK = "lock.json"
+    CANCEL = "CANCEL"
+    FAILED = "failed.json"
+    FINAL = "final/model.safetensors"
+    JOBS = "jobs"
+
+    def global_weights(self, round_: int) -> str:
+        return f"global/round_{round_:05d}{SAFETENSORS}"
+
+    def outer_state(self, round_: int) -> str:
+        return f"outer/state_{round_:05d}{SAFETENSORS}"
+
+    def round_dir(self, round_: int) -> str:
+        return f"rounds/{round_:05d}"
+
+    def round_jobs(self, round_: int) -> str:
+        return posixpath.join(self.round_dir(round_), "jobs.json")
+
+    def round_record(self, round_: int) -> str:
+        return posixpath.join(self.round_dir(round_), "record.json")
+
+    def contributions_dir(self, round_: int) -> str:
+        return posixpath.join(self.round_dir(round_), "contrib")
+
+    def contribution(self, round_: int, worker: int) -> str:
+        return posixpath.join(self.contributions_dir(round_), f"worker_{worker:03d}{SAFETENSORS}")
+
+    def rejected_contribution(self, round_: int, worker: int, attempt: int) -> str:
+        """Where a rejected contribution is set aside (kept as evidence, never merged)."""
+        return posixpath.join(self.round_dir(round_), "rejected", f"worker_{worker:03d}_attempt{attempt}{SAFETENSORS}")
+
+    def worker_dir(self, worker: int) -> str:
+        return f"workers/worker_{worker:03d}"
+
+    def worker_state(self, worker: int, round_: int) -> str:
+        return posixpath.join(self.worker_dir(worker), f"state_{round_:05d}{SAFETENSORS}")
+
+    def worker_inflight(self, worker: int, round_: int) -> str:
+        return posixpath.join(self.worker_dir(worker), f"inflight_{round_:05d}{SAFETENSORS}")
+
+    @staticmethod
+    def parse_contribution(name: str) -> int | None:
+        """Worker id from a contribution's file name, or None for anything else."""
+        m = re.fullmatch(r"worker_(\d{3,})" + re.escape(SAFETENSORS), posixpath.basename(name))
+        return int(m.group(1)) if m else None
+
+    @staticmethod
+    def parse_round(name: str, prefix: str) -> int | None:
+        """Round number from `round_00003.safetensors` / `state_00003.safetensors` style names."""
+        m = re.fullmatch(re.escape(prefix) + r"_(\d{5,})" + re.escape(SAFETENSORS), posixpath.basename(name))
+        return int(m.group(1)) if m else None

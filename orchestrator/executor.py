@@ -1,0 +1,139 @@
+"""The one module that talks to submitit (and, for cheap polling, to sacct).
+
+Workers are submitted as plain data (a WorkerTask); a round's K workers go out as one batch,
+which on Slurm is one job array (one sbatch per round). Job state for all of a run's jobs comes
+from one call per poll. The worker callable is Checkpointable: on preemption or time limit it
+saves an in-flight checkpoint to storage and asks to be requeued with the same task.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from core.config import Config
+from core.task import WorkerTask
+from worker.train import checkpoint_active, run_worker
+
+log = logging.getLogger(__name__)
+
+ACTIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING",
+                    "PREEMPTED", "REQUEUE_HOLD", "REQUEUE_FED", "UNKNOWN"})
+
+
+class WorkerJob(submitit.helpers.Checkpointable):
+    """The callable submitit runs on the node. Plain data in, a small summary out."""
+
+    def __call__(self, task: WorkerTask) -> dict[str, Any]:
+        return run_worker(task)
+
+    def checkpoint(self, task: WorkerTask) -> submitit.helpers.DelayedSubmission:
+        # Called in the job when Slurm signals a time limit or preemption: save where we are so
+        # the requeued job resumes mid-round instead of starting the round over.
+        checkpoint_active()
+        return submitit.helpers.DelayedSubmission(WorkerJob(), task)
+
+
+@dataclass
+class JobStatus:
+    job_id: str
+    state: str
+    """Scheduler state, e.g. PENDING, RUNNING, COMPLETED, FAILED, CANCELLED."""
+    submit: str | None = None
+    start: str | None = None
+    end: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.state.split()[0] in ACTIVE
+
+
+def resolve_kind(kind: str) -> str:
+    if kind == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    return kind
+
+
+class Executor:
+    """Submits worker tasks and reports job states for the whole run in one call."""
+
+    def __init__(self, cfg: Config, folder: str | Path) -> None:
+        self.cfg = cfg
+        self.kind = resolve_kind(cfg.executor.kind)
+        self.folder = Path(folder)
+        self._jobs: dict[str, submitit.Job] = {}
+        self._ex = self._make(self.folder / "%j")
+
+    def _make(self, folder: Path) -> submitit.Executor:
+        e = self.cfg.executor
+        if self.kind == "local":
+            ex = submitit.LocalExecutor(folder=folder)
+            ex.update_parameters(timeout_min=e.timeout_min, setup=list(e.setup))
+            return ex
+        from orchestrator.slurm import slurm_parameters  # sbatch text is a pure function there
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
+        ex.update_parameters(**slurm_parameters(self.cfg))
+        return ex
+
+    def submit(self, tasks: list[WorkerTask]) -> list[str]:
+        """Submit a round's tasks together (one job array on Slurm); return their job ids."""
+        with self._ex.batch():
+            jobs = [self._ex.submit(WorkerJob(), t) for t in tasks]
+        for job in jobs:
+            self._jobs[job.job_id] = job
+        return [j.job_id for j in jobs]
+
+    def status(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        if not job_ids:
+            return {}
+        if self.kind == "slurm":
+            from orchestrator.slurm import sacct_status
+            return sacct_status(job_ids)
+        return {j: self._local_status(j) for j in job_ids}
+
+    def _local_status(self, job_id: str) -> JobStatus:
+        job = self._jobs.get(job_id)
+        if job is not None:
+            state = job.state  # RUNNING, FINISHED, INTERRUPTED
+            return JobStatus(job_id, "RUNNING" if state == "RUNNING" else ("COMPLETED" if state == "FINISHED" else "FAILED"))
+        # A job from an earlier orchestrator process (resume): the local job id is the pid of
+        # submitit's controller, which outlives the orchestrator that started it.
+        return JobStatus(job_id, "RUNNING" if _pid_is_submitit(job_id) else "COMPLETED")
+
+    def cancel(self, job_ids: list[str]) -> None:
+        if not job_ids:
+            return
+        if self.kind == "slurm":
+            subprocess.run(["scancel", *job_ids], check=False, capture_output=True)
+            return
+        for j in job_ids:
+            job = self._jobs.get(j)
+            if job is not None:
+                job.cancel()
+            elif _pid_is_submitit(j):
+                os.kill(int(j), signal.SIGINT)
+
+    def stderr_tail(self, job_id: str, lines: int = 15) -> str:
+        """The end of a job's stderr: why it ended without a contribution."""
+        job = self._jobs.get(job_id)
+        path = job.paths.stderr if job is not None else submitit.core.utils.JobPaths(self.folder / "%j", job_id).stderr
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _pid_is_submitit(job_id: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{int(job_id)}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    return b"submitit" in cmdline

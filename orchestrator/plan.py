@@ -1,0 +1,72 @@
+"""Pure decisions of the round loop: no I/O, no clocks, no scheduler. Tested with plain values.
+
+Given who has contributed, whose job is still alive and how often each was submitted, decide
+whether to wait, merge, resubmit lost workers, or give up; and which weights each worker starts
+the next round from.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker: int
+    arrived: bool
+    """A published (manifest-complete) contribution for this round exists."""
+    alive: bool
+    """Its latest job is pending or running."""
+    attempts: int
+    """Jobs submitted for this (round, worker) so far."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["wait", "merge", "resubmit", "fail"]
+    workers: tuple[int, ...] = ()
+    """merge: the contributions to merge; resubmit: the workers to submit again."""
+    reason: str = ""
+
+
+def decide(
+    views: Sequence[WorkerView], *, quorum: int, elapsed_s: float, deadline_s: float, max_retries: int
+) -> Decision:
+    arrived = tuple(v.worker for v in views if v.arrived)
+    pending = [v.worker for v in views if not v.arrived and v.alive]
+    lost = [v for v in views if not v.arrived and not v.alive]
+    retry = tuple(v.worker for v in lost if v.attempts <= max_retries)
+    if not pending and not lost:
+        return Decision("merge", arrived, "every worker contributed")
+    if len(arrived) >= quorum:
+        if not pending and not retry:
+            return Decision("merge", arrived, f"quorum in; workers {[v.worker for v in lost]} ended without a contribution")
+        if deadline_s > 0 and elapsed_s >= deadline_s:
+            return Decision("merge", arrived, f"deadline of {deadline_s:g}s passed with the quorum in; dropping {pending + [v.worker for v in lost]}")
+    if retry:
+        return Decision("resubmit", retry, f"workers {list(retry)} ended without a contribution")
+    if pending:
+        return Decision("wait", (), f"waiting for workers {pending}")
+    if len(arrived) >= quorum:
+        return Decision("merge", arrived, "quorum in; nothing else can arrive")
+    return Decision("fail", (), f"only {len(arrived)} of the quorum of {quorum} contributed and workers "
+                    f"{[v.worker for v in lost]} failed {max_retries + 1} time(s) each")
+
+
+def next_bases(
+    workers: int, merged: Sequence[int], late: Mapping[int, str], policy: str, global_key: str
+) -> dict[int, str]:
+    """The checkpoint each worker starts the next round from.
+
+    `late` maps a worker whose published contribution was not merged (dropped, not rejected) to
+    that contribution's key. With policy `continue` such a worker trains on from its own weights,
+    as in the DiLoCo paper's dropped outer gradients; everyone else starts from the new global.
+    """
+    bases = {}
+    for w in range(workers):
+        if policy == "continue" and w not in merged and w in late:
+            bases[w] = late[w]
+        else:
+            bases[w] = global_key
+    return bases

@@ -1,0 +1,169 @@
+"""A run's state in storage: create it, evaluate and export its models, read its status, lock it."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.config import Config, config_from_dict, to_yaml
+from core.errors import RunError
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from worker.data import eval_batches, estimate_loss, load_corpus, split_heldout
+from worker.weights import build_model, load_weights, model_metadata, weights_of
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+RUN_INFO = "run.json"
+
+
+def default_run_dir(cfg: Config) -> str:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return str((Path("runs") / f"{cfg.algorithm}-{stamp}").resolve())
+
+
+def create_run(storage: Storage, cfg: Config) -> None:
+    """Write the resolved config and the round-0 global weights into a new run directory."""
+    if storage.exists(L.CONFIG):
+        raise RunError(f"{storage.display()} already holds a run; `orchestrate resume {storage.display()}` "
+                       "continues it, or choose another --run-dir")
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    if cfg.model.init_from:
+        root, _, name = cfg.model.init_from.rstrip("/").rpartition("/")
+        tensors, _, _ = load_checkpoint(Storage(root or "."), name, label=f"model.init_from {cfg.model.init_from}")
+        load_weights(model, tensors, f"model.init_from {cfg.model.init_from}")
+    write_checkpoint(storage, L.global_weights(0), weights_of(model), metadata=model_metadata(cfg.model),
+                     manifest={"round": 0, "init_from": cfg.model.init_from})
+    storage.write_json(RUN_INFO, {"created_at": time.time(), "host": socket.gethostname(),
+                                  "params": sum(p.numel() for p in model.parameters())})
+    storage.write_bytes(L.CONFIG, to_yaml(cfg).encode())  # last: a run exists once its config does
+
+
+def load_run(storage: Storage) -> Config:
+    if not storage.exists(L.CONFIG):
+        raise RunError(f"{storage.display()} is not a run directory (no {L.CONFIG})")
+    return config_from_dict(yaml.safe_load(storage.read_bytes(L.CONFIG)), source=storage.display(L.CONFIG))
+
+
+class Evaluator:
+    """Eval loss of global checkpoints on the held-out documents (same batches every round)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.metadata = model_metadata(cfg.model)
+        self._batches: list | None = None
+
+    def batches(self) -> list:
+        if self._batches is None:
+            c = self.cfg
+            corpus = load_corpus(c.data.source, include_tests=c.data.include_tests, cache_dir=c.data.cache_dir)
+            _, heldout = split_heldout(corpus, c.data.heldout_fraction, c.seed)
+            self._batches = eval_batches(corpus, heldout, c.model.block_size, c.inner.batch_size, c.data.eval_batches, c.seed)
+        return self._batches
+
+    def loss(self, storage: Storage, key: str) -> float:
+        model = build_model(self.cfg.model)
+        tensors, _, _ = load_checkpoint(storage, key, label=f"global weights {storage.display(key)}")
+        load_weights(model, tensors, storage.display(key))
+        return round(estimate_loss(model, self.batches()), 5)
+
+
+def export_final(storage: Storage, cfg: Config) -> None:
+    """The last global checkpoint, copied to final/model.safetensors (loads with worker.weights.load_model)."""
+    last = L.global_weights(cfg.rounds)
+    if read_manifest(storage, L.FINAL) == read_manifest(storage, last) is not None:
+        return
+    storage.copy(last, L.FINAL)
+    manifest = dict(read_manifest(storage, last) or {})
+    manifest["file"] = L.FINAL.rsplit("/", 1)[-1]
+    storage.write_json(manifest_key(L.FINAL), manifest)
+
+
+def jobs_of_round(storage: Storage, r: int) -> dict[str, Any]:
+    return storage.read_json(L.round_jobs(r)) or {"round": r, "workers": {}}
+
+
+def arrived_workers(storage: Storage, r: int) -> list[int]:
+    """Workers with a published contribution to round r: data and manifest both listed.
+
+    One listing per poll, whatever K is; manifests are published atomically, so a listed one is whole.
+    """
+    names = set(storage.list(L.contributions_dir(r)))
+    found = (L.parse_contribution(n) for n in names)
+    return sorted(w for w in found if w is not None
+                  and manifest_key(L.contribution(r, w)).rsplit("/", 1)[-1] in names)
+
+
+def run_status(storage: Storage) -> dict[str, Any]:
+    """What `orchestrate status --json` prints; read from storage alone."""
+    cfg = load_run(storage)
+    rounds = []
+    r = 0
+    while (rec := storage.read_json(L.round_record(r))) is not None:
+        rounds.append({k: rec.get(k) for k in ("round", "merged", "dropped", "rejected", "eval_loss",
+                                               "merge_seconds", "bytes_read", "outer_grad_norm")})
+        r += 1
+    failed = storage.read_json(L.FAILED)
+    state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
+    info = storage.read_json(RUN_INFO) or {}
+    current = jobs_of_round(storage, r) if r < cfg.rounds else None
+    return {
+        "run_dir": storage.display(), "state": state, "algorithm": cfg.algorithm, "workers": cfg.workers,
+        "rounds_total": cfg.rounds, "rounds_done": r, "initial_eval_loss": info.get("initial_eval_loss"),
+        "rounds": rounds, "failure": failed,
+        "current_round": None if current is None else {
+            "round": r, "jobs": {w: {"job_ids": e["job_ids"], "attempts": e["attempts"]} for w, e in current["workers"].items()},
+            "arrived": arrived_workers(storage, r)},
+        "final_model": storage.display(L.FINAL) if storage.exists(L.FINAL) else None,
+    }
+
+
+# -- the run lock: one merge service per run --------------------------------------------------
+def acquire_lock(storage: Storage, force: bool = False) -> None:
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    if storage.create_exclusive(L.LOCK, json.dumps(me).encode()):
+        return
+    held = storage.read_json(L.LOCK) or {}
+    if force or _lock_is_stale(held):
+        log.warning("taking over the run lock from %s (%s)", held, "forced" if force else "its process is gone")
+        storage.write_json(L.LOCK, me)
+        return
+    raise RunError(f"another orchestrator (pid {held.get('pid')} on {held.get('host')}) drives {storage.display()}; "
+                   "stop it first, or pass --force if you are sure it is gone")
+
+
+def release_lock(storage: Storage) -> None:
+    held = storage.read_json(L.LOCK) or {}
+    if held.get("pid") == os.getpid() and held.get("host") == socket.gethostname():
+        storage.remove(L.LOCK)
+
+
+def _lock_is_stale(held: dict[str, Any]) -> bool:
+    if held.get("host") != socket.gethostname():
+        return False  # cannot see another host's processes: only --force takes it over
+    try:
+        os.kill(int(held.get("pid", -1)), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError, TypeError):
+        return False
+    return False
+
+
+def initial_eval(storage: Storage, evaluator: Evaluator) -> float:
+    info = storage.read_json(RUN_INFO) or {}
+    if info.get("initial_eval_loss") is None:
+        info["initial_eval_loss"] = evaluator.loss(storage, L.global_weights(0))
+        storage.write_json(RUN_INFO, info)
+    return info["initial_eval_loss"]
+

@@ -1,0 +1,198 @@
+"""The merge service: drives a run from storage alone.
+
+For each round: submit the workers (one batch), poll the run directory and the scheduler, decide
+(orchestrator.plan) whether to wait, resubmit or merge, merge (merge.engine), evaluate the new
+global model, and commit the round by writing its record last. Everything it knows is in the run
+directory, so a killed service is resumed by starting it again: a round with a record is never
+redone, a round without one is merged again from the same inputs (the outer-optimizer state of
+round r is read from state_r and written to state_r+1, so it is never applied twice).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from core.checkpoint import read_manifest
+from core.config import Config
+from core.errors import RunError
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from core.task import WorkerTask
+from merge.engine import Contribution, QuorumError, merge_round
+from orchestrator.executor import Executor
+from orchestrator.plan import Decision, WorkerView, decide, next_bases
+from orchestrator.runstate import Evaluator, arrived_workers, export_final, jobs_of_round
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+
+
+class Cancelled(RunError):
+    pass
+
+
+class RoundService:
+    def __init__(self, storage: Storage, cfg: Config, executor: Executor,
+                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.storage, self.cfg, self.executor = storage, cfg, executor
+        self.on_round = on_round or (lambda record: None)
+        self.evaluator = Evaluator(cfg)
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self) -> None:
+        r = self.first_open_round()
+        while r < self.cfg.rounds:
+            self.run_round(r)
+            r += 1
+        export_final(self.storage, self.cfg)
+
+    def first_open_round(self) -> int:
+        r = 0
+        while r < self.cfg.rounds and self.storage.exists(L.round_record(r)):
+            r += 1
+        return r
+
+    # -- one round --------------------------------------------------------------------------
+    def run_round(self, r: int) -> dict[str, Any]:
+        jobs = jobs_of_round(self.storage, r)
+        if not jobs["workers"]:
+            self._submit(r, jobs, list(range(self.cfg.workers)), self._bases(r))
+        while True:
+            self._check_cancel(r, jobs)
+            decision = self._decide(r, jobs)
+            if decision.action == "merge":
+                try:
+                    return self._merge(r, jobs, decision)
+                except QuorumError as exc:  # too many were refused: retry those workers instead
+                    log.warning("round %d: %s", r, exc)
+                    self._set_aside(r, jobs, exc.rejected)
+                    continue
+            if decision.action == "resubmit":
+                log.warning("round %d: %s; resubmitting", r, decision.reason)
+                self._record_losses(r, jobs, decision.workers)
+                self._submit(r, jobs, list(decision.workers), {w: jobs["workers"][str(w)]["base"] for w in decision.workers})
+            elif decision.action == "fail":
+                self._record_losses(r, jobs, [int(w) for w in jobs["workers"]])
+                self.storage.write_json(L.FAILED, {"round": r, "reason": decision.reason, "at": time.time()})
+                raise RunError(f"round {r} cannot be merged: {decision.reason}. Fix the cause (see the job logs in "
+                               f"{self.executor.folder}), then `orchestrate resume {self.storage.display()}`")
+            time.sleep(self.cfg.round.poll_s)
+
+    def _bases(self, r: int) -> dict[int, str]:
+        if r == 0:
+            return {w: L.global_weights(0) for w in range(self.cfg.workers)}
+        prev = self.storage.read_json(L.round_record(r - 1)) or {}
+        late = {int(w): L.contribution(r - 1, int(w)) for w in prev.get("late", [])}
+        return next_bases(self.cfg.workers, prev.get("merged", []), late, self.cfg.round.late_policy, L.global_weights(r))
+
+    def _submit(self, r: int, jobs: dict[str, Any], workers: list[int], bases: dict[int, str]) -> None:
+        threads = self._threads()
+        tasks = []
+        for w in workers:
+            entry = jobs["workers"].setdefault(str(w), {"attempts": 0, "job_ids": []})
+            entry.update(base=bases[w], base_sha256=read_manifest(self.storage, bases[w])["sha256"])
+            tasks.append(WorkerTask(self.storage.url, r, w, bases[w], attempt=entry["attempts"], threads=threads))
+        ids = self.executor.submit(tasks)
+        now = time.time()
+        for w, job_id in zip(workers, ids):
+            entry = jobs["workers"][str(w)]
+            entry["attempts"] += 1
+            entry["job_ids"].append(job_id)
+            entry["submitted_at"] = now
+        jobs.setdefault("submitted_at", now)
+        jobs["sbatch_calls"] = jobs.get("sbatch_calls", 0) + 1
+        self.storage.write_json(L.round_jobs(r), jobs)
+        log.info("round %d: submitted workers %s as jobs %s", r, workers, ids)
+
+    def _threads(self) -> int:
+        if self.cfg.inner.threads:
+            return self.cfg.inner.threads
+        if self.executor.kind == "local":  # K processes share this machine's cores
+            import os
+            return max(1, (os.cpu_count() or 1) // self.cfg.workers)
+        return self.cfg.executor.cpus_per_task
+
+    def _decide(self, r: int, jobs: dict[str, Any]) -> Decision:
+        arrived = self._arrived(r)
+        latest = {w: e["job_ids"][-1] for w, e in jobs["workers"].items()}
+        states = self.executor.status([j for w, j in latest.items() if int(w) not in arrived])
+        views = [WorkerView(int(w), int(w) in arrived, int(w) not in arrived and states[j].alive,
+                            jobs["workers"][w]["attempts"]) for w, j in latest.items()]
+        return decide(views, quorum=self.cfg.quorum, elapsed_s=time.time() - jobs["submitted_at"],
+                      deadline_s=self.cfg.round.deadline_s, max_retries=self.cfg.round.max_retries)
+
+    def _arrived(self, r: int) -> set[int]:
+        return set(arrived_workers(self.storage, r))
+
+    def _check_cancel(self, r: int, jobs: dict[str, Any]) -> None:
+        if self.storage.exists(L.CANCEL):
+            self.executor.cancel([e["job_ids"][-1] for e in jobs["workers"].values()])
+            raise Cancelled(f"run cancelled during round {r} (marker {self.storage.display(L.CANCEL)})")
+
+    def _set_aside(self, r: int, jobs: dict[str, Any], rejected: dict[int, str]) -> None:
+        """Move refused contributions out of the round (kept as evidence) so their workers rerun."""
+        for w, why in rejected.items():
+            entry = jobs["workers"][str(w)]
+            dest = L.rejected_contribution(r, w, entry["attempts"])
+            src = L.contribution(r, w)
+            self.storage.remove(manifest_key(src))  # unpublish first
+            if self.storage.exists(src):
+                self.storage.copy(src, dest)
+                self.storage.remove(src)
+            entry.setdefault("failures", []).append({"job_id": entry["job_ids"][-1], "rejected": why})
+        self.storage.write_json(L.round_jobs(r), jobs)
+
+    def _record_losses(self, r: int, jobs: dict[str, Any], workers: list[int] | tuple[int, ...]) -> None:
+        for w in workers:
+            entry = jobs["workers"][str(w)]
+            job_id = entry["job_ids"][-1]
+            entry.setdefault("failures", []).append({"job_id": job_id, "log_tail": self.executor.stderr_tail(job_id)[-2000:]})
+
+    # -- merge + commit ---------------------------------------------------------------------
+    def _merge(self, r: int, jobs: dict[str, Any], decision: Decision) -> dict[str, Any]:
+        stale, contribs = self._contributions(r, jobs, decision.workers)
+        t0 = time.time()
+        try:
+            result = merge_round(
+                self.storage, L.global_weights(r), contribs, L.global_weights(r + 1), self.cfg.outer,
+                state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
+                min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1})
+        except QuorumError as exc:
+            exc.rejected.update(stale)
+            raise
+        rejected = {**stale, **result.rejected}
+        everyone = set(range(self.cfg.workers))
+        dropped = sorted(everyone - set(result.merged) - set(rejected))
+        stragglers = [jobs["workers"][str(w)]["job_ids"][-1] for w in dropped if str(w) in jobs["workers"]]
+        self.executor.cancel(stragglers)
+        record = {
+            "round": r, "merged": result.merged, "dropped": dropped, "rejected": sorted(rejected),
+            "rejected_reasons": {str(w): why for w, why in rejected.items()},
+            "late": [w for w in dropped if read_manifest(self.storage, L.contribution(r, w)) is not None],
+            "reason": decision.reason, "eval_loss": self.evaluator.loss(self.storage, L.global_weights(r + 1)),
+            "merge_seconds": round(result.seconds, 3), "bytes_read": result.bytes_read,
+            "outer_grad_norm": result.outer_grad_norm, "weights": {str(c.worker): c.weight for c in contribs},
+            "submitted_at": jobs["submitted_at"], "merge_started_at": t0, "committed_at": time.time(),
+            "global_sha256": result.manifest["sha256"],
+        }
+        self.storage.write_json(L.round_record(r), record)  # the commit point of the round
+        self.on_round(record)
+        return record
+
+    def _contributions(self, r: int, jobs: dict[str, Any], workers: tuple[int, ...]) -> tuple[dict[int, str], list[Contribution]]:
+        """Contributions to merge; those trained from the wrong base are rejected as stale."""
+        stale: dict[int, str] = {}
+        out = []
+        for w in workers:
+            key = L.contribution(r, w)
+            m = read_manifest(self.storage, key) or {}
+            want = jobs["workers"].get(str(w), {}).get("base_sha256")
+            if m.get("round") != r or m.get("worker") != w or (want and m.get("base_sha256") != want):
+                stale[w] = (f"stale contribution: manifest says round {m.get('round')} worker {m.get('worker')} base "
+                            f"{str(m.get('base_sha256'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}")
+                continue
+            weight = float(m.get("tokens", 1)) if self.cfg.outer.weighting == "tokens" else 1.0
+            out.append(Contribution(w, key, weight))
+        return stale, out

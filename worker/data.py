@@ -1,0 +1,380 @@
+"""The training text: a corpus of byte tokens, held-out split, per-worker shards and samplers.
+
+The built-in corpus is the Python standard library's own source, so every machine that can run
+this project also has its data, with no download. Tokens are raw bytes (vocab 256).
+
+Layout of `Corpus.tokens`: every document's bytes, each followed by one b"\\n" separator. A
+document's slice [start, end) excludes its separator, so `tokens[start:end]` is exactly the file.
+
+Everything a worker sees is a pure function of (corpus, seed, worker, step): a job that is killed
+and requeued, or started fresh next round, reads exactly the batches it would have read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import sysconfig
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+# Bump when the token layout or index.json changes: old caches then simply stop matching.
+FORMAT_VERSION = "islands-corpus-v1"
+SHARD_MODES = ("iid", "non-iid")
+_SEPARATOR = b"\n"
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # path relative to the source root, '/'-separated
+    group: str  # first path component, or '_toplevel' for a file directly under the root
+    start: int  # slice of Corpus.tokens, separator excluded
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+# eq=False: a generated __eq__ would compare tensors, which has no single truth value
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    tokens: torch.Tensor  # 1-D uint8, documents concatenated, each followed by one b"\n"
+    documents: tuple[Document, ...]
+    fingerprint: str  # sha256 hex of format version + source + file list (path, size, mtime_ns)
+
+
+# ----------------------------------------------------------------------------- loading and cache
+
+
+def _read_bytes(path: Path) -> bytes:
+    # the one place that reads source files, so tests can prove a warm load never calls it
+    return path.read_bytes()
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("ISLANDS_CACHE") or Path.home() / ".cache" / "islands")
+
+
+def _group_of(rel: str) -> str:
+    parts = rel.split("/")
+    return parts[0] if len(parts) > 1 else "_toplevel"
+
+
+def _list_files(source: str | None, include_tests: bool) -> tuple[Path, list[tuple[str, Path]]]:
+    """(root, sorted [(relative '/' path, absolute path)]) without reading any content."""
+    if source is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        skip = _STDLIB_SKIP_DIRS | (frozenset() if include_tests else _TEST_DIRS)
+        files = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d not in skip]
+            files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    else:
+        path = Path(source).expanduser().resolve()
+        if path.is_file():
+            return path.parent, [(path.name, path)]
+        if not path.is_dir():
+            raise ValueError(
+                f"Corpus source {source!r} does not exist (resolved to {path}); pass an existing "
+                "text file or directory, or no source to use the Python standard library."
+            )
+        root, files = path, []
+        for dirpath, dirnames, filenames in os.walk(root):
+            # hidden entries (.git, .venv, editor files) are tooling, not text to learn from
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            files += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
+    listed = [(p.relative_to(root).as_posix(), p) for p in files if p.is_file()]
+    return root, sorted(listed)
+
+
+def _fingerprint(root: Path, source: str | None, include_tests: bool,
+                 files: list[tuple[str, Path]]) -> str:
+    h = hashlib.sha256()
+    head = {"format": FORMAT_VERSION, "root": str(root), "stdlib": source is None,
+            "include_tests": include_tests}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for rel, path in files:
+        st = path.stat()
+        h.update(json.dumps([rel, st.st_size, st.st_mtime_ns]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _build(root: Path, files: list[tuple[str, Path]], fingerprint: str) -> Corpus:
+    chunks, documents, offset, skipped = [], [], 0, []
+    for rel, path in files:
+        data = _read_bytes(path)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(rel)
+            continue
+        if not data:  # an empty file adds nothing but a lone separator
+            continue
+        documents.append(Document(rel, _group_of(rel), offset, offset + len(data)))
+        chunks += [data, _SEPARATOR]
+        offset += len(data) + len(_SEPARATOR)
+    if skipped:
+        logger.warning("skipped %d file(s) under %s that are not UTF-8 text: %s%s", len(skipped),
+                       root, ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
+    if not documents:
+        raise ValueError(
+            f"Corpus source {root} has no usable files ({len(files)} listed, {len(skipped)} not "
+            "UTF-8, the rest empty); point the source at a directory of non-empty text files."
+        )
+    tokens = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    return Corpus(tokens, tuple(documents), fingerprint)
+
+
+def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
+    # temp name in the same directory, so os.replace is a rename on one filesystem: readers see
+    # the old state or the whole new file, never a prefix of it
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _tokens_sha256(tokens: torch.Tensor) -> str:
+    return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
+
+
+def _save_cache(corpus: Corpus, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    _atomic_write(directory / "tokens.safetensors",
+                  lambda p: save_file({"tokens": corpus.tokens}, p))
+    index = {
+        "format": FORMAT_VERSION,
+        "fingerprint": corpus.fingerprint,
+        "num_tokens": int(corpus.tokens.numel()),
+        "tokens_sha256": _tokens_sha256(corpus.tokens),
+        "documents": [[d.name, d.group, d.start, d.end] for d in corpus.documents],
+    }
+    # index.json is written last and is the manifest: without it the tokens are not trusted
+    _atomic_write(directory / "index.json",
+                  lambda p: Path(p).write_text(json.dumps(index, separators=(",", ":"))))
+
+
+def _load_cache(directory: Path, fingerprint: str) -> Corpus:
+    index = json.loads((directory / "index.json").read_text())
+    tokens = load_file(str(directory / "tokens.safetensors"))["tokens"]
+    if index.get("format") != FORMAT_VERSION or index.get("fingerprint") != fingerprint:
+        raise ValueError("index.json belongs to another corpus format or fingerprint")
+    if tokens.dtype != torch.uint8 or tokens.dim() != 1 or tokens.numel() != index["num_tokens"]:
+        raise ValueError(f"tokens tensor is {tokens.dtype} {tuple(tokens.shape)}, "
+                         f"expected uint8 ({index['num_tokens']},)")
+    if _tokens_sha256(tokens) != index["tokens_sha256"]:
+        raise ValueError("tokens checksum does not match index.json")
+    documents = tuple(Document(n, g, int(s), int(e)) for n, g, s, e in index["documents"])
+    return Corpus(tokens, documents, fingerprint)
+
+
+def load_corpus(
+    source: str | None = None,
+    *,
+    include_tests: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+) -> Corpus:
+    """Load a byte corpus, preparing it once and caching it under cache_dir/data/<fingerprint>/.
+
+    source None is the standard library's *.py files (tests excluded unless include_tests);
+    otherwise a text file or a directory of text files (hidden entries and non-UTF-8 files skipped).
+    The fingerprint covers file names, sizes and mtimes, so an edited source gets a fresh cache
+    and an unchanged one is reused without reading any file content.
+    """
+    root, files = _list_files(source, include_tests)
+    if not files:
+        raise ValueError(f"Corpus source {root} has no files to read; point the source at a "
+                         "directory that contains text files.")
+    fingerprint = _fingerprint(root, source, include_tests, files)
+    directory = Path(cache_dir or _default_cache_dir()) / "data" / fingerprint
+    if (directory / "index.json").exists():
+        try:
+            corpus = _load_cache(directory, fingerprint)
+            logger.info("corpus %s loaded from cache %s", fingerprint[:12], directory)
+            return corpus
+        except Exception as e:  # any unreadable cache is rebuilt: it is derived data
+            logger.warning("corpus cache %s is unreadable (%s: %s); rebuilding it from %s",
+                           directory, type(e).__name__, e, root)
+    corpus = _build(root, files, fingerprint)
+    _save_cache(corpus, directory)
+    logger.info("corpus %s prepared from %s: %d documents, %d tokens, cached in %s",
+                fingerprint[:12], root, len(corpus.documents), corpus.tokens.numel(), directory)
+    return corpus
+
+
+# ----------------------------------------------------------------------------- splits and shards
+
+
+def _unit_hash(*parts: object) -> float:
+    """A stable uniform number in [0, 1) from its parts (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_heldout(corpus: Corpus, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train doc indices, eval doc indices). Each document is decided by a hash of (seed, name)
+    alone, so adding or removing files never moves the others across the split."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"split_heldout needs 0 < fraction < 1, got {fraction}; "
+                         "e.g. 0.05 holds out about 5% of the documents.")
+    u = [_unit_hash(seed, d.name) for d in corpus.documents]
+    eval_ids = {i for i, x in enumerate(u) if x < fraction}
+    if len(u) >= 2 and not eval_ids:  # too few docs for the fraction: hold out the likeliest one
+        eval_ids = {min(range(len(u)), key=u.__getitem__)}
+    if len(u) >= 2 and len(eval_ids) == len(u):
+        eval_ids.discard(max(range(len(u)), key=u.__getitem__))
+    train_ids = [i for i in range(len(u)) if i not in eval_ids]
+    return train_ids, sorted(eval_ids)
+
+
+def _deal(items: list[tuple[int, list[int]]], num_workers: int) -> list[list[int]]:
+    """Give each (size, doc ids) item to the worker with the fewest bytes so far (then fewest
+    items, then lowest index, so zero-byte items still reach every worker)."""
+    load = [(0, 0)] * num_workers
+    shards: list[list[int]] = [[] for _ in range(num_workers)]
+    for size, ids in items:
+        w = min(range(num_workers), key=lambda i: (load[i], i))
+        load[w] = (load[w][0] + size, load[w][1] + 1)
+        shards[w] += ids
+    return [sorted(s) for s in shards]
+
+
+def shard(
+    corpus: Corpus, doc_ids: Sequence[int], num_workers: int, mode: str, seed: int
+) -> list[list[int]]:
+    """Partition doc_ids into num_workers shards of sorted doc indices.
+
+    iid: shuffled documents dealt greedily by bytes, so every worker sees a balanced random mix.
+    non-iid: whole groups (packages) dealt largest first, so workers see different distributions.
+    """
+    if mode not in SHARD_MODES:
+        raise ValueError(f"Unknown shard mode {mode!r}; valid modes are {', '.join(SHARD_MODES)}.")
+    if num_workers < 1:
+        raise ValueError(f"shard needs num_workers >= 1, got {num_workers}.")
+    ids = list(doc_ids)
+    if len(set(ids)) != len(ids) or any(not 0 <= i < len(corpus.documents) for i in ids):
+        raise ValueError(f"shard got doc_ids with duplicates or outside 0.."
+                         f"{len(corpus.documents) - 1}; pass indices from split_heldout.")
+    docs = corpus.documents
+    if mode == "iid":
+        if len(ids) < num_workers:
+            raise ValueError(f"Cannot shard {len(ids)} documents over {num_workers} workers (iid); "
+                             "use fewer workers or a larger corpus.")
+        random.Random(seed).shuffle(ids)
+        return _deal([(docs[i].size, [i]) for i in ids], num_workers)
+    groups: dict[str, list[int]] = {}
+    for i in ids:
+        groups.setdefault(docs[i].group, []).append(i)
+    if len(groups) < num_workers:
+        raise ValueError(f"Cannot shard {len(groups)} groups over {num_workers} workers "
+                         "(non-iid): each worker needs at least one whole group; use fewer "
+                         "workers or mode 'iid'.")
+    sized = [(sum(docs[i].size for i in g), name, g) for name, g in groups.items()]
+    sized.sort(key=lambda t: (-t[0], t[1]))
+    return _deal([(size, g) for size, _, g in sized], num_workers)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _stream(corpus: Corpus, doc_ids: Sequence[int]) -> torch.Tensor:
+    """The docs' bytes concatenated, each with its separator, still uint8 (1 byte per token)."""
+    parts = [corpus.tokens[d.start : d.end + 1] for d in (corpus.documents[i] for i in doc_ids)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _windows(
+    stream: torch.Tensor, starts: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk = stream[starts[:, None] + torch.arange(block_size + 1)].long()
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def _check_stream(stream: torch.Tensor, block_size: int, what: str) -> None:
+    if stream.numel() < block_size + 1:
+        raise ValueError(f"{what} has {stream.numel()} tokens, fewer than block_size + 1 = "
+                         f"{block_size + 1}; give it more documents or use a smaller block_size.")
+
+
+class BatchSampler:
+    """Random windows over one worker's shard; batch(step) depends only on (seed, worker, step)."""
+
+    def __init__(self, corpus: Corpus, doc_ids: Sequence[int], block_size: int,
+                 batch_size: int, seed: int, worker: int):
+        if block_size < 1 or batch_size < 1:
+            raise ValueError(f"BatchSampler needs block_size >= 1 and batch_size >= 1, got "
+                             f"{block_size} and {batch_size}.")
+        self.stream = _stream(corpus, doc_ids)
+        what = f"Worker {worker}'s shard ({len(doc_ids)} documents)"
+        _check_stream(self.stream, block_size, what)
+        self.block_size, self.batch_size = block_size, batch_size
+        self.seed, self.worker = seed, worker
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.block_size
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y of shape (batch_size, block_size), int64, y[:, t] = x[:, t + 1] in the stream."""
+        if step < 0:
+            raise ValueError(f"BatchSampler.batch needs step >= 0, got {step}.")
+        # a fresh generator per step, instead of one advancing generator, is what makes a
+        # resumed worker's batches identical without saving any sampler state
+        g = torch.Generator().manual_seed(int(_unit_hash(self.seed, self.worker, step) * 2**63))
+        high = self.stream.numel() - self.block_size
+        starts = torch.randint(0, high, (self.batch_size,), generator=g)
+        return _windows(self.stream, starts, self.block_size)
+
+
+def eval_batches(corpus: Corpus, doc_ids: Sequence[int], block_size: int, batch_size: int,
+                 num_batches: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed held-out batches: num_batches * batch_size windows evenly spaced over the eval
+    stream. The seed only deals windows to batches, so each batch is a cross-section of all
+    eval documents rather than one package, while the set of windows stays the same."""
+    if block_size < 1 or batch_size < 1 or num_batches < 1:
+        raise ValueError(f"eval_batches needs block_size, batch_size and num_batches >= 1, got "
+                         f"{block_size}, {batch_size} and {num_batches}.")
+    stream = _stream(corpus, doc_ids)
+    _check_stream(stream, block_size, f"The eval set ({len(doc_ids)} documents)")
+    n = batch_size * num_batches
+    starts = torch.linspace(0, stream.numel() - block_size - 1, n).round().long()
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    starts = starts[torch.tensor(order)]
+    return [_windows(stream, starts[b * batch_size : (b + 1) * batch_size], block_size)
+            for b in range(num_batches)]
+
+
+def estimate_loss(
+    model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> float:
+    """Mean loss over batches in eval mode without gradients; the caller's mode is restored."""
+    if not batches:
+        raise ValueError("estimate_loss got no batches; build them with eval_batches "
+                         "(num_batches >= 1).")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
+    finally:
+        model.train(was_training)
+    return sum(losses) / len(losses)

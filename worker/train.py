@@ -1,0 +1,243 @@
+"""One worker, one round: H inner AdamW steps from a base checkpoint, then publish the result.
+
+Read top to bottom, a round is:
+  1. read the run's config and this worker's data shard (the corpus is cached, so this is cheap);
+  2. load the base weights (the global model, or the worker's own last weights if its previous
+     contribution missed the merge) and the worker's own AdamW state from its last round;
+  3. train H steps. The learning-rate schedule and the batches are functions of the global step
+     r*H + i, so the schedule continues across rounds and a restarted worker sees exactly the
+     batches it would have seen: that is its data position;
+  4. publish its optimizer state, then its weights with a manifest (the commit).
+A worker that is preempted or hits its time limit saves an in-flight checkpoint (weights,
+optimizer, step) and resumes from it when requeued.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import yaml
+
+from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.config import Config, config_from_dict
+from core.errors import CheckpointError, IslandsError
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from core.task import WorkerTask
+from worker.data import BatchSampler, load_corpus, shard, split_heldout
+from worker.weights import build_model, load_weights, weights_of
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+SEP = "::"
+
+# The trainer of the round running in this process, for the preemption handler (see checkpoint()).
+_ACTIVE: "InnerTrainer | None" = None
+
+
+def load_run_config(storage: Storage) -> Config:
+    raw = storage.read_bytes(L.CONFIG)
+    return config_from_dict(yaml.safe_load(raw), source=storage.display(L.CONFIG))
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the worker's last step (T x H)."""
+    inner = cfg.inner
+    if step < inner.warmup_steps:
+        return inner.lr * (step + 1) / inner.warmup_steps
+    span = max(1, cfg.total_inner_steps - inner.warmup_steps)
+    progress = min(1.0, (step - inner.warmup_steps) / span)
+    floor = inner.lr * inner.min_lr_ratio
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (inner.lr - floor)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, list[str]]:
+    """AdamW with weight decay on matrices only; returns it with the parameter names in state order."""
+    params = sorted(model.named_parameters())
+    decay = [(n, p) for n, p in params if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
+    rest = [(n, p) for n, p in params if (n, p) not in decay]
+    groups = [{"params": [p for _, p in decay], "weight_decay": cfg.inner.weight_decay},
+              {"params": [p for _, p in rest], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2))
+    return opt, [n for n, _ in decay] + [n for n, _ in rest]
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for idx, slots in opt.state_dict()["state"].items():
+        for slot, t in slots.items():
+            out[f"{names[idx]}{SEP}{slot}"] = torch.as_tensor(t).detach().to("cpu").clone()
+    return out
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], label: str) -> None:
+    index = {n: i for i, n in enumerate(names)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, _, slot = key.rpartition(SEP)
+        if name not in index:
+            raise CheckpointError(f"{label}: optimizer state for unknown parameter {name}; the model changed "
+                                  "since it was written: start a new run")
+        state.setdefault(index[name], {})[slot] = t
+    sd = opt.state_dict()
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
+
+def latest_state_key(storage: Storage, worker: int, before_round: int) -> str | None:
+    """This worker's optimizer state from its most recent round before `before_round` with a manifest."""
+    rounds = [r for n in storage.list(L.worker_dir(worker)) if (r := L.parse_round(n, "state")) is not None]
+    for r in sorted((r for r in rounds if r < before_round), reverse=True):
+        key = L.worker_state(worker, r)
+        if read_manifest(storage, key) is not None:
+            return key
+    return None
+
+
+def pick_device(cfg: Config) -> torch.device:
+    want = cfg.inner.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise IslandsError("inner.device is cuda but no CUDA device is visible to this job; "
+                               "request a GPU (executor.gpus_per_node) or set inner.device: auto")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _seed(*parts: int) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+class InnerTrainer:
+    """Everything one (round, worker) needs, built from the task and the run directory."""
+
+    def __init__(self, task: WorkerTask) -> None:
+        self.task = task
+        self.storage = Storage(task.run_url)
+        self.cfg = cfg = load_run_config(self.storage)
+        if task.threads > 0:
+            torch.set_num_threads(task.threads)
+        self.device = pick_device(cfg)
+        torch.manual_seed(_seed(cfg.seed, task.worker, task.round))  # dropout, if any
+        corpus = load_corpus(cfg.data.source, include_tests=cfg.data.include_tests, cache_dir=cfg.data.cache_dir)
+        train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
+        docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[task.worker % cfg.workers]
+        self.sampler = BatchSampler(corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, task.worker)
+        self.model = build_model(cfg.model).to(self.device)
+        self.opt, self.names = make_optimizer(self.model, cfg)
+        self.step0 = task.round * cfg.inner.steps  # the global step this round starts at
+        self.done = 0  # inner steps done in this round
+        self.losses: list[float] = []
+        self.base_sha = self._load_base()
+
+    def _load_base(self) -> str:
+        """Load base weights + own optimizer state, or the in-flight checkpoint of a requeued job."""
+        t = self.task
+        base_manifest = read_manifest(self.storage, t.base_key)
+        if base_manifest is None:
+            raise CheckpointError(f"worker {t.worker} round {t.round}: base checkpoint {self.storage.display(t.base_key)} "
+                                  "is not published; the orchestrator submitted the round too early or it was deleted")
+        inflight = L.worker_inflight(t.worker, t.round)
+        m = read_manifest(self.storage, inflight)
+        if m is not None and m.get("base_sha256") == base_manifest["sha256"]:
+            tensors, _, _ = load_checkpoint(self.storage, inflight, label=f"worker {t.worker} in-flight checkpoint")
+            load_weights(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
+            load_optimizer_tensors(self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k}, "in-flight checkpoint")
+            self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
+            log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
+            return base_manifest["sha256"]
+        tensors, _, _ = load_checkpoint(self.storage, t.base_key, label=f"base weights for worker {t.worker}")
+        load_weights(self.model, tensors, self.storage.display(t.base_key))
+        state_key = latest_state_key(self.storage, t.worker, t.round)
+        if state_key is not None:
+            state, _, _ = load_checkpoint(self.storage, state_key, label=f"worker {t.worker} optimizer state")
+            load_optimizer_tensors(self.opt, self.names, state, self.storage.display(state_key))
+        return base_manifest["sha256"]
+
+    def train(self) -> None:
+        cfg, model, opt = self.cfg, self.model, self.opt
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                    else contextlib.nullcontext())
+        model.train()
+        while self.done < cfg.inner.steps:
+            step = self.step0 + self.done
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            x, y = (t.to(self.device, non_blocking=True) for t in self.sampler.batch(step))
+            with autocast:
+                _, loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+            opt.step()
+            self.losses.append(float(loss))
+            self.done += 1
+        if not all(math.isfinite(v) for v in self.losses[-5:]):
+            raise IslandsError(f"worker {self.task.worker} round {self.task.round}: the loss became "
+                               f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")
+
+    def publish(self, seconds: float) -> dict[str, Any]:
+        """Optimizer state first, then the weights and their manifest: the manifest is the commit."""
+        t, cfg = self.task, self.cfg
+        write_checkpoint(self.storage, L.worker_state(t.worker, t.round), optimizer_tensors(self.opt, self.names),
+                         manifest={"round": t.round, "worker": t.worker})
+        manifest = {
+            "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
+            "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_sha256": self.base_sha,
+            "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
+            "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+            "host": os.uname().nodename, "device": self.device.type,
+        }
+        out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), weights_of(self.model), manifest=manifest)
+        self.storage.remove(L.worker_inflight(t.worker, t.round))
+        self._prune_states(keep_from=t.round - 1)
+        return out
+
+    def checkpoint(self) -> None:
+        """Save an in-flight checkpoint of this round (called when the job is being preempted)."""
+        t = self.task
+        tensors = {**weights_of(self.model), **optimizer_tensors(self.opt, self.names)}
+        write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
+                         manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
+                                   "base_sha256": self.base_sha, "losses": self.losses})
+        log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
+
+    def _prune_states(self, keep_from: int) -> None:
+        for name in self.storage.list(L.worker_dir(self.task.worker)):
+            r = L.parse_round(name, "state")
+            if r is not None and r < keep_from:
+                key = L.worker_state(self.task.worker, r)
+                self.storage.remove(manifest_key(key))  # manifest first: a reader never sees it without data
+                self.storage.remove(key)
+
+
+def run_worker(task: WorkerTask) -> dict[str, Any]:
+    """Entry point of a worker job. Returns a small summary (the real output is in storage)."""
+    global _ACTIVE
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    trainer = InnerTrainer(task)
+    _ACTIVE = trainer
+    try:
+        trainer.train()
+        manifest = trainer.publish(time.perf_counter() - t0)
+    finally:
+        _ACTIVE = None
+    log.info("worker %d round %d: %d steps, loss %.4f -> %.4f, %.1fs", task.worker, task.round, trainer.done,
+             manifest["loss_first"], manifest["loss_last"], time.perf_counter() - t0)
+    return {"round": task.round, "worker": task.worker, "sha256": manifest["sha256"], "loss_last": manifest["loss_last"]}
+
+
+def checkpoint_active() -> bool:
+    """Save the running round's in-flight checkpoint, if a round is running in this process."""
+    if _ACTIVE is None:
+        return False
+    _ACTIVE.checkpoint()
+    return True
