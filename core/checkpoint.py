@@ -124,8 +124,13 @@ def write_checkpoint(
 
 
 def _write_stream(w: HashingWriter, layout: list[TensorSpec], items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    # Drive the generator to its end (not zip, which stops before it): code after its last yield,
+    # such as a merge's checksum verification, must run before the file is published.
     count = 0
-    for spec, (name, t) in zip(layout, items):
+    for name, t in items:
+        if count >= len(layout):
+            raise CheckpointError(f"the stream yielded more than the {len(layout)} tensors of the header (extra: {name})")
+        spec = layout[count]
         if name != spec.name or DTYPES.get(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
             raise CheckpointError(f"tensor {name} {t.dtype} {tuple(t.shape)} does not match the header entry "
                                   f"{spec.name} {spec.dtype} {spec.shape}: the writer's specs and stream disagree")

@@ -224,7 +224,7 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "configuration") -> C
     raw = _apply_preset(dict(raw))
     problems: list[str] = []
     cfg = _build(Config, raw, "", problems)
-    if not problems:
+    if cfg is not None:
         problems.extend(_check(cfg))
     if problems:
         raise ConfigError(problems, source=source)
@@ -306,11 +306,15 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            problems.append(f"unknown key {prefix}{key!r}; valid keys here: {', '.join(names)}")
+            problems.append(f"unknown key {prefix + str(key)!r}; valid keys here: {', '.join(names)}")
     kwargs = {}
     for name in names:
         if name in raw:
-            kwargs[name] = _coerce(hints[name], raw[name], f"{prefix}{name}", problems)
+            before = len(problems)
+            value = _coerce(hints[name], raw[name], f"{prefix}{name}", problems)
+            # A field with a wrong type keeps its default, so range checks still run on the rest.
+            if len(problems) == before or (dataclasses.is_dataclass(hints[name]) and value is not None):
+                kwargs[name] = value
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -360,6 +364,11 @@ def _scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             problems.append(f"{where}: expected a number, got {value!r}")
             return value

@@ -1,0 +1,125 @@
+"""Whole runs through submitit's local executor on a tiny model: real processes, real files."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.storage import Storage
+from orchestrator.cli import main
+from worker.weights import load_model
+
+pytestmark = pytest.mark.slow
+TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
+        "--set", "model.block_size=32", "--set", "inner.batch_size=4", "--set", "inner.warmup_steps=2",
+        "--set", "data.eval_batches=2", "--set", "round.poll_s=0.2"]
+
+
+def _tiny(run_dir: Path, cache: str, *extra: str) -> list[str]:
+    return ["submit", "--executor", "local", "--run-dir", str(run_dir), "--set", f"data.cache_dir={cache}", *TINY, *extra]
+
+
+def _status(run_dir: Path, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["status", str(run_dir), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
+    run = tmp_path / "run"
+    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "4")) == 0
+    st = _status(run, capsys)
+    assert st["state"] == "done" and st["rounds_done"] == 2 and st["algorithm"] == "diloco"
+    assert [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]]
+    assert all(r["dropped"] == [] and r["rejected"] == [] and r["bytes_read"] > 0 for r in st["rounds"])
+    losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]
+    assert losses[1] < losses[0]
+    # the export loads back into the built-in model with one call
+    model = load_model(st["final_model"])
+    assert model.transformer.wte.weight.shape == (256, 32)
+    # workers kept their own inner optimizer state across rounds
+    s = Storage(str(run))
+    assert s.list("workers/worker_000") == ["state_00000.json", "state_00000.safetensors",
+                                            "state_00001.json", "state_00001.safetensors"]
+    manifest = s.read_json("rounds/00001/contrib/worker_001.json")
+    assert manifest["steps"] == 4 and manifest["tokens"] == 4 * 4 * 32 and manifest["round"] == 1
+
+
+def test_lofi_one_round_average(tmp_path, corpus_cache, capsys):
+    run = tmp_path / "run"
+    assert main(_tiny(run, corpus_cache, "--algorithm", "lofi", "--workers", "2", "--inner-steps", "3")) == 0
+    st = _status(run, capsys)
+    assert st["rounds_total"] == 1 and st["rounds"][0]["merged"] == [0, 1]
+    s = Storage(str(run))
+    manifest = s.read_json("rounds/00000/contrib/worker_000.json")
+    assert manifest["tokens"] == 3 * 2 * 32  # batch 4 split over 2 workers
+    # lo-fi's merge is the plain (token-weighted, equal tokens) average of the two workers
+    from core.checkpoint import load_checkpoint
+    a = load_checkpoint(s, "rounds/00000/contrib/worker_000.safetensors")[0]
+    b = load_checkpoint(s, "rounds/00000/contrib/worker_001.safetensors")[0]
+    g = load_checkpoint(s, "global/round_00001.safetensors")[0]
+    for k in g:
+        assert torch.allclose(g[k], (a[k] + b[k]) / 2, atol=1e-6), k
+
+
+def test_same_seed_same_result(tmp_path, corpus_cache, capsys):
+    shas = []
+    for i in range(2):
+        run = tmp_path / f"run{i}"
+        assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "1", "--inner-steps", "3")) == 0
+        shas.append(Storage(str(run)).read_json("rounds/00000/record.json")["global_sha256"])
+    assert shas[0] == shas[1]
+
+
+def test_existing_run_dir_is_refused(tmp_path, corpus_cache, capsys):
+    run = tmp_path / "run"
+    assert main(_tiny(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "1")) == 0
+    capsys.readouterr()
+    assert main(_tiny(run, corpus_cache, "--workers", "1", "--rounds", "1")) == 2
+    assert "already holds a run" in capsys.readouterr().out
+
+
+def test_resume_after_the_orchestrator_is_killed(tmp_path, corpus_cache):
+    run = tmp_path / "run"
+    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    s = Storage(str(run))
+    deadline = time.time() + 120
+    while not s.exists("rounds/00000/record.json"):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)  # the orchestrator dies; its workers may live on
+    proc.wait()
+    first = s.read_json("rounds/00000/record.json")
+    assert s.read_json("lock.json")["pid"] == proc.pid  # left behind by the dead process
+    assert main(["resume", str(run)]) == 0  # the stale lock is taken over
+    assert s.read_json("rounds/00000/record.json") == first  # a committed round is never redone
+    records = [s.read_json(f"rounds/{r:05d}/record.json") for r in range(3)]
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert s.exists("final/model.safetensors") and not s.exists("lock.json")
+
+
+def test_cancel_stops_the_run(tmp_path, corpus_cache):
+    run = tmp_path / "run"
+    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "50", "--inner-steps", "200")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    s = Storage(str(run))
+    deadline = time.time() + 60
+    while not s.exists("rounds/00000/jobs.json"):
+        assert time.time() < deadline
+        time.sleep(0.1)
+    assert main(["cancel", str(run)]) == 0
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3, out.decode()[-2000:]
+    assert b"cancelled during round 0" in out
+    assert json.loads(subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run), "--json"],
+                                     capture_output=True, cwd=Path(__file__).parent.parent).stdout)["state"] == "cancelled"

@@ -1,0 +1,56 @@
+"""The round loop's decisions, from plain values (no storage, no scheduler)."""
+from __future__ import annotations
+
+from orchestrator.plan import WorkerView, decide, next_bases
+
+
+def V(w, arrived=False, alive=False, attempts=1):
+    return WorkerView(w, arrived, alive, attempts)
+
+
+def D(views, quorum=3, elapsed=0.0, deadline=0.0, retries=2):
+    return decide(views, quorum=quorum, elapsed_s=elapsed, deadline_s=deadline, max_retries=retries)
+
+
+def test_all_in_merges():
+    d = D([V(0, True), V(1, True), V(2, True)])
+    assert (d.action, d.workers) == ("merge", (0, 1, 2))
+
+
+def test_waits_for_running_workers_without_deadline():
+    assert D([V(0, True), V(1, True), V(2, alive=True)], quorum=2).action == "wait"
+
+
+def test_deadline_closes_the_round_once_the_quorum_is_in():
+    d = D([V(0, True), V(1, True), V(2, alive=True)], quorum=2, elapsed=61, deadline=60)
+    assert (d.action, d.workers) == ("merge", (0, 1)) and "deadline" in d.reason
+
+
+def test_deadline_never_merges_below_quorum():
+    assert D([V(0, True), V(1, alive=True), V(2, alive=True)], quorum=2, elapsed=999, deadline=60).action == "wait"
+
+
+def test_lost_worker_is_resubmitted_while_retries_remain():
+    d = D([V(0, True), V(1, True), V(2, attempts=1)])
+    assert (d.action, d.workers) == ("resubmit", (2,))
+
+
+def test_quorum_in_and_the_rest_dead_for_good_merges():
+    d = D([V(0, True), V(1, True), V(2, attempts=3)], quorum=2)
+    assert (d.action, d.workers) == ("merge", (0, 1))
+
+
+def test_below_quorum_with_no_retries_left_fails():
+    d = D([V(0, True), V(1, attempts=3), V(2, attempts=3)], quorum=2)
+    assert d.action == "fail" and "only 1 of the quorum of 2" in d.reason
+
+
+def test_below_quorum_waits_for_the_living():
+    assert D([V(0, True), V(1, attempts=3), V(2, alive=True)], quorum=2).action == "wait"
+
+
+def test_next_bases_continue_and_restart():
+    late = {2: "rounds/00003/contrib/worker_002.safetensors"}
+    assert next_bases(3, [0, 1], late, "continue", "G") == {0: "G", 1: "G", 2: late[2]}
+    assert next_bases(3, [0, 1], late, "restart", "G") == {0: "G", 1: "G", 2: "G"}
+    assert next_bases(3, [0, 1], {}, "continue", "G") == {0: "G", 1: "G", 2: "G"}  # nothing of its own to continue from
