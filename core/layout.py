@@ -15,6 +15,7 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     rounds/00003/rejected/                        contributions refused by the merge, with why
     workers/worker_001/state_00003.safetensors    worker 1's inner optimizer state after round 3
     workers/worker_001/inflight_00003.safetensors mid-round checkpoint of a preempted worker
+    workers/worker_001/progress.json              heartbeat of the running worker (step, loss)
     final/model.safetensors                       the exported final model
     jobs/                                         submitit's folder (job scripts, logs)
 """
@@ -71,6 +72,10 @@ class RunLayout:
 
     def worker_state(self, worker: int, round_: int) -> str:
         return posixpath.join(self.worker_dir(worker), f"state_{round_:05d}{SAFETENSORS}")
+
+    def worker_progress(self, worker: int) -> str:
+        """Heartbeat of a running worker: round, step, last loss (for `orchestrate status`)."""
+        return posixpath.join(self.worker_dir(worker), "progress.json")
 
     def worker_inflight(self, worker: int, round_: int) -> str:
         return posixpath.join(self.worker_dir(worker), f"inflight_{round_:05d}{SAFETENSORS}")

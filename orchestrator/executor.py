@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,11 @@ import submitit
 
 from core.config import Config
 from core.task import WorkerTask
+from orchestrator.jobstatus import JobStatus
+from orchestrator.slurm import SlurmPoller, slurm_parameters
 from worker.train import checkpoint_active, run_worker
 
 log = logging.getLogger(__name__)
-
-ACTIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING",
-                    "PREEMPTED", "REQUEUE_HOLD", "REQUEUE_FED", "UNKNOWN"})
-
 
 class WorkerJob(submitit.helpers.Checkpointable):
     """The callable submitit runs on the node. Plain data in, a small summary out."""
@@ -39,20 +36,6 @@ class WorkerJob(submitit.helpers.Checkpointable):
         # the requeued job resumes mid-round instead of starting the round over.
         checkpoint_active()
         return submitit.helpers.DelayedSubmission(WorkerJob(), task)
-
-
-@dataclass
-class JobStatus:
-    job_id: str
-    state: str
-    """Scheduler state, e.g. PENDING, RUNNING, COMPLETED, FAILED, CANCELLED."""
-    submit: str | None = None
-    start: str | None = None
-    end: str | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.state.split()[0] in ACTIVE
 
 
 def resolve_kind(kind: str) -> str:
@@ -70,6 +53,7 @@ class Executor:
         self.folder = Path(folder)
         self._jobs: dict[str, submitit.Job] = {}
         self._ex = self._make(self.folder / "%j")
+        self._poller = SlurmPoller()
 
     def _make(self, folder: Path) -> submitit.Executor:
         e = self.cfg.executor
@@ -77,7 +61,6 @@ class Executor:
             ex = submitit.LocalExecutor(folder=folder)
             ex.update_parameters(timeout_min=e.timeout_min, setup=list(e.setup))
             return ex
-        from orchestrator.slurm import slurm_parameters  # sbatch text is a pure function there
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
         ex.update_parameters(**slurm_parameters(self.cfg))
         return ex
@@ -94,8 +77,7 @@ class Executor:
         if not job_ids:
             return {}
         if self.kind == "slurm":
-            from orchestrator.slurm import sacct_status
-            return sacct_status(job_ids)
+            return self._poller.poll(job_ids)
         return {j: self._local_status(j) for j in job_ids}
 
     def _local_status(self, job_id: str) -> JobStatus:
@@ -129,6 +111,14 @@ class Executor:
         except OSError:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def sbatch_text(cfg: Config, folder: str | Path, array_size: int) -> str:
+    """The sbatch script submitit writes for one round's job array (pinned by a golden-file test)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(command="python -u -m submitit.core._submit " + str(folder), folder=str(folder),
+                               map_count=array_size, **slurm_parameters(cfg))
 
 
 def _pid_is_submitit(job_id: str) -> bool:

@@ -21,12 +21,15 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.engine import Contribution, QuorumError, merge_round
-from orchestrator.executor import Executor
+from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import Decision, WorkerView, decide, next_bases
 from orchestrator.runstate import Evaluator, arrived_workers, export_final, jobs_of_round
 
 log = logging.getLogger(__name__)
 L = RunLayout()
+
+
+_UNKNOWN = JobStatus("?", "UNKNOWN")  # not polled yet: assume alive
 
 
 class Cancelled(RunError):
@@ -39,6 +42,10 @@ class RoundService:
         self.storage, self.cfg, self.executor = storage, cfg, executor
         self.on_round = on_round or (lambda record: None)
         self.evaluator = Evaluator(cfg)
+        self._states: dict[str, JobStatus] = {}
+        self._last_arrived: set[int] = set()
+        self._last_sched = 0.0
+        self._sched_interval = cfg.round.poll_s
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -117,11 +124,27 @@ class RoundService:
     def _decide(self, r: int, jobs: dict[str, Any]) -> Decision:
         arrived = self._arrived(r)
         latest = {w: e["job_ids"][-1] for w, e in jobs["workers"].items()}
-        states = self.executor.status([j for w, j in latest.items() if int(w) not in arrived])
-        views = [WorkerView(int(w), int(w) in arrived, int(w) not in arrived and states[j].alive,
+        waiting = [j for w, j in latest.items() if int(w) not in arrived]
+        states = self._poll_scheduler(waiting, arrived)
+        views = [WorkerView(int(w), int(w) in arrived, int(w) not in arrived and states.get(j, _UNKNOWN).alive,
                             jobs["workers"][w]["attempts"]) for w, j in latest.items()]
         return decide(views, quorum=self.cfg.quorum, elapsed_s=time.time() - jobs["submitted_at"],
                       deadline_s=self.cfg.round.deadline_s, max_retries=self.cfg.round.max_retries)
+
+    def _poll_scheduler(self, job_ids: list[str], arrived: set[int]) -> dict[str, JobStatus]:
+        """Job states, asked of the scheduler with back-off: storage tells arrivals at once, the
+        scheduler is only needed to notice dead jobs, and one sacct per poll per run is the most we
+        ever send. The interval doubles (up to 30 s) while nothing changes."""
+        now = time.monotonic()
+        changed = arrived != self._last_arrived or set(job_ids) - set(self._states)
+        if changed:
+            self._sched_interval = self.cfg.round.poll_s
+        if changed or now - self._last_sched >= self._sched_interval:
+            self._states.update(self.executor.status(job_ids))
+            self._last_sched = now
+            self._sched_interval = min(30.0, self._sched_interval * 2)
+        self._last_arrived = set(arrived)
+        return self._states
 
     def _arrived(self, r: int) -> set[int]:
         return set(arrived_workers(self.storage, r))
@@ -148,7 +171,10 @@ class RoundService:
         for w in workers:
             entry = jobs["workers"][str(w)]
             job_id = entry["job_ids"][-1]
-            entry.setdefault("failures", []).append({"job_id": job_id, "log_tail": self.executor.stderr_tail(job_id)[-2000:]})
+            state = self._states.get(job_id, _UNKNOWN).state
+            entry.setdefault("failures", []).append({"job_id": job_id, "state": state,
+                                                     "log_tail": self.executor.stderr_tail(job_id)[-2000:]})
+            log.warning("round %d: worker %s job %s ended (%s) without a contribution", r, w, job_id, state)
 
     # -- merge + commit ---------------------------------------------------------------------
     def _merge(self, r: int, jobs: dict[str, Any], decision: Decision) -> dict[str, Any]:
@@ -165,11 +191,12 @@ class RoundService:
         rejected = {**stale, **result.rejected}
         everyone = set(range(self.cfg.workers))
         dropped = sorted(everyone - set(result.merged) - set(rejected))
-        stragglers = [jobs["workers"][str(w)]["job_ids"][-1] for w in dropped if str(w) in jobs["workers"]]
+        why = self._why_dropped(r, jobs, dropped)
+        stragglers = [jobs["workers"][str(w)]["job_ids"][-1] for w in dropped if why[str(w)].startswith("still")]
         self.executor.cancel(stragglers)
         record = {
             "round": r, "merged": result.merged, "dropped": dropped, "rejected": sorted(rejected),
-            "rejected_reasons": {str(w): why for w, why in rejected.items()},
+            "rejected_reasons": {str(w): why for w, why in rejected.items()}, "dropped_reasons": why,
             "late": [w for w in dropped if read_manifest(self.storage, L.contribution(r, w)) is not None],
             "reason": decision.reason, "eval_loss": self.evaluator.loss(self.storage, L.global_weights(r + 1)),
             "merge_seconds": round(result.seconds, 3), "bytes_read": result.bytes_read,
@@ -180,6 +207,22 @@ class RoundService:
         self.storage.write_json(L.round_record(r), record)  # the commit point of the round
         self.on_round(record)
         return record
+
+    def _why_dropped(self, r: int, jobs: dict[str, Any], dropped: list[int]) -> dict[str, str]:
+        """For each dropped worker: its job's end state (recorded with its log), or that it is a straggler."""
+        why = {}
+        ended = []
+        for w in dropped:
+            job_id = jobs["workers"][str(w)]["job_ids"][-1]
+            status = self._states.get(job_id, _UNKNOWN)
+            why[str(w)] = f"job {job_id} ended {status.state} without a contribution" if not status.alive \
+                else f"still {status.state} at the merge (straggler): job {job_id} cancelled"
+            if not status.alive:
+                ended.append(w)
+        if ended:
+            self._record_losses(r, jobs, ended)
+            self.storage.write_json(L.round_jobs(r), jobs)
+        return why
 
     def _contributions(self, r: int, jobs: dict[str, Any], workers: tuple[int, ...]) -> tuple[dict[int, str], list[Contribution]]:
         """Contributions to merge; those trained from the wrong base are rejected as stale."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import yaml
 
 from core.config import Config, ExecutorConfig
 from core.errors import ConfigError
+from orchestrator.jobstatus import JobStatus
 
 log = logging.getLogger(__name__)
 PRESET_DIR = Path(__file__).resolve().parent.parent / "slurm_templates"
@@ -86,24 +88,50 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
     return rows
 
 
-def sacct_status(job_ids: list[str]):
-    """Status of many jobs from one sacct call; jobs sacct does not list yet count as PENDING."""
-    from orchestrator.executor import JobStatus
+def parse_squeue(text: str) -> dict[str, str]:
+    """Lines of `squeue -h -r -o %i|%T` (arrays expanded), as {job id: state}."""
+    out = {}
+    for line in text.splitlines():
+        job, sep, state = line.strip().partition("|")
+        if sep:
+            out[job] = state
+    return out
 
-    bases = sorted({j.split("_")[0] for j in job_ids})
-    cmd = ["sacct", "-P", "-n", "-X", "-o", SACCT_FIELDS, "-j", ",".join(bases)]
+
+class SlurmPoller:
+    """States of many jobs from one sacct and one squeue call per poll, whatever their number.
+
+    sacct is the record of ended jobs (submitit needs accounting for the same reason), squeue
+    of queued ones. An array task cancelled while pending shows in neither (sacct keeps only
+    the pending array's row), so a job missing from both for `grace_s` counts as gone.
+    """
+
+    def __init__(self, grace_s: float = 10.0) -> None:
+        self.grace_s = grace_s
+        self._missing_since: dict[str, float] = {}
+
+    def poll(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        bases = ",".join(sorted({j.split("_")[0] for j in job_ids}))
+        acct = parse_sacct(_run(["sacct", "-P", "-n", "-X", "-o", SACCT_FIELDS, "-j", bases]))
+        queue = parse_squeue(_run(["squeue", "-h", "-r", "-o", "%i|%T", "-j", bases]))
+        now = time.monotonic()
+        return {j: self._status(j, acct.get(j), queue.get(j), now) for j in job_ids}
+
+    def _status(self, job: str, row: dict[str, str] | None, queued: str | None, now: float) -> JobStatus:
+        none = lambda v: None if v in ("", "Unknown", "None") else v  # noqa: E731
+        if row is not None and (queued is None or row["State"] not in ("PENDING",)):
+            self._missing_since.pop(job, None)
+            return JobStatus(job, row["State"], none(row["Submit"]), none(row["Start"]), none(row["End"]))
+        if queued is not None:
+            self._missing_since.pop(job, None)
+            return JobStatus(job, queued)
+        first = self._missing_since.setdefault(job, now)
+        return JobStatus(job, "PENDING" if now - first < self.grace_s else "GONE (not in squeue or sacct)")
+
+
+def _run(cmd: list[str]) -> str:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
     except (subprocess.SubprocessError, OSError) as exc:
-        log.warning("sacct failed (%s); treating the jobs as still pending", exc)
-        return {j: JobStatus(j, "UNKNOWN") for j in job_ids}
-    rows = parse_sacct(out)
-    result = {}
-    for j in job_ids:
-        row = rows.get(j)
-        if row is None:  # sacct lags sbatch by up to a second
-            result[j] = JobStatus(j, "PENDING")
-        else:
-            none = lambda v: None if v in ("", "Unknown", "None") else v  # noqa: E731
-            result[j] = JobStatus(j, row["State"], none(row["Submit"]), none(row["Start"]), none(row["End"]))
-    return result
+        log.warning("%s failed (%s); job states may lag", cmd[0], exc)
+        return ""

@@ -120,3 +120,11 @@ def test_property_any_unknown_top_level_key_is_rejected(extra):
     with pytest.raises(ConfigError) as info:
         config_from_dict(extra)
     assert len(info.value.problems) == len(extra)
+
+
+def test_docs_config_md_is_generated_from_the_dataclasses():
+    from pathlib import Path
+
+    from core.config_docs import render
+    page = Path(__file__).parent.parent / "docs" / "config.md"
+    assert page.read_text() == render(), "docs/config.md is stale: python -m core.config_docs > docs/config.md"

@@ -36,6 +36,7 @@ from worker.weights import build_model, load_weights, weights_of
 log = logging.getLogger(__name__)
 L = RunLayout()
 SEP = "::"
+HEARTBEAT_S = 5.0
 
 # The trainer of the round running in this process, for the preemption handler (see checkpoint()).
 _ACTIVE: "InnerTrainer | None" = None
@@ -134,6 +135,8 @@ class InnerTrainer:
         self.step0 = task.round * cfg.inner.steps  # the global step this round starts at
         self.done = 0  # inner steps done in this round
         self.losses: list[float] = []
+        self._next_beat = 0.0  # first heartbeat after the first step
+        self.resumed_at: int | None = None  # step of the in-flight checkpoint this job resumed from
         self.base_sha = self._load_base()
 
     def _load_base(self) -> str:
@@ -150,6 +153,7 @@ class InnerTrainer:
             load_weights(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
             load_optimizer_tensors(self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k}, "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
+            self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["sha256"]
         tensors, _, _ = load_checkpoint(self.storage, t.base_key, label=f"base weights for worker {t.worker}")
@@ -165,6 +169,7 @@ class InnerTrainer:
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                     else contextlib.nullcontext())
         model.train()
+        pending: list[torch.Tensor] = []
         while self.done < cfg.inner.steps:
             step = self.step0 + self.done
             for group in opt.param_groups:
@@ -177,11 +182,28 @@ class InnerTrainer:
             if cfg.inner.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
             opt.step()
-            self.losses.append(float(loss))
+            pending.append(loss.detach())  # no .item() per step: on a GPU that would sync every step
             self.done += 1
+            if len(pending) >= 50 or time.monotonic() >= self._next_beat:
+                self._flush(pending)
+                self._heartbeat()
+        self._flush(pending)
         if not all(math.isfinite(v) for v in self.losses[-5:]):
             raise IslandsError(f"worker {self.task.worker} round {self.task.round}: the loss became "
                                f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")
+
+    def _heartbeat(self) -> None:
+        """Say how far this round is, every few seconds: cheap, and what `status` shows."""
+        t = self.task
+        self.storage.write_json(L.worker_progress(t.worker), {
+            "round": t.round, "step": self.done, "steps": self.cfg.inner.steps, "attempt": t.attempt,
+            "loss": self.losses[-1] if self.losses else None, "at": time.time()})
+        self._next_beat = time.monotonic() + HEARTBEAT_S
+
+    def _flush(self, pending: list[torch.Tensor]) -> None:
+        if pending:
+            self.losses.extend(torch.stack(pending).float().cpu().tolist())
+            pending.clear()
 
     def publish(self, seconds: float) -> dict[str, Any]:
         """Optimizer state first, then the weights and their manifest: the manifest is the commit."""
@@ -193,7 +215,7 @@ class InnerTrainer:
             "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_sha256": self.base_sha,
             "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
-            "host": os.uname().nodename, "device": self.device.type,
+            "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
         }
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), weights_of(self.model), manifest=manifest)
         self.storage.remove(L.worker_inflight(t.worker, t.round))

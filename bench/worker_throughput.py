@@ -1,0 +1,94 @@
+"""Worker harness cost: tokens/s of a whole worker round vs a bare PyTorch loop, same process.
+
+The bare loop trains the same model on the same batches with the same optimizer, schedule and
+clipping, and touches no storage. The harness is `worker.train.run_worker`: it reads the run's
+config, the corpus shard, the base checkpoint and its own optimizer state, trains, and publishes
+its optimizer state and weights with manifests. The ratio harness/bare is the harness's cost
+(goal >= 0.98). Runs alternate and the median of each is reported.
+
+    python -m bench.worker_throughput [--steps 100] [--repeats 3] [--n-layer 2 --n-embd 128]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from core.config import config_from_dict
+from core.storage import Storage
+from core.task import WorkerTask
+from orchestrator.runstate import create_run
+from worker.data import BatchSampler, load_corpus, shard, split_heldout
+from worker.train import lr_at, make_optimizer, pick_device, run_worker
+from worker.weights import build_model
+
+
+def bare_loop(cfg, steps: int) -> float:
+    """The baseline: nothing but the training loop. Returns seconds."""
+    corpus = load_corpus(cfg.data.source, cache_dir=cfg.data.cache_dir)
+    train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
+    docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[0]
+    sampler = BatchSampler(corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, 0)
+    device = pick_device(cfg)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model).to(device)
+    opt, _ = make_optimizer(model, cfg)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step))
+        with autocast:
+            _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+        opt.step()
+    float(loss)  # wait for the device
+    return time.perf_counter() - t0
+
+
+def harness(cfg, run_dir: str, round_: int) -> float:
+    """One whole worker round through run_worker, storage included. Returns seconds."""
+    t0 = time.perf_counter()
+    run_worker(WorkerTask(run_dir, round_, 0, f"global/round_{0:05d}.safetensors", threads=torch.get_num_threads()))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = config_from_dict({"workers": 4, "rounds": args.repeats + 1, "inner": {"steps": args.steps, "batch_size": args.batch},
+                                "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": 4},
+                                "run_dir": f"{tmp}/run"})
+        storage = Storage(cfg.run_dir)
+        create_run(storage, cfg)
+        harness(cfg, cfg.run_dir, 0)  # warm-up: corpus cache, allocator, kernels
+        bare_loop(cfg, min(args.steps, 10))
+        bare, full = [], []
+        for r in range(1, args.repeats + 1):
+            bare.append(bare_loop(cfg, args.steps))
+            full.append(harness(cfg, cfg.run_dir, r))
+    tokens = args.steps * cfg.worker_batch_size * cfg.model.block_size
+    b, h = statistics.median(bare), statistics.median(full)
+    result = {"device": pick_device(cfg).type, "threads": torch.get_num_threads(),
+              "params": sum(p.numel() for p in build_model(cfg.model).parameters()), "steps": args.steps,
+              "tokens_per_round": tokens, "bare_tokens_per_s": round(tokens / b), "harness_tokens_per_s": round(tokens / h),
+              "ratio_harness_over_bare": round(b / h, 4), "bare_s": [round(x, 3) for x in bare], "harness_s": [round(x, 3) for x in full]}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

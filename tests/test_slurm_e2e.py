@@ -1,0 +1,138 @@
+"""Whole runs through sbatch on a real Slurm (slurm_templates/local-cluster.sh up): no mocks.
+
+Each test uses a fresh run directory (and so a fresh submitit folder): job ids restart after
+`up --fresh`, and a reused folder would hand back an earlier cluster's results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from core.storage import Storage
+from orchestrator.cli import main
+from slurm_support import slurm_test, wait_for_sacct_state
+
+pytestmark = [*slurm_test, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
+        "--set", "model.block_size=32", "--set", "inner.batch_size=4", "--set", "inner.warmup_steps=2",
+        "--set", "data.eval_batches=2", "--set", "round.poll_s=0.2"]
+
+
+def _args(run: Path, cache: str, *extra: str) -> list[str]:
+    return ["submit", "--executor", "slurm", "--set", "executor.preset=local", "--run-dir", str(run),
+            "--set", f"data.cache_dir={cache}", *TINY, *extra]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(pred, what: str, timeout: float = 120, proc: subprocess.Popen | None = None):
+    deadline = time.time() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"orchestrator exited {proc.returncode} before {what}:\n{proc.stdout.read().decode()[-3000:]}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def test_rounds_are_one_array_job_each(tmp_path, corpus_cache, monkeypatch):
+    # A logging shim in front of the real sbatch counts the calls (it execs the real one).
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    real = subprocess.run(["bash", "-c", "command -v sbatch"], capture_output=True, text=True).stdout.strip()
+    (shim / "sbatch").write_text(f'#!/bin/sh\ncat "$1" >> {tmp_path}/sbatch.log\nexec {real} "$@"\n')
+    (shim / "sbatch").chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    run = tmp_path / "run"
+    assert main(_args(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3")) == 0
+    scripts = (tmp_path / "sbatch.log").read_text()
+    assert scripts.count("#!/bin/bash") == 3  # one sbatch per round, not one per worker
+    assert scripts.count("#SBATCH --array=0-1%2") == 3 and "#SBATCH --nodes=1" in scripts
+    s = Storage(str(run))
+    for r in range(3):
+        ids = [e["job_ids"][0] for e in s.read_json(f"rounds/{r:05d}/jobs.json")["workers"].values()]
+        assert len({i.split("_")[0] for i in ids}) == 1 and sorted(i.split("_")[1] for i in ids) == ["0", "1"]
+        assert s.read_json(f"rounds/{r:05d}/record.json")["merged"] == [0, 1]
+    # sacct records lag the job's end by up to a second: poll rather than assert at once
+    assert len(wait_for_sacct_state(ids[0].split("_")[0], "COMPLETED", array_tasks=range(2))) == 2
+
+
+def test_scancelled_worker_round_closes_with_quorum(tmp_path, corpus_cache):
+    run = tmp_path / "run"
+    proc = _start(_args(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "3",
+                        "--set", "round.min_workers=1", "--set", "round.max_retries=0"))
+    s = Storage(str(run))
+    jobs = _wait_for(lambda: s.read_json("rounds/00000/jobs.json"), "round 0 submission", proc=proc)
+    victim = jobs["workers"]["1"]["job_ids"][0]
+    running = lambda: "RUNNING" in subprocess.run(["squeue", "-h", "-r", "-o", "%T", "-j", victim],  # noqa: E731
+                                                  capture_output=True, text=True).stdout
+    _wait_for(running, f"job {victim} to run", proc=proc)  # cancelled mid-round, not while queued
+    subprocess.run(["scancel", victim], check=True)
+    _finish(proc)
+    first = s.read_json("rounds/00000/record.json")
+    assert first["merged"] == [0] and first["dropped"] == [1]
+    assert "CANCELLED" in first["dropped_reasons"]["1"], first
+    failures = s.read_json("rounds/00000/jobs.json")["workers"]["1"]["failures"]
+    assert failures[0]["job_id"] == victim and failures[0]["state"].startswith("CANCELLED")
+    # a replacement worker 1 is submitted for the next round and is merged
+    assert s.read_json("rounds/00001/record.json")["merged"] == [0, 1]
+
+
+def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
+    run = tmp_path / "run"
+    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "6000"))
+    s = Storage(str(run))
+    beat = _wait_for(lambda: (p := s.read_json("workers/worker_000/progress.json")) and p["step"] >= 20 and p,
+                     "worker 0 training", proc=proc)
+    job = s.read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
+    # What Slurm sends before a time limit or preemption (submitit's own test helper does the same)
+    subprocess.run(["scancel", "--signal", "USR2", job], check=True)
+    _finish(proc, timeout=300)
+    manifest = s.read_json("rounds/00000/contrib/worker_000.json")
+    assert manifest["steps"] == 6000
+    assert manifest["resumed_at_step"] is not None and manifest["resumed_at_step"] >= beat["step"]
+    assert s.read_json("rounds/00000/record.json")["merged"] == [0]
+    assert not s.exists("workers/worker_000/inflight_00000.safetensors")
+    states = subprocess.run(["sacct", "-D", "-P", "-n", "-X", "-o", "JobID,State", "-j", job.split("_")[0]],
+                            capture_output=True, text=True).stdout
+    assert "REQUEUED" in states or "PREEMPTED" in states or states.count("\n") >= 2, states
+
+
+def test_merge_service_killed_and_resumed(tmp_path, corpus_cache, capsys):
+    run = tmp_path / "run"
+    proc = _start(_args(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3"))
+    s = Storage(str(run))
+    _wait_for(lambda: s.exists("rounds/00001/jobs.json"), "round 1 submission", proc=proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the service dies while round 1's jobs are in Slurm
+    proc.wait()
+    first = s.read_json("rounds/00000/record.json")
+    round1_jobs = s.read_json("rounds/00001/jobs.json")
+    assert main(["resume", str(run)]) == 0
+    assert s.read_json("rounds/00000/record.json") == first
+    # the jobs already in Slurm were adopted, not submitted again
+    assert s.read_json("rounds/00001/jobs.json")["workers"] == round1_jobs["workers"]
+    capsys.readouterr()
+    main(["status", str(run), "--json"])
+    st = json.loads(capsys.readouterr().out)
+    assert st["state"] == "done" and [r["round"] for r in st["rounds"]] == [0, 1, 2]

@@ -1,0 +1,69 @@
+"""Slurm specifics that need no cluster: sbatch text (golden files), presets, sacct/squeue parsing."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from core.config import config_from_dict
+from core.errors import ConfigError
+from orchestrator.executor import sbatch_text
+from orchestrator.slurm import SlurmPoller, effective_executor, load_preset, parse_sacct, parse_squeue
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = {
+    "sbatch_local": {"workers": 2, "executor": {"preset": "local"}},
+    "sbatch_gpu1_account": {"workers": 8, "executor": {"preset": "gpu-1", "account": "proj42", "setup": ["module load cuda"]}},
+    "sbatch_gpu_node_8": {"workers": 4, "executor": {"preset": "gpu-node-8", "partition": "a100", "constraint": "ib"}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sbatch_text_matches_golden_file(name):
+    """To accept an intended change: ISLANDS_REGEN_GOLDEN=1 pytest tests/test_slurm_unit.py"""
+    cfg = config_from_dict(CASES[name])
+    text = sbatch_text(cfg, "/shared/runs/r1/jobs/%j", cfg.workers)
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("ISLANDS_REGEN_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}: run with ISLANDS_REGEN_GOLDEN=1 and review it"
+    assert text == path.read_text()
+
+
+def test_explicit_values_win_over_the_preset():
+    values = effective_executor(config_from_dict({"executor": {"preset": "gpu-1", "cpus_per_task": 3}}).executor)
+    assert values["cpus_per_task"] == 3 and values["gpus_per_node"] == 1 and values["mem_gb"] == 64
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(ConfigError, match="known presets: .*gpu-1.*local"):
+        load_preset("nope")
+
+
+def test_every_shipped_preset_loads():
+    names = sorted(p.stem for p in (Path(__file__).parent.parent / "slurm_templates").glob("*.yaml"))
+    assert {"local", "gpu-1", "gpu-node-8", "cpu-node", "preemptible"} <= set(names)
+    for n in names:
+        load_preset(n)
+
+
+def test_parse_sacct_and_squeue():
+    rows = parse_sacct("12_0|COMPLETED|2026-11-22T03:00:00|2026-11-22T03:00:05|2026-11-22T03:01:00|n1\n"
+                       "12_0.batch|COMPLETED|x|x|x|n1\n12_[1-2]|PENDING|2026-11-22T03:00:00|Unknown|Unknown|None\n")
+    assert set(rows) == {"12_0", "12_[1-2]"} and rows["12_0"]["Start"] == "2026-11-22T03:00:05"
+    assert parse_squeue("12_1|RUNNING\n12_2|PENDING\n") == {"12_1": "RUNNING", "12_2": "PENDING"}
+
+
+def test_poller_gone_after_grace():
+    # An array task cancelled while pending appears in neither sacct nor squeue (seen on 22.05).
+    p = SlurmPoller(grace_s=10)
+    assert p._status("5_1", None, None, now=100.0).state == "PENDING"
+    assert p._status("5_1", None, None, now=105.0).alive
+    gone = p._status("5_1", None, None, now=111.0)
+    assert not gone.alive and gone.state.startswith("GONE")
+    row = {"State": "CANCELLED by 0", "Submit": "s", "Start": "Unknown", "End": "e"}
+    done = p._status("5_0", row, None, now=0)
+    assert not done.alive and done.start is None
+    # sacct lags squeue: a job squeue runs is alive even if sacct still says PENDING
+    assert p._status("5_2", {**row, "State": "PENDING"}, "RUNNING", now=0).state == "RUNNING"
