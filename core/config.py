@@ -144,6 +144,9 @@ class ExecutorConfig:
     """Shell lines run before each worker (module load ..., source venv/bin/activate)."""
     preset: str | None = None
     """A preset from slurm_templates/ whose values fill the fields not set here."""
+    service_timeout_min: int = 4320
+    """Time limit of the merge service's own CPU-only Slurm job (`orchestrate submit --detach` on
+    Slurm); at the limit it is requeued and resumes from storage."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,5 +431,6 @@ def _check(cfg: Config) -> list[str]:
     need(e.timeout_min >= 1, f"executor.timeout_min must be >= 1, got {e.timeout_min}")
     need(e.cpus_per_task >= 1, f"executor.cpus_per_task must be >= 1, got {e.cpus_per_task}")
     need(e.mem_gb > 0, f"executor.mem_gb must be > 0, got {e.mem_gb}")
+    need(e.service_timeout_min >= 1, f"executor.service_timeout_min must be >= 1, got {e.service_timeout_min}")
     need(e.gpus_per_node >= 0, f"executor.gpus_per_node must be >= 0, got {e.gpus_per_node}")
     return p

@@ -51,14 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("submit", help="start a run and drive it to the end")
     _config_args(p)
+    p.add_argument("--detach", action="store_true",
+                   help="run the merge service in the background (a CPU-only job on Slurm) and return at once")
     p = sub.add_parser("resume", help="continue a run from its run directory")
     p.add_argument("run")
     p.add_argument("--force", action="store_true", help="take the run lock even if another orchestrator seems alive")
     p = sub.add_parser("status", help="show a run's progress")
     p.add_argument("run")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+                   help="refresh until the run ends (every 2 s by default)")
     p = sub.add_parser("cancel", help="cancel a run's jobs and stop its orchestrator")
     p.add_argument("run")
+    bench = sub.add_parser("bench", help="benchmarks (queue-wait: docs/scheduling.md)")
+    from orchestrator import queuewait_cli
+    queuewait_cli.add_parser(bench.add_subparsers(dest="bench", required=True))
     return parser
 
 
@@ -77,7 +84,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
     storage = Storage(cfg.run_dir)
     create_run(storage, cfg)
     console.print(f"run directory: {storage.display()}")
+    if args.detach:
+        from orchestrator.executor import Executor
+        executor = Executor(cfg, _jobs_folder(storage))
+        job = executor.submit_service(storage.url)
+        console.print(f"merge service started as {'Slurm job' if executor.kind == 'slurm' else 'process'} {job}; "
+                      f"follow it with: orchestrate status {storage.display()} --watch")
+        return 0
     return _drive(storage, force=False)
+
+
+def _jobs_folder(storage: Storage) -> str:
+    """submitit's folder: inside a local run directory, else a local cache (it holds job scripts)."""
+    return storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -92,8 +111,7 @@ def _drive(storage: Storage, force: bool) -> int:
     from orchestrator.service import Cancelled, RoundService
 
     cfg = load_run(storage)
-    folder = storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
-    executor = Executor(cfg, folder)
+    executor = Executor(cfg, _jobs_folder(storage))
     acquire_lock(storage, force=force)
     try:
         service = RoundService(storage, cfg, executor, on_round=lambda rec: _print_round(rec, cfg.rounds))
@@ -123,25 +141,60 @@ def _print_round(rec: dict[str, Any], total: int) -> None:
                   f"(merged {rec['merged']}{extra}; merge {rec['merge_seconds']:.2f}s)")
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.runstate import run_status
+def _status_with_jobs(storage: Storage) -> dict[str, Any]:
+    """The run's status plus, for the round in progress, each job's scheduler state (one call)."""
+    from orchestrator.executor import Executor
+    from orchestrator.runstate import load_run, run_status
 
-    status = run_status(Storage(args.run))
-    if args.json:
-        print(json.dumps(status, indent=1))
-        return 0
-    console.print(f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
-                  f"{status['rounds_done']}/{status['rounds_total']} rounds; initial eval loss {status['initial_eval_loss']}")
-    table = Table("round", "eval loss", "merged", "dropped", "rejected", "merge s", "MB read")
+    status = run_status(storage)
+    current = status["current_round"]
+    if current and status["state"] == "running":
+        ids = {w: v["job_id"] for w, v in current["workers"].items()}
+        states = Executor(load_run(storage), _jobs_folder(storage)).status(list(ids.values()))
+        for w, j in ids.items():
+            current["workers"][w].update(states[j].as_dict())
+    return status
+
+
+def _status_view(status: dict[str, Any]) -> Table:
+    table = Table("round", "eval loss", "merged", "dropped", "rejected", "merge s", "MB read",
+                  title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
+                        f"{status['rounds_done']}/{status['rounds_total']} rounds, initial eval loss {status['initial_eval_loss']}")
     for r in status["rounds"]:
-        table.add_row(str(r["round"] + 1), f"{r['eval_loss']:.4f}", str(r["merged"]), str(r["dropped"]),
+        loss = "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        table.add_row(str(r["round"] + 1), loss, str(r["merged"]), str(r["dropped"]),
                       str(r["rejected"]), f"{r['merge_seconds']:.2f}", f"{r['bytes_read'] / 1e6:.1f}")
-    console.print(table)
-    if status["current_round"]:
-        console.print(f"round {status['current_round']['round'] + 1} in progress: {status['current_round']}")
-    if status["failure"]:
-        console.print(f"failed: {status['failure']['reason']}")
-    return 0
+    current = status["current_round"]
+    if current and status["state"] == "running":
+        table.add_section()
+        for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
+            p = v.get("progress") or {}
+            here = p.get("round") == current["round"]
+            steps = f"step {p.get('step')}/{p.get('steps')} loss {p.get('loss'):.3f}" if here and p.get("loss") is not None else ""
+            table.add_row(f"{current['round'] + 1} (w{w})", "", f"job {v['job_id']} {v.get('state', '')}",
+                          f"wait {v.get('queue_wait_s')}s", f"run {v.get('run_s')}s", steps, "")
+    return table
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    storage = Storage(args.run)
+    if args.json:
+        print(json.dumps(_status_with_jobs(storage), indent=1))
+        return 0
+    if not args.watch:
+        status = _status_with_jobs(storage)
+        console.print(_status_view(status))
+        if status["failure"]:
+            console.print(f"failed: {status['failure']['reason']}")
+        return 0
+    from rich.live import Live
+    with Live(_status_view(_status_with_jobs(storage)), console=console, auto_refresh=False) as live:
+        while True:
+            status = _status_with_jobs(storage)
+            live.update(_status_view(status), refresh=True)
+            if status["state"] != "running":
+                return 0
+            time.sleep(args.watch)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -154,13 +207,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     r = run_status(storage)["rounds_done"]
     jobs = jobs_of_round(storage, r)
     ids = [e["job_ids"][-1] for e in jobs["workers"].values()]
-    folder = storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
-    Executor(cfg, folder).cancel(ids)
+    Executor(cfg, _jobs_folder(storage)).cancel(ids)
     console.print(f"cancelled round {r + 1}'s jobs {ids}; the orchestrator stops at its next poll")
     return 0
 
 
 COMMANDS = {"submit": cmd_submit, "resume": cmd_resume, "status": cmd_status, "cancel": cmd_cancel}
+COMMANDS["bench"] = lambda args: args.bench_handler(args)  # each bench subcommand sets its handler
 
 
 def main(argv: list[str] | None = None) -> int:

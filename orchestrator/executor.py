@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,18 @@ class WorkerJob(submitit.helpers.Checkpointable):
         # the requeued job resumes mid-round instead of starting the round over.
         checkpoint_active()
         return submitit.helpers.DelayedSubmission(WorkerJob(), task)
+
+
+class ServiceJob(submitit.helpers.Checkpointable):
+    """The merge service as a small CPU-only job: `orchestrate resume RUN`, requeued at its limit."""
+
+    def __call__(self, run_url: str) -> int:
+        from orchestrator.cli import main  # the job runs the same command a person would
+        return main(["resume", run_url, "--force"])
+
+    def checkpoint(self, run_url: str) -> submitit.helpers.DelayedSubmission:
+        # Nothing to save: the service's whole state is in the run directory.
+        return submitit.helpers.DelayedSubmission(ServiceJob(), run_url)
 
 
 def resolve_kind(kind: str) -> str:
@@ -72,6 +85,23 @@ class Executor:
         for job in jobs:
             self._jobs[job.job_id] = job
         return [j.job_id for j in jobs]
+
+    def submit_service(self, run_url: str) -> str:
+        """Run the merge service detached: a CPU-only Slurm job, or a local background process."""
+        if self.kind == "local":
+            log_path = self.folder / "service.log"
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "resume", run_url], stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            return str(proc.pid)
+        ex = submitit.SlurmExecutor(folder=self.folder / "service" / "%j", max_num_timeout=1000)
+        params = slurm_parameters(self.cfg)
+        params.update(job_name="islands-service", cpus_per_task=1, mem="2048MB", array_parallelism=1,
+                      time=self.cfg.executor.service_timeout_min)
+        params.pop("gpus_per_node", None)
+        ex.update_parameters(**params)
+        return ex.submit(ServiceJob(), run_url).job_id
 
     def status(self, job_ids: list[str]) -> dict[str, JobStatus]:
         if not job_ids:

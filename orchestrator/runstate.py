@@ -110,8 +110,8 @@ def run_status(storage: Storage) -> dict[str, Any]:
     rounds = []
     r = 0
     while (rec := storage.read_json(L.round_record(r))) is not None:
-        rounds.append({k: rec.get(k) for k in ("round", "merged", "dropped", "rejected", "eval_loss",
-                                               "merge_seconds", "bytes_read", "outer_grad_norm")})
+        rounds.append({k: rec.get(k) for k in ("round", "merged", "dropped", "rejected", "eval_loss", "merge_seconds",
+                                               "bytes_read", "outer_grad_norm", "dropped_reasons", "rejected_reasons", "jobs")})
         r += 1
     failed = storage.read_json(L.FAILED)
     state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
@@ -122,7 +122,9 @@ def run_status(storage: Storage) -> dict[str, Any]:
         "rounds_total": cfg.rounds, "rounds_done": r, "initial_eval_loss": info.get("initial_eval_loss"),
         "rounds": rounds, "failure": failed,
         "current_round": None if current is None else {
-            "round": r, "jobs": {w: {"job_ids": e["job_ids"], "attempts": e["attempts"]} for w, e in current["workers"].items()},
+            "round": r, "workers": {w: {"job_id": e["job_ids"][-1], "attempts": e["attempts"],
+                                        "progress": storage.read_json(L.worker_progress(int(w)))}
+                                    for w, e in current["workers"].items()},
             "arrived": arrived_workers(storage, r)},
         "final_model": storage.display(L.FINAL) if storage.exists(L.FINAL) else None,
     }

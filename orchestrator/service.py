@@ -55,10 +55,34 @@ class RoundService:
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> None:
         r = self.first_open_round()
+        self._evaluate_missing(r)
         while r < self.cfg.rounds:
-            self.run_round(r)
+            record = self.run_round(r)
+            if r + 1 < self.cfg.rounds:  # the next round's workers queue while we evaluate this one
+                self._ensure_submitted(r + 1)
+            self._evaluate(record)
             r += 1
         export_final(self.storage, self.cfg)
+
+    def _ensure_submitted(self, r: int) -> dict[str, Any]:
+        jobs = jobs_of_round(self.storage, r)
+        if not jobs["workers"]:
+            self._submit(r, jobs, list(range(self.cfg.workers)), self._bases(r))
+        return jobs
+
+    def _evaluate(self, record: dict[str, Any]) -> None:
+        """Add the new global model's eval loss to a committed round record (off the critical path)."""
+        r = record["round"]
+        record["eval_loss"] = self.evaluator.loss(self.storage, L.global_weights(r + 1))
+        self.storage.write_json(L.round_record(r), record)
+        self.on_round(record)
+
+    def _evaluate_missing(self, upto: int) -> None:
+        """A service killed between commit and evaluation left rounds without an eval loss."""
+        for r in range(upto):
+            record = self.storage.read_json(L.round_record(r)) or {}
+            if record.get("eval_loss") is None and record:
+                self._evaluate(record)
 
     def first_open_round(self) -> int:
         r = 0
@@ -68,9 +92,8 @@ class RoundService:
 
     # -- one round --------------------------------------------------------------------------
     def run_round(self, r: int) -> dict[str, Any]:
-        jobs = jobs_of_round(self.storage, r)
-        if not jobs["workers"]:
-            self._submit(r, jobs, list(range(self.cfg.workers)), self._bases(r))
+        """Drive round r to its commit; returns the record (without the eval loss yet)."""
+        jobs = self._ensure_submitted(r)
         while True:
             self._check_cancel(r, jobs)
             decision = self._decide(r, jobs)
@@ -197,20 +220,22 @@ class RoundService:
         everyone = set(range(self.cfg.workers))
         dropped = sorted(everyone - set(result.merged) - set(rejected))
         why = self._why_dropped(r, jobs, dropped)
+        latest = {w: e["job_ids"][-1] for w, e in jobs["workers"].items()}
+        final = self.executor.status(list(latest.values()))  # one call: queue wait and run time per job
         stragglers = [jobs["workers"][str(w)]["job_ids"][-1] for w in dropped if why[str(w)].startswith("still")]
         self.executor.cancel(stragglers)
         record = {
             "round": r, "merged": result.merged, "dropped": dropped, "rejected": sorted(rejected),
             "rejected_reasons": {str(w): why for w, why in rejected.items()}, "dropped_reasons": why,
             "late": [w for w in dropped if read_manifest(self.storage, L.contribution(r, w)) is not None],
-            "reason": decision.reason, "eval_loss": self.evaluator.loss(self.storage, L.global_weights(r + 1)),
+            "reason": decision.reason, "eval_loss": None,
             "merge_seconds": round(result.seconds, 3), "bytes_read": result.bytes_read,
             "outer_grad_norm": result.outer_grad_norm, "weights": {str(c.worker): c.weight for c in contribs},
             "submitted_at": jobs["submitted_at"], "merge_started_at": t0, "committed_at": time.time(),
             "global_sha256": result.manifest["sha256"],
+            "jobs": {w: {**final[j].as_dict(), "attempts": jobs["workers"][w]["attempts"]} for w, j in latest.items()},
         }
         self.storage.write_json(L.round_record(r), record)  # the commit point of the round
-        self.on_round(record)
         return record
 
     def _why_dropped(self, r: int, jobs: dict[str, Any], dropped: list[int]) -> dict[str, str]:

@@ -101,7 +101,7 @@ def test_scancelled_worker_round_closes_with_quorum(tmp_path, corpus_cache):
 
 def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
     run = tmp_path / "run"
-    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "6000"))
+    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "1500"))
     s = Storage(str(run))
     beat = _wait_for(lambda: (p := s.read_json("workers/worker_000/progress.json")) and p["step"] >= 20 and p,
                      "worker 0 training", proc=proc)
@@ -110,7 +110,7 @@ def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
     subprocess.run(["scancel", "--signal", "USR2", job], check=True)
     _finish(proc, timeout=300)
     manifest = s.read_json("rounds/00000/contrib/worker_000.json")
-    assert manifest["steps"] == 6000
+    assert manifest["steps"] == 1500
     assert manifest["resumed_at_step"] is not None and manifest["resumed_at_step"] >= beat["step"]
     assert s.read_json("rounds/00000/record.json")["merged"] == [0]
     assert not s.exists("workers/worker_000/inflight_00000.safetensors")
@@ -129,7 +129,8 @@ def test_merge_service_killed_and_resumed(tmp_path, corpus_cache, capsys):
     first = s.read_json("rounds/00000/record.json")
     round1_jobs = s.read_json("rounds/00001/jobs.json")
     assert main(["resume", str(run)]) == 0
-    assert s.read_json("rounds/00000/record.json") == first
+    after = s.read_json("rounds/00000/record.json")
+    assert {k: v for k, v in after.items() if k != "eval_loss"} == {k: v for k, v in first.items() if k != "eval_loss"}
     # the jobs already in Slurm were adopted, not submitted again
     assert s.read_json("rounds/00001/jobs.json")["workers"] == round1_jobs["workers"]
     capsys.readouterr()

@@ -188,6 +188,7 @@ class InnerTrainer:
                 self._flush(pending)
                 self._heartbeat()
         self._flush(pending)
+        self._heartbeat()
         if not all(math.isfinite(v) for v in self.losses[-5:]):
             raise IslandsError(f"worker {self.task.worker} round {self.task.round}: the loss became "
                                f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")

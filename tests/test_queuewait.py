@@ -1,0 +1,339 @@
+"""Queue-wait benchmark: parsers and statistics on hand-written traces with hand-worked numbers,
+the projection's sanity, the CLI, the real KTH trace when present, and live probes on real Slurm."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator import queuewait as qw
+from orchestrator.cli import main
+from orchestrator.queuewait_io import PROBE_NAME, read_sacct_file, read_swf, run_probes
+from slurm_support import requires_slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+KTH = "KTH-SP2-1996-2.1-cln.swf.gz"
+TRACE_DIRS = [Path(__file__).resolve().parents[2] / "shared" / "traces", Path("/work/shared/traces")]
+
+# 4 cores per node (MaxProcs / MaxNodes). Fields: id submit wait run alloc cpu mem req ... (18 in all)
+SWF = """\
+; Version: 2.2
+; MaxNodes: 4
+; MaxProcs: 16
+; UnixStartTime: 0
+ 1      0    10 100  4 -1 -1  4 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 2      5    20 100  1 -1 -1  1 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 3  86400    30 100 -1 -1 -1  3 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 4  86500    80 100  2 -1 -1  2 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 5  86600    60 100  4 -1 -1  4 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 6      0   100 100  5 -1 -1  5 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 7      0   300 100 -1 -1 -1  8 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 8      0    -1 100  4 -1 -1  4 -1 -1 1 1 1 -1 -1 -1 -1 -1
+ 9      0    50 100 -1 -1 -1 -1 -1 -1 1 1 1 -1 -1 -1 -1 -1
+10      0  1000 100 36 -1 -1 36 -1 -1 1 1 1 -1 -1 -1 -1 -1
+11      0     0 100  0 -1 -1 16 -1 -1 1 1 1 -1 -1 -1 -1 -1
+"""
+
+SACCT = """\
+JobID|Submit|Start|NNodes|State|Partition|User
+10|2026-01-01T00:00:00|2026-01-01T00:01:00|1|COMPLETED|debug|alice
+10.batch|2026-01-01T00:00:00|2026-01-01T00:01:00|1|COMPLETED||
+10.extern|2026-01-01T00:00:00|2026-01-01T00:01:00|1|COMPLETED||
+11|2026-01-01T00:00:00|2026-01-01T02:00:00|4|COMPLETED|debug|bob
+12|2026-01-01T00:00:00|Unknown|2|PENDING|debug|alice
+13_1|2026-01-02T10:00:00|2026-01-02T10:00:30|1|CANCELLED by 0|gpu|alice
+14|2026-01-02T10:00:00|None|1|CANCELLED by 0|debug|bob
+15_[0-3]|2026-01-02T10:00:00|Unknown|1|PENDING|debug|bob
+16|2026-01-02T11:00:00|2026-01-02T11:00:00|8|RUNNING|debug|bob
+"""
+
+
+def _bucket(report: dict, label: str) -> dict:
+    return next(b for b in report["buckets"] if b["nodes"] == label)
+
+
+def _jobs(waits: dict[int, list[float]]) -> qw.WaitData:
+    """WaitData with the given waits per node count, all on day 0."""
+    return qw.WaitData("test", tuple(qw.JobWait(0.0, w, n) for n, ws in waits.items() for w in ws))
+
+
+# ---------------------------------------------------------------- SWF
+
+
+def test_swf_hand_worked_stats():
+    # Prepare
+    data = qw.parse_swf(SWF.splitlines())
+    # Execute
+    report = qw.summary(data, qw.parse_buckets())
+    # Assert: job 3 uses requested procs (alloc -1), job 11 too (alloc 0); 8 and 9 skipped
+    assert data.cores_per_node == 4
+    assert (report["jobs"], report["skipped"]) == (9, 2)
+    assert report["skipped_reasons"] == {"unknown wait (-1)": 1, "no processor count": 1}
+    assert sorted(j.nodes for j in data.jobs) == [1, 1, 1, 1, 1, 2, 2, 4, 9]
+    one = _bucket(report, "1")  # waits 10 20 30 60 80
+    assert one["jobs"] == 5 and one["mean_wait_s"] == 40 and one["median_wait_s"] == 30
+    assert one["p90_wait_s"] == pytest.approx(72)  # index 0.9*4 = 3.6: 60 + 0.6 * 20
+    assert one["days"] == 2 and one["per_day_median_wait_s"] == pytest.approx((15 + 60) / 2)
+    mid = _bucket(report, "2-4")  # waits 0 100 300
+    assert mid["mean_wait_s"] == pytest.approx(400 / 3) and mid["median_wait_s"] == 100
+    assert mid["p90_wait_s"] == pytest.approx(260)  # index 1.8: 100 + 0.8 * 200
+    assert _bucket(report, "5-8") == {"nodes": "5-8", "jobs": 0, "mean_wait_s": None, "median_wait_s": None,
+                                      "p90_wait_s": None, "days": 0, "per_day_median_wait_s": None}
+    assert _bucket(report, "9+")["p90_wait_s"] == 1000
+
+
+def test_swf_cores_per_node_argument_overrides_header():
+    data = qw.parse_swf(SWF.splitlines(), cores_per_node=1)
+    assert sorted(j.nodes for j in data.jobs) == [1, 2, 3, 4, 4, 5, 8, 16, 36]
+
+
+def test_swf_without_header_needs_cores_per_node():
+    body = [line for line in SWF.splitlines() if not line.startswith(";")]
+    with pytest.raises(qw.QueueWaitError, match="--cores-per-node"):
+        qw.parse_swf(body)
+    assert len(qw.parse_swf(body, cores_per_node=2).jobs) == 9
+
+
+def test_swf_malformed_lines_are_counted():
+    data = qw.parse_swf(["; MaxNodes: 1", "; MaxProcs: 1", "1 0 5", "2 0 x 1 1 1 1 1", "3 0 7 1 1 -1 -1 1"])
+    assert [j.wait_s for j in data.jobs] == [7] and data.skipped == {"malformed line": 2}
+
+
+def test_swf_gz_and_plain_files_read_the_same(tmp_path):
+    plain, packed = tmp_path / "t.swf", tmp_path / "t.swf.gz"
+    plain.write_text(SWF)
+    packed.write_bytes(gzip.compress(SWF.encode()))
+    assert read_swf(plain).jobs == read_swf(packed).jobs == qw.parse_swf(SWF.splitlines()).jobs
+
+
+def test_missing_file_says_which(tmp_path):
+    with pytest.raises(qw.QueueWaitError, match="nope.swf"):
+        read_swf(tmp_path / "nope.swf")
+
+
+# ---------------------------------------------------------------- sacct
+
+
+def test_sacct_hand_worked_stats(tmp_path):
+    data = qw.parse_sacct(SACCT)
+    report = qw.summary(data, qw.parse_buckets())
+    # steps ignored; 12, 14 and the pending array 15 never started
+    assert (report["jobs"], report["skipped"]) == (4, 3)
+    assert report["skipped_reasons"] == {"never started": 3}
+    one = _bucket(report, "1")  # 60 s on Jan 1, 30 s on Jan 2
+    assert (one["jobs"], one["mean_wait_s"], one["median_wait_s"]) == (2, 45, 45)
+    assert one["p90_wait_s"] == pytest.approx(57) and one["days"] == 2
+    assert _bucket(report, "2-4")["median_wait_s"] == 7200
+    assert _bucket(report, "5-8")["median_wait_s"] == 0
+    path = tmp_path / "sacct.txt"
+    path.write_text(SACCT)
+    assert read_sacct_file(path).jobs == data.jobs
+
+
+def test_sacct_filters_and_headerless_input():
+    debug = qw.parse_sacct(SACCT, partition="debug")
+    assert sorted(j.wait_s for j in debug.jobs) == [0, 60, 7200] and debug.n_skipped == 3
+    alice = qw.parse_sacct(SACCT, user="alice")
+    assert sorted(j.wait_s for j in alice.jobs) == [30, 60] and alice.n_skipped == 1
+    headerless = "\n".join(SACCT.splitlines()[1:])
+    assert qw.parse_sacct(headerless).jobs == qw.parse_sacct(SACCT).jobs
+
+
+def test_sacct_without_needed_fields_is_an_error():
+    with pytest.raises(qw.QueueWaitError, match="NNodes"):
+        qw.parse_sacct("JobID|Submit|Start\n1|2026-01-01T00:00:00|2026-01-01T00:00:01\n")
+
+
+# ---------------------------------------------------------------- buckets
+
+
+def test_buckets_parse_and_assign():
+    buckets = qw.parse_buckets("1,2-4,5-8,9+")
+    assert [(b.lo, b.hi) for b in buckets] == [(1, 1), (2, 4), (5, 8), (9, None)]
+    assert [qw.bucket_index(n, buckets) for n in (1, 2, 4, 5, 8, 9, 1000)] == [0, 1, 1, 2, 2, 3, 3]
+    gaps = qw.parse_buckets("1,4")
+    assert qw.bucket_index(2, gaps) is None
+    report = qw.summary(_jobs({1: [1], 2: [2], 4: [4]}), gaps)
+    assert report["outside_buckets"] == 1 and [b["jobs"] for b in report["buckets"]] == [1, 1]
+
+
+@pytest.mark.parametrize("spec", ["2-1", "1,1-3", "9+,10", "x", "0", "1,,2"])
+def test_bad_buckets_are_refused(spec):
+    with pytest.raises(qw.QueueWaitError, match="bucket"):
+        qw.parse_buckets(spec)
+
+
+swf_jobs = st.lists(st.tuples(st.integers(-1, 10**6), st.integers(-1, 64), st.integers(-1, 64)), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs=swf_jobs, cpn=st.integers(1, 8))
+def test_property_swf_parse_and_bucketing(jobs, cpn):
+    text = [f"{i} {i * 10} {w} 1 {a} -1 -1 {r} -1 -1 1 1 1 -1 -1 -1 -1 -1" for i, (w, a, r) in enumerate(jobs)]
+    data = qw.parse_swf(text, cores_per_node=cpn)
+    expected = [(w, a if a > 0 else r) for w, a, r in jobs if w >= 0 and (a > 0 or r > 0)]
+    assert len(data.jobs) + data.n_skipped == len(jobs)
+    assert [(j.wait_s, j.nodes) for j in data.jobs] == [(w, math.ceil(p / cpn)) for w, p in expected]
+    buckets = qw.parse_buckets()
+    stats = qw.summary(data, buckets)
+    assert stats["outside_buckets"] == 0 and sum(b["jobs"] for b in stats["buckets"]) == len(expected)
+    for b, waits in zip(buckets, qw.waits_by_bucket(data.jobs, buckets)):
+        assert sorted(waits) == sorted(w for w, p in expected if math.ceil(p / cpn) in b)
+
+
+# ---------------------------------------------------------------- projection
+
+SPEC = qw.ProjectionSpec(rounds=10, round_seconds=60, workers=4, job_time_limit_s=300, samples=500, seed=1)
+
+
+def _models(projection: dict) -> dict[str, dict]:
+    return {m["model"]: m for m in projection["models"]}
+
+
+def test_projection_with_zero_waits_is_compute_time():
+    projection = qw.project(_jobs({1: [0, 0], 4: [0]}), qw.parse_buckets(), SPEC)
+    for m in projection["models"]:
+        assert m["median_s"] == m["p90_s"] == 10 * 60 and m["idle_node_hours_median"] == 0
+
+
+def test_projection_hand_worked_constant_waits():
+    # 1-node jobs wait 100 s, 4-node jobs 1000 s; a job lives floor(300 / 60) = 5 rounds: 2 lifetimes
+    projection = qw.project(_jobs({1: [100], 3: [1000]}), qw.parse_buckets(), SPEC)
+    m = _models(projection)
+    assert projection["lifetime_rounds"] == 5
+    assert m["data_parallel"]["median_s"] == 2 * 1000 + 600 and m["data_parallel"]["job_submissions"] == 2
+    assert m["per_round"]["median_s"] == 10 * 100 + 600 and m["per_round"]["job_submissions"] == 40
+    assert m["persistent"]["median_s"] == 2 * 100 + 600 and m["persistent"]["job_submissions"] == 8
+
+
+def test_projection_is_seeded_and_resubmitting_costs_more():
+    data = _jobs({1: [5, 30, 60, 600, 3600], 4: [60, 7200]})
+    first = qw.project(data, qw.parse_buckets(), SPEC)
+    assert first == qw.project(data, qw.parse_buckets(), SPEC)
+    m = _models(first)
+    assert m["per_round"]["median_s"] >= m["persistent"]["median_s"] > 600
+    assert m["per_round"]["p90_s"] >= m["persistent"]["p90_s"]
+    assert m["persistent"]["idle_node_hours_median"] > 0
+
+
+def test_projection_errors_say_how_to_fix():
+    with pytest.raises(qw.QueueWaitError, match="--buckets"):
+        qw.project(_jobs({1: [1]}), qw.parse_buckets(), SPEC)  # no 4-node job measured
+    short = qw.ProjectionSpec(rounds=2, round_seconds=600, workers=1, job_time_limit_s=60)
+    with pytest.raises(qw.QueueWaitError, match="--job-time-limit"):
+        qw.project(_jobs({1: [1]}), qw.parse_buckets(), short)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_json_projection_and_plot(tmp_path, capsys):
+    trace = tmp_path / "t.swf"
+    trace.write_text(SWF)
+    png = tmp_path / "img" / "waits.png"
+    rc = main(["bench", "queue-wait", "--swf", str(trace), "--json", "--project", "--rounds", "4",
+               "--round-seconds", "10m", "--workers", "2", "--job-time-limit", "0:20:00", "--plot", str(png)])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["source"], report["jobs"], report["skipped"]) == ("swf:t.swf", 9, 2)
+    assert [b["nodes"] for b in report["buckets"]] == ["1", "2-4", "5-8", "9+"]
+    assert _bucket(report, "1")["p90_wait_s"] == pytest.approx(72)
+    assert report["projection"]["lifetime_rounds"] == 2 and len(report["projection"]["models"]) == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plain_lines_and_errors(tmp_path, capsys):
+    trace = tmp_path / "t.swf"
+    trace.write_text(SWF)
+    assert main(["bench", "queue-wait", "--swf", str(trace), "--buckets", "1,2+"]) == 0
+    out = capsys.readouterr().out
+    assert "9 jobs, 2 skipped" in out and "nodes 2+: 4 jobs" in out
+    assert main(["bench", "queue-wait", "--swf", str(trace), "--project", "--rounds", "3"]) == 2
+    assert "--round-seconds, --workers" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the real trace
+
+
+def _kth() -> Path:
+    for d in TRACE_DIRS:
+        if (d / KTH).exists():
+            return d / KTH
+    pytest.skip(f"{KTH} not found in {', '.join(map(str, TRACE_DIRS))}")
+
+
+def test_real_kth_trace():
+    data = read_swf(_kth())
+    report = qw.summary(data, qw.parse_buckets())
+    assert data.cores_per_node == 1  # header: MaxProcs 100 / MaxNodes 100
+    assert (report["jobs"], report["skipped"]) == (27992, 0)
+    one = _bucket(report, "1")
+    assert (one["jobs"], one["median_wait_s"]) == (9119, 180)  # checked with awk on the file
+    big = _bucket(report, "9+")
+    assert big["median_wait_s"] > one["median_wait_s"] and big["per_day_median_wait_s"] > one["per_day_median_wait_s"]
+
+
+# ---------------------------------------------------------------- live, on a real Slurm
+
+
+def _squeue(*args: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i", *args], capture_output=True, text=True, timeout=30)
+    return out.stdout.split()
+
+
+@pytest.fixture
+def background_load():
+    """Three whole-node sleep jobs: only one of the 4 nodes stays free for a while."""
+    ids = []
+    idle_cluster = not _squeue()
+    try:
+        for _ in range(3):
+            out = subprocess.run(["sbatch", "--parsable", "-N", "1", "--exclusive", "-t", "5", "-J", "islands-qw-load",
+                                  "-o", "/dev/null", "--wrap", "sleep 12"], capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            ids.append(out.stdout.strip())
+        deadline = time.monotonic() + 20
+        while set(_squeue("-t", "R", "-j", ",".join(ids))) != set(ids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield idle_cluster
+    finally:
+        subprocess.run(["scancel", *ids], timeout=30, check=False)
+
+
+@pytest.mark.slurm
+@requires_slurm
+def test_live_probes_single_node_starts_first(background_load):
+    data = run_probes([1, 2, 4], per_size=2, max_seconds=45, poll_s=0.5)
+    waits = qw.waits_by_bucket(data.jobs, qw.parse_buckets("1,2,4"))
+    assert len(data.jobs) + data.n_skipped == 6 and len(data.jobs) >= 2
+    assert not _squeue("-n", PROBE_NAME, "-t", "PD,R"), "probe jobs left behind"
+    if background_load and all(w.size for w in waits):  # someone else's jobs would make the order moot
+        assert np.median(waits[0]) <= min(np.median(waits[1]), np.median(waits[2]))
+
+
+@pytest.mark.slurm
+@requires_slurm
+def test_live_probes_cancelled_on_sigterm(background_load):
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "bench", "queue-wait", "--live",
+                             "--probe-nodes", "4", "--probes-per-size", "2", "--max-seconds", "60"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ids: list[str] = []
+    for line in proc.stderr:  # the log says which jobs it submitted
+        if "submitted" in line and "probe jobs:" in line:
+            ids = line.rsplit(":", 1)[1].strip().split(",")
+            break
+    assert ids, "the probe run never reported its jobs"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert not set(_squeue("-t", "PD,R")) & set(ids), "probes still queued after SIGTERM"
