@@ -113,6 +113,10 @@ class RoundConfig:
     (the DiLoCo paper's dropped outer gradient) or `restart`s from the new global weights."""
     max_retries: int = 2
     """How often a worker whose job ended without a contribution is resubmitted in one round."""
+    worker_mode: Literal["per_round", "persistent"] = "per_round"
+    """`per_round`: a new job per worker per round (each pays the queue wait). `persistent`: a
+    worker job stays alive across rounds, waiting on storage for the next global checkpoint, until
+    its time limit, when it checkpoints and is requeued: the queue is paid once per job lifetime."""
     poll_s: float = 0.5
     """Seconds between polls of the run directory and the scheduler."""
 

@@ -18,6 +18,8 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     workers/worker_001/progress.json              heartbeat of the running worker (step, loss)
     final/model.safetensors                       the exported final model
     jobs/                                         submitit's folder (job scripts, logs)
+    metrics/round_00003.jsonl                     round 3's metrics as JSON lines (docs/observability.md)
+    tensorboard/                                  TensorBoard event files, when tensorboard is installed
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ class RunLayout:
     FAILED = "failed.json"
     FINAL = "final/model.safetensors"
     JOBS = "jobs"
+    METRICS = "metrics"
+    TENSORBOARD = "tensorboard"
 
     def global_weights(self, round_: int) -> str:
         return f"global/round_{round_:05d}{SAFETENSORS}"
@@ -79,6 +83,10 @@ class RunLayout:
 
     def worker_inflight(self, worker: int, round_: int) -> str:
         return posixpath.join(self.worker_dir(worker), f"inflight_{round_:05d}{SAFETENSORS}")
+
+    def round_metrics(self, round_: int) -> str:
+        """Round r's metrics as JSON lines, one file per round written whole (object stores cannot append)."""
+        return posixpath.join(self.METRICS, f"round_{round_:05d}.jsonl")
 
     @staticmethod
     def parse_contribution(name: str) -> int | None:

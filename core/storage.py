@@ -1,9 +1,12 @@
 """The run directory's storage: a thin layer over fsspec, the only coordinator of a run.
 
-Keys are '/'-separated paths relative to the run root. Writes are atomic: data goes to a hidden
-temporary name and is renamed into place only once it is whole (on object stores, where rename is
-a copy, readers are protected by manifests written last: see core.checkpoint). Transient I/O
+Keys are '/'-separated paths relative to the run root. Writes are atomic: on a filesystem, data
+goes to a hidden temporary name and is renamed into place only once it is whole; on S3, which has
+no rename (fsspec's `mv` is copy + delete), data goes straight to its key, because an object
+appears only when its upload completes and a failed upload is aborted. Either way readers also
+trust only checkpoints whose manifest, written last, exists (see core.checkpoint). Transient I/O
 errors are retried with back-off; a full disk is reported at once and leaves no partial file.
+Reliability figures and S3 setup: docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import posixpath
 import time
 import uuid
@@ -30,6 +34,12 @@ _FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then `orches
                  errno.EDQUOT: "the disk quota is exceeded: free space, then `orchestrate resume` the run",
                  errno.EACCES: "permission denied: check the run directory's owner and mode",
                  errno.EROFS: "the filesystem is read-only"}
+# Object stores where a PUT is atomic (an object appears whole or not at all) and fsspec's file
+# can abort its upload: open_atomic writes straight to the key there instead of copy + delete.
+_ATOMIC_PUT_PROTOCOLS = {"s3", "s3a"}
+# Where create_exclusive is a real conditional write (S3 `If-None-Match: *`, honoured by AWS S3
+# since 2024-08, MinIO, moto); elsewhere off the local filesystem it is check-then-write.
+_CONDITIONAL_PUT_PROTOCOLS = {"s3", "s3a"}
 
 
 class Storage:
@@ -37,6 +47,11 @@ class Storage:
 
     def __init__(self, url: str, retries: int = 4, backoff_s: float = 0.2, **storage_options: Any) -> None:
         self.url = url.rstrip("/") or url
+        protocol = fsspec.core.split_protocol(url)[0]
+        if protocol not in (None, "file", "local") and "::" not in url:
+            # A cached listing would hide files other processes publish from a poller (s3fs caches
+            # every listing forever by default): always ask the store.
+            storage_options.setdefault("use_listings_cache", False)
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = root.rstrip("/") or "/"
         self.retries = retries
@@ -57,6 +72,11 @@ class Storage:
 
     def local_path(self, key: str) -> str | None:
         return self.path(key) if self.is_local else None
+
+    @property
+    def atomic_put(self) -> bool:
+        """True where a plain write is already atomic (S3): no temporary name, no copy."""
+        return bool(_ATOMIC_PUT_PROTOCOLS.intersection(_protocols(self.fs)))
 
     # -- reading --------------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -96,7 +116,17 @@ class Storage:
     # -- writing --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def open_atomic(self, key: str) -> Iterator[IO[bytes]]:
-        """Write to a temporary name; rename into place on clean exit, delete it on error."""
+        """Write `key` so that readers see the old content or the whole new one, never a part.
+
+        Filesystems: write a hidden temporary name, rename it into place on clean exit, delete it
+        on error (a SIGKILLed writer leaves a temporary, which `list` never shows). S3: write the
+        key itself and abort the upload on error, since S3 shows an object only once its upload
+        completes (a SIGKILLed writer leaves an incomplete multipart upload, invisible to readers).
+        """
+        if self.atomic_put:
+            with self._open_put(key) as f:
+                yield f
+            return
         final = self.path(key)
         tmp = posixpath.join(posixpath.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(final)}")
         self._retry(f"create the folder of {key}", lambda: self.fs.makedirs(posixpath.dirname(final), exist_ok=True))
@@ -110,6 +140,20 @@ class Storage:
                 self.fs.rm(tmp)
             raise
 
+    @contextlib.contextmanager
+    def _open_put(self, key: str) -> Iterator[IO[bytes]]:
+        # Not `with fs.open(...)`: a buffered fsspec file's __exit__ closes, i.e. commits, the
+        # upload even when the body raised, which would publish a truncated object.
+        f = self._retry(f"open {key} for writing", lambda: self.fs.open(self.path(key), "wb"))
+        try:
+            yield f
+            f.close()  # the single PUT, or the multipart upload's completion: the publication
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # abort the multipart upload; drop the buffer
+            f.closed = True  # so that its __del__ does not try to upload what is left
+            raise
+
     def write_bytes(self, key: str, data: bytes) -> None:
         def write() -> None:
             with self.open_atomic(key) as f:
@@ -120,11 +164,49 @@ class Storage:
         self.write_bytes(key, json.dumps(obj, indent=1, sort_keys=True).encode())
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
-        """Create `key` only if absent; True if this call created it (a best-effort lock on object stores)."""
+        """Create `key` holding `data` only if it is absent; True if this call created it.
+
+        Atomic on local and NFS filesystems (a whole temporary file hard-linked to the name: link
+        fails if the name exists, and readers never see a half-written file) and on S3 (a
+        conditional PUT, `If-None-Match: *`). Elsewhere, and on S3-compatible servers that ignore
+        that header, it is check-then-write: two callers racing within one round trip may both win.
+        """
         if self.is_local:
-            import os
-            path = self.path(key)
-            os.makedirs(posixpath.dirname(path), exist_ok=True)
+            return self._create_exclusive_local(key, data)
+        if _CONDITIONAL_PUT_PROTOCOLS.intersection(_protocols(self.fs)):
+            failed_before = [False]
+
+            def put() -> bool:
+                try:
+                    self.fs.pipe_file(self.path(key), data, mode="create")
+                except FileExistsError:
+                    # An attempt whose reply was lost may have created it: then it holds our bytes.
+                    return failed_before[0] and self.fs.cat_file(self.path(key)) == data
+                except OSError:
+                    failed_before[0] = True
+                    raise
+                return True
+            return self._retry(f"create {key}", put)
+        if self.exists(key):
+            return False
+        self.write_bytes(key, data)
+        return True
+
+    def _create_exclusive_local(self, key: str, data: bytes) -> bool:
+        path = self.path(key)
+        os.makedirs(posixpath.dirname(path), exist_ok=True)
+        tmp = posixpath.join(posixpath.dirname(path), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(path)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            except OSError as exc:  # a filesystem without hard links: O_EXCL (atomic, not whole-at-once)
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
@@ -132,10 +214,11 @@ class Storage:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             return True
-        if self.exists(key):
-            return False
-        self.write_bytes(key, data)
-        return True
+        except OSError as exc:
+            raise self.error(f"create {key}", exc) from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def remove(self, key: str, recursive: bool = False) -> None:
         try:
@@ -150,25 +233,32 @@ class Storage:
 
     # -- retries --------------------------------------------------------------------------------
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        delay = self.backoff_s
+        """Run `fn`, retrying an OSError `retries` times, sleeping backoff_s, then twice as long each
+        time (0.2 + 0.4 + 0.8 + 1.6 = 3.0 s by default); an error no retry can fix (_FATAL_ERRNOS)
+        or the last one raises StorageError. FileNotFoundError is an answer, not a fault: raised as is."""
+        delay, t0 = self.backoff_s, time.monotonic()
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except FileNotFoundError:
                 raise
             except OSError as exc:
-                if exc.errno in _FATAL_ERRNOS or attempt == self.retries:
+                if exc.errno in _FATAL_ERRNOS:
                     raise self.error(what, exc) from exc
+                if attempt == self.retries:
+                    raise self.error(what, exc, attempts=attempt + 1, seconds=time.monotonic() - t0) from exc
                 log.warning("storage: %s failed (%s); retry %d/%d in %.1fs", what, exc, attempt + 1, self.retries, delay)
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def error(self, what: str, exc: OSError) -> StorageError:
+    def error(self, what: str, exc: OSError, attempts: int = 1, seconds: float = 0.0) -> StorageError:
+        """A StorageError saying what failed, where, why, and what to do about it."""
         if isinstance(exc, StorageError):
             return exc
         hint = _FATAL_ERRNOS.get(exc.errno or 0, "check that the storage is reachable and retry")
-        return StorageError(f"could not {what} in {self.display()}: {exc.strerror or exc}; {hint}")
+        tries = f" after {attempts} attempts over {seconds:.1f}s" if attempts > 1 else ""
+        return StorageError(f"could not {what} in {self.display()}{tries}: {exc.strerror or exc}; {hint}")
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

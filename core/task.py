@@ -23,3 +23,5 @@ class WorkerTask:
     """How often this (round, worker) was submitted before; logged and recorded."""
     threads: int = 0
     """torch CPU threads (0 = leave torch's default)."""
+    persistent: bool = False
+    """Serve this round and then the following ones (round.worker_mode: persistent)."""

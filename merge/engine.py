@@ -1,30 +1,56 @@
-"""The streaming merge of one round: K contributions + the global weights -> the next global.
+"""The streaming merge: K inputs (+ base, + optimizer state) -> merged safetensors, tensor by tensor.
 
-Tensor by tensor, in file order: read the same-named tensor from every contribution, check it is
-finite, merge it (a registered method; `average` for DiLoCo and lo-fi), apply the outer step, and
-write the result straight into the output file. Headers are validated before any maths (names,
-shapes, dtypes against the global weights), and every input's sha256 is checked as its bytes
-stream past. A bad contribution is rejected with a reason and the merge starts again without it;
-the output is published only when the whole merge succeeded, so nothing half-merged is ever seen.
+How the bytes move (memory does not grow with K, nor with the size of the model):
+
+- Headers are validated before any maths (names, shapes, dtypes; file sizes, so a truncated file
+  is refused up front).
+- The work is cut into segments: slices of at most `chunk` elements of one tensor, in the output's
+  order (whole tensors for methods that are not element-wise, such as `ties`).
+- Every input has a reader thread that fills a couple of reusable buffers with its next segments:
+  positional reads straight into the buffer, sha256 on the way when the file has a manifest,
+  bf16/f16 widened to float32, a cheap finiteness check (one sum; the exact check only when it is
+  not finite). File I/O, hashing, numpy and torch all release the GIL, so the K readers, the maths
+  and the writer run in parallel.
+- The main thread hands each segment's K slices to the registered method (merge.methods) and
+  queues the result for the writer thread, which streams it into the output file(s) under a
+  temporary name (merge.writer).
+- At the end every input's sha256 is checked against its manifest (every byte has streamed past,
+  so this costs nothing more), and only then are the outputs published. Any error on the way
+  deletes the temporaries: nothing half-merged is ever visible.
+
+`merge_round` is the merge service's use of it (one DiLoCo/lo-fi round: contributions with
+manifests, the outer step with saved optimizer state, bad contributions rejected and the merge
+redone without them); merge.manual is `orchestrate merge`'s.
 """
 from __future__ import annotations
 
 import logging
+import math
+import queue
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from core.checkpoint import LazyCheckpoint, open_checkpoint, write_checkpoint
+from core.checkpoint import DTYPES, TORCH_DTYPES, LazyCheckpoint, TensorSpec
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected, RunError
 from core.storage import Storage
-from merge.methods import get_method
-from merge.outer import outer_step, split_state, state_key
+from merge.methods import check_method_args, method_spec
+from merge.outer import STATE_SEP, outer_step, state_key
+from merge.reader import FLOATS, ITEMSIZE, InputError, Model, TensorFile, open_file_model
+from merge.writer import OutputFile, StreamWriter
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BUFFER_BYTES = 256 << 20
+"""Read buffers of all inputs together (the segment size adapts to K); the merge's working set."""
+_MIN_CHUNK, _MAX_CHUNK = 1 << 18, 1 << 24  # elements per segment
+_ALIGN = 64
 
 
 class QuorumError(RunError):
@@ -52,19 +78,370 @@ class MergeResult:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
+# -- validation ----------------------------------------------------------------------------
+def compare_specs(ref: Mapping[str, TensorSpec], other: Mapping[str, TensorSpec], ref_name: str) -> list[str]:
+    """Every reason `other` cannot be merged with `ref` (names, shapes, dtypes); [] if it can."""
+    missing = [n for n in ref if n not in other]
+    extra = [n for n in other if n not in ref]
+    problems = []
+    if missing or extra:
+        problems.append(f"tensor names differ from {ref_name}: missing {missing[:5]}, unexpected {extra[:5]}"
+                        + (f" ({len(missing)} missing, {len(extra)} unexpected in all)" if len(missing) > 5 or len(extra) > 5 else ""))
+    for name, spec in ref.items():
+        o = other.get(name)
+        if o is not None and (o.shape != spec.shape or o.dtype != spec.dtype):
+            problems.append(f"tensor {name} is {o.dtype}{list(o.shape)}, {ref_name} has {spec.dtype}{list(spec.shape)}")
+    return problems
+
+
 def check_header(base: LazyCheckpoint, ck: LazyCheckpoint) -> str | None:
     """Why `ck` cannot be merged into `base` (names, shapes, dtypes), or None if it can."""
-    missing = [n for n in base.specs if n not in ck.specs]
-    extra = [n for n in ck.specs if n not in base.specs]
-    if missing or extra:
-        return f"tensor names differ from the global weights: missing {missing[:5]}, unexpected {extra[:5]}"
-    for name, spec in base.specs.items():
-        other = ck.specs[name]
-        if other.shape != spec.shape or other.dtype != spec.dtype:
-            return f"tensor {name} is {other.dtype}{list(other.shape)}, the global weights have {spec.dtype}{list(spec.shape)}"
-    return None
+    problems = compare_specs(base.specs, ck.specs, "the global weights")
+    return problems[0] if problems else None
 
 
+def model_specs(model: Model) -> dict[str, TensorSpec]:
+    return {n: spec for n, (_, spec) in model.tensors.items()}
+
+
+def state_slots(cfg: OuterConfig) -> list[tuple[str, bool]]:
+    """The optimizer's state slots in torch.optim's order, each (name, True if shaped like the param)."""
+    _, st, _ = outer_step(torch.zeros(2), torch.ones(2), {}, cfg)
+    return [(slot, tuple(t.shape) == (2,)) for slot, t in st.items()]
+
+
+# -- reading: one thread per input ---------------------------------------------------------
+@dataclass(frozen=True)
+class _Read:
+    tag: str | None
+    file: TensorFile
+    spec: TensorSpec
+    start: int  # elements
+    stop: int
+    shape: tuple[int, ...]  # the view's shape: the tensor's for whole tensors, 1-D for slices
+
+
+@dataclass(frozen=True)
+class _Segment:
+    name: str
+    start: int
+    stop: int
+    numel: int  # of the whole tensor
+    floating: bool
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.numel
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.numel
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Slot:
+    """A reusable pair of buffers: raw bytes as read, and float32 for widened bf16/f16."""
+
+    def __init__(self) -> None:
+        self.raw = torch.empty(0, dtype=torch.uint8)
+        self.f32 = torch.empty(0, dtype=torch.float32)
+
+    def fill(self, reads: list[_Read], check: bool) -> dict[str | None, torch.Tensor]:
+        raw_need = sum(_align(ITEMSIZE[r.spec.dtype] * (r.stop - r.start)) for r in reads)
+        f32_need = sum(_align(r.stop - r.start) for r in reads if r.spec.dtype in FLOATS and r.spec.dtype != "F32")
+        if self.raw.numel() < raw_need:
+            self.raw = torch.empty(raw_need, dtype=torch.uint8)
+        if self.f32.numel() < f32_need:
+            self.f32 = torch.empty(f32_need, dtype=torch.float32)
+        raw_np, f32_np = self.raw.numpy(), self.f32.numpy()
+        out: dict[str | None, torch.Tensor] = {}
+        o = o32 = 0
+        for r in reads:
+            size = ITEMSIZE[r.spec.dtype]
+            nb, numel = (r.stop - r.start) * size, r.stop - r.start
+            r.file.read_into(r.file.data_start + r.spec.start + r.start * size, memoryview(raw_np[o:o + nb]))
+            t = self.raw[o:o + nb].view(TORCH_DTYPES[r.spec.dtype])
+            if r.spec.dtype in FLOATS:
+                if r.spec.dtype == "BF16":  # bf16 is the top half of a float32: widen with one shift
+                    np.left_shift(raw_np[o:o + nb].view(np.uint16), 16, out=f32_np[o32:o32 + numel].view(np.uint32),
+                                  dtype=np.uint32)
+                    t = self.f32[o32:o32 + numel]
+                elif r.spec.dtype != "F32":
+                    t = self.f32[o32:o32 + numel].copy_(t)
+                o32 += _align(numel)
+                if check and not _finite(t):
+                    raise CheckpointError(_nonfinite(r.file.label, r.spec.name))
+            out[r.tag] = t.reshape(r.shape)
+            o += _align(nb)
+        return out
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """All values finite? One sum first (cheap; NaN and Inf propagate), the exact test only if it is not."""
+    a = t.detach().numpy().reshape(-1)
+    return not a.size or math.isfinite(float(np.add.reduce(a, dtype=np.float32))) or bool(np.isfinite(a).all())
+
+
+def _nonfinite(label: str, name: str) -> str:
+    return (f"{label}: tensor {name} has NaN or Inf values: the model diverged or the file is damaged; "
+            "leave it out of the merge")
+
+
+class _Lane:
+    """Reads one model's segments in order into `depth` reusable slots, in its own thread."""
+
+    def __init__(self, label: str, ident: Any, plan: list[list[_Read]], depth: int, check: bool = True) -> None:
+        self.label, self.ident, self.plan, self.check = label, ident, plan, check
+        self.free: queue.Queue[_Slot | None] = queue.Queue()
+        for _ in range(depth):
+            self.free.put(_Slot())
+        self.ready: queue.Queue[Any] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"merge-read-{ident}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for reads in self.plan:
+            slot = self.free.get()
+            if slot is None:
+                return
+            try:
+                payload = slot.fill(reads, self.check)
+            except InputError as exc:
+                self.ready.put(exc)
+                return
+            except CheckpointError as exc:
+                self.ready.put(InputError(self.ident, str(exc)))
+                return
+            except BaseException as exc:  # an unexpected failure still names the input
+                self.ready.put(InputError(self.ident, f"{self.label}: {type(exc).__name__}: {exc}"))
+                return
+            self.ready.put((slot, payload))
+
+    def take(self) -> tuple[_Slot, dict[str | None, torch.Tensor]]:
+        item = self.ready.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.free.put(None)
+        self.thread.join()
+
+
+# -- the engine ----------------------------------------------------------------------------
+@dataclass
+class MergeStats:
+    bytes_read: int
+    seconds: float
+    grad_sq: float
+    manifests: list[dict[str, Any]]
+    state_manifest: dict[str, Any] | None
+
+
+def run_merge(
+    inputs: Sequence[Model],
+    weights: Sequence[float],
+    method: str,
+    outputs: Sequence[OutputFile],
+    *,
+    params: Mapping[str, Any] | None = None,
+    base: Model | None = None,
+    state_in: Model | None = None,
+    state_out: OutputFile | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    depth: int = 2,
+) -> MergeStats:
+    """Merge `inputs` (headers already checked against each other) into `outputs`, whose specs give
+    the tensors' order, dtypes and shapes; publish them (and `state_out`) only if all went well.
+
+    Takes ownership of the models: they are closed on return. An unusable input raises InputError
+    naming it (`ident`); the merged result's problems raise CheckpointError.
+    """
+    t0 = time.perf_counter()
+    spec = method_spec(method)
+    params = dict(params or {})
+    problems = check_method_args(method, list(weights), params, base is not None)
+    if problems:
+        raise ValueError("; ".join(problems))
+    models = [*inputs, *([base] if base else []), *([state_in] if state_in else [])]
+    lanes: list[_Lane] = []
+    writers: list[StreamWriter] = []
+    try:
+        order = [(name, dtype, shape) for out in outputs for name, dtype, shape, _ in out.specs]
+        n_lanes = len(models)
+        # slices of at most `chunk` elements: n_lanes * depth float32 slices fill the buffer budget
+        chunk = max(_MIN_CHUNK, min(_MAX_CHUNK, buffer_bytes // max(1, n_lanes * depth * 4)))
+        segments: list[_Segment] = []
+        for name, dtype, shape in order:
+            numel = math.prod(shape)
+            floating = dtype in FLOATS
+            step = chunk if spec.elementwise and floating else max(numel, 1)
+            segments += [_Segment(name, s, min(s + step, numel), numel, floating) for s in range(0, max(numel, 1), step)]
+
+        slots = state_slots(params["optimizer"]) if spec.stateful else []
+        state_specs = _state_in_specs(state_in, order, slots) if state_in else {}
+
+        def model_plan(m: Model) -> list[list[_Read]]:
+            plan = []
+            for seg in segments:
+                f, sp = m.tensors[seg.name]
+                shape = sp.shape if seg.whole else (seg.stop - seg.start,)
+                plan.append([_Read(None, f, sp, seg.start, seg.stop, shape)])
+            return plan
+
+        def state_plan(m: Model) -> list[list[_Read]]:
+            plan = []
+            for seg in segments:
+                reads = []
+                for slot, full in state_specs.get(seg.name, []):
+                    f, sp = m.tensors[state_key(seg.name, slot)]
+                    if full:
+                        shape = sp.shape if seg.whole else (seg.stop - seg.start,)
+                        reads.append(_Read(slot, f, sp, seg.start, seg.stop, shape))
+                    else:
+                        reads.append(_Read(slot, f, sp, 0, 1, ()))
+                plan.append(reads)
+            return plan
+
+        writers.append(StreamWriter(list(outputs)))
+        if state_out is not None:
+            writers.append(StreamWriter([state_out]))
+        # Methods that propagate NaN/Inf (sums) get the cheap check on their result only; the
+        # inputs are then checked one by one only to name the culprit. The state is always checked.
+        inner = params.get("inner", "average") if spec.stateful else method
+        check_each = not (spec.propagates_nonfinite and method_spec(inner).propagates_nonfinite)
+        for i, m in enumerate(inputs):
+            lanes.append(_Lane(m.label, m.ident, model_plan(m), depth, check_each))
+        base_lane = _Lane(base.label, base.ident, model_plan(base), depth, check_each) if base else None
+        state_lane = _Lane(state_in.label, state_in.ident, state_plan(state_in), depth) if state_in else None
+        lanes += [lane for lane in (base_lane, state_lane) if lane is not None]
+
+        stats: dict[str, float] = {}
+        dtypes = {name: TORCH_DTYPES[dtype] for name, dtype, _ in order}
+        shapes = {name: shape for name, _, shape in order}
+        pending: dict[str, torch.Tensor] = {}  # state slots of the current tensor, when they cannot stream
+        stream_state = len(slots) == 1 and slots[0][1]
+        for seg in segments:
+            taken = [lane.take() for lane in lanes]
+            parts = [p[None] for _, p in taken[: len(inputs)]]
+            base_part = taken[len(inputs)][1][None] if base_lane else None
+            state = dict(taken[-1][1]) if state_lane else {}
+            if seg.floating:
+                kwargs: dict[str, Any] = dict(params)
+                if spec.needs_base:
+                    kwargs["base"] = base_part
+                if spec.stateful:
+                    kwargs.update(state=state, stats=stats)
+                result = spec.fn(parts, list(weights), **kwargs)
+                if not _finite(result):
+                    for m, p in [*zip(inputs, parts), *([(base, base_part)] if base else [])]:
+                        if not bool(torch.isfinite(p).all()):
+                            raise InputError(m.ident, _nonfinite(m.tensors[seg.name][0].label, seg.name))
+                    raise CheckpointError(f"merged tensor {seg.name} has NaN or Inf values although every input is "
+                                          f"finite: the {method} merge overflowed; check the weights and the scale")
+                out_t = result if dtypes[seg.name] == torch.float32 else result.to(dtypes[seg.name])
+            else:
+                ref, ref_label = (base_part, base.label) if base_part is not None else (parts[0], inputs[0].label)
+                for m, p in zip(inputs, parts):
+                    if not torch.equal(p, ref):
+                        raise InputError(m.ident, f"{m.label}: tensor {seg.name} is {DTYPES[p.dtype]} (not floating point) "
+                                                  f"and differs from {ref_label}'s: such tensors are not merged, they must "
+                                                  "be identical in every input")
+                out_t = ref.clone()
+            for lane, (slot, _) in zip(lanes, taken):
+                lane.free.put(slot)
+            writers[0].put(seg.name, out_t)
+            if state_out is not None and seg.floating:
+                _put_state(writers[1], seg, state, slots, shapes[seg.name], pending, stream_state)
+        for w in writers:
+            w.finish()
+        for m in models:  # every byte has streamed past: compare the hashes before publishing anything
+            try:
+                m.verify()
+            except InputError:
+                raise
+            except CheckpointError as exc:
+                raise InputError(m.ident, str(exc)) from None
+        manifests = writers[0].commit()
+        state_manifest = writers[1].commit()[0] if state_out is not None else None
+        return MergeStats(sum(m.bytes for m in inputs), time.perf_counter() - t0, stats.get("grad_sq", 0.0),
+                          manifests, state_manifest)
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        for lane in lanes:
+            lane.close()
+        for m in models:
+            m.close()
+
+
+def _put_state(writer: StreamWriter, seg: _Segment, state: dict[str, torch.Tensor], slots: list[tuple[str, bool]],
+               shape: tuple[int, ...], pending: dict[str, torch.Tensor], stream: bool) -> None:
+    """Queue the new optimizer state of a segment. One full-size slot (momentum) streams as it
+    comes; otherwise the slots of one tensor are gathered, then written slot after slot."""
+    if stream:
+        slot = slots[0][0]
+        writer.put(state_key(seg.name, slot), state[slot].reshape(-1))
+        return
+    for slot, full in slots:
+        new = state[slot].detach()
+        if full:
+            buf = pending.setdefault(slot, torch.empty(seg.numel, dtype=torch.float32))
+            buf[seg.start: seg.stop] = new.reshape(-1)
+        else:
+            pending[slot] = new.to(torch.float32).reshape(())
+    if seg.last:
+        for slot, full in slots:
+            t = pending.pop(slot)
+            writer.put(state_key(seg.name, slot), t.reshape(shape) if full else t)
+
+
+def _state_in_specs(state_in: Model, order: list[tuple[str, str, tuple[int, ...]]],
+                    slots: list[tuple[str, bool]]) -> dict[str, list[tuple[str, bool]]]:
+    """Which slots the state file holds for each tensor, after checking it fits the model."""
+    shapes = {n: s for n, d, s in order if d in FLOATS}
+    have: dict[str, list[str]] = {}
+    problems = []
+    want = dict(slots)
+    for key, (_, sp) in state_in.tensors.items():
+        name, sep, slot = key.rpartition(STATE_SEP)
+        if not sep or name not in shapes:
+            problems.append(f"entry {key} names no floating-point tensor of the model")
+        elif slot not in want:
+            problems.append(f"entry {key} is not a state slot of this optimizer (it has {list(want) or 'none'})")
+        elif sp.dtype != "F32" or sp.shape != (shapes[name] if want[slot] else ()):
+            problems.append(f"entry {key} is {sp.dtype}{list(sp.shape)}, expected F32"
+                            f"{list(shapes[name]) if want[slot] else []}")
+        else:
+            have.setdefault(name, []).append(slot)
+    for name, got in have.items():
+        if set(got) != set(want):
+            problems.append(f"tensor {name} has state slots {sorted(got)}, the optimizer needs {sorted(want)}")
+    if problems:
+        raise InputError(state_in.ident, f"{state_in.label}: does not fit this model and optimizer: "
+                                         + "; ".join(problems[:5]) + "; pass the state file written by the same "
+                                         "merge and optimizer, or none to start from zero state")
+    return {name: [(s, f) for s, f in slots] for name in have}
+
+
+def state_out_specs(order: Sequence[tuple[str, str, tuple[int, ...]]], cfg: OuterConfig) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """The outer-state file's entries for a model whose tensors are `order` (name, dtype, shape)."""
+    out = []
+    for name, dtype, shape in order:
+        if dtype not in FLOATS:
+            continue
+        for slot, full in state_slots(cfg):
+            s = tuple(shape) if full else ()
+            out.append((state_key(name, slot), "F32", s, 4 * math.prod(s)))
+    return out
+
+
+# -- one round of a run --------------------------------------------------------------------
 def merge_round(
     storage: Storage,
     base_key: str,
@@ -99,77 +476,50 @@ def merge_round(
             rejected[exc.worker] = exc.reason
             live = [c for c in live if c.worker != exc.worker]
             continue
-        return MergeResult(merged=[c.worker for c in live], rejected=rejected, bytes_read=stats["bytes_read"],
-                           seconds=time.perf_counter() - t0, outer_grad_norm=stats["outer_grad_norm"],
-                           manifest=stats["manifest"])
+        return MergeResult(merged=[c.worker for c in live], rejected=rejected, bytes_read=stats.bytes_read,
+                           seconds=time.perf_counter() - t0, outer_grad_norm=stats.grad_sq ** 0.5,
+                           manifest=stats.manifests[0])
 
 
-def _open_inputs(storage: Storage, live: Sequence[Contribution], base: LazyCheckpoint) -> list[LazyCheckpoint]:
-    opened: list[LazyCheckpoint] = []
+def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key, method, metadata,
+                manifest) -> MergeStats:
+    opened: list[Model] = []
     try:
+        base = open_file_model(storage, base_key, f"global weights {storage.display(base_key)}", "base",
+                               require_manifest=True)
+        opened.append(base)
+        ref = model_specs(base)
+        inputs = []
         for c in live:
             try:
-                ck = open_checkpoint(storage, c.key, label=f"worker {c.worker} ({storage.display(c.key)})")
+                m = open_file_model(storage, c.key, f"worker {c.worker} ({storage.display(c.key)})", c.worker,
+                                    require_manifest=True)
             except CheckpointError as exc:
                 raise ContributionRejected(c.worker, str(exc)) from None
-            opened.append(ck)
-            problem = check_header(base, ck)
-            if problem:
-                raise ContributionRejected(c.worker, problem)
-        return opened
+            opened.append(m)
+            problems = compare_specs(ref, model_specs(m), "the global weights")
+            if problems:
+                raise ContributionRejected(c.worker, problems[0])
+            inputs.append(m)
+        state_in = None
+        if state_in_key is not None:
+            state_in = open_file_model(storage, state_in_key, f"outer optimizer state {storage.display(state_in_key)}",
+                                       "state", require_manifest=True)
+            opened.append(state_in)
     except BaseException:
-        for ck in opened:
-            ck.close()
+        for m in opened:
+            m.close()
         raise
-
-
-def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key, method, metadata, manifest):
-    merge_fn = get_method(method)
-    weights = [c.weight for c in live]
-    with open_checkpoint(storage, base_key, label=f"global weights {storage.display(base_key)}") as base:
-        inputs = _open_inputs(storage, live, base)
-        try:
-            state_in = _load_state(storage, state_in_key)
-            new_state: dict[str, torch.Tensor] = {}
-            sq = [0.0]
-
-            def stream() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, spec in base.specs.items():
-                    tensors = [_finite(ck, c.worker, name) for ck, c in zip(inputs, live)]
-                    merged = merge_fn(tensors, weights)
-                    new, st, grad = outer_step(base.get(name), merged, state_in.get(name, {}), outer)
-                    sq[0] += float(grad.double().pow(2).sum())
-                    for slot, t in st.items():
-                        new_state[state_key(name, slot)] = t
-                    yield name, new
-                for ck, c in zip(inputs, live):  # every byte has streamed past: check the hashes
-                    try:
-                        ck.verify()
-                    except CheckpointError as exc:
-                        raise ContributionRejected(c.worker, str(exc)) from None
-                base.verify()
-
-            specs = [(n, s.dtype, s.shape, s.nbytes) for n, s in base.specs.items()]
-            out_manifest = write_checkpoint(storage, out_key, specs=specs, stream=stream, metadata=metadata,
-                                            manifest=manifest)
-            if state_out_key is not None:
-                write_checkpoint(storage, state_out_key, new_state, manifest={"optimizer": outer.optimizer})
-            return {"bytes_read": sum(ck.size for ck in inputs), "outer_grad_norm": sq[0] ** 0.5,
-                    "manifest": out_manifest}
-        finally:
-            for ck in inputs:
-                ck.close()
-
-
-def _finite(ck: LazyCheckpoint, worker: int, name: str) -> torch.Tensor:
-    t = ck.get(name)
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise ContributionRejected(worker, f"tensor {name} has NaN or Inf values")
-    return t
-
-
-def _load_state(storage: Storage, key: str | None) -> dict[str, dict[str, torch.Tensor]]:
-    if key is None:  # the first outer step: the optimizer starts from zero state
-        return {}
-    with open_checkpoint(storage, key, label=f"outer optimizer state {storage.display(key)}") as ck:
-        return split_state(ck.load_all(verify=True))
+    order = [(n, s.dtype, s.shape) for n, s in ref.items()]
+    out = OutputFile(storage, out_key, [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in order], metadata,
+                     dict(manifest or {}))
+    state_out = None
+    if state_out_key is not None:
+        state_out = OutputFile(storage, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
+    try:
+        return run_merge(inputs, [c.weight for c in live], "outer", [out], params={"optimizer": outer, "inner": method},
+                         base=base, state_in=state_in, state_out=state_out)
+    except InputError as exc:
+        if isinstance(exc.ident, int):
+            raise ContributionRejected(exc.ident, exc.reason) from None
+        raise CheckpointError(exc.reason) from None

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (queue-wait: docs/scheduling.md)")
     from orchestrator import queuewait_cli
     queuewait_cli.add_parser(bench.add_subparsers(dest="bench", required=True))
+    from orchestrator import observe_cli
+    observe_cli.add_parsers(sub)  # report, eval
+    from orchestrator import merge_cli
+    merge_cli.add_parser(sub)  # merge: orchestrator/merge_cli.py
     return parser
 
 
@@ -214,6 +218,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 COMMANDS = {"submit": cmd_submit, "resume": cmd_resume, "status": cmd_status, "cancel": cmd_cancel}
 COMMANDS["bench"] = lambda args: args.bench_handler(args)  # each bench subcommand sets its handler
+COMMANDS["report"] = COMMANDS["eval"] = lambda args: args.observe_handler(args)  # orchestrator/observe_cli.py
+COMMANDS["merge"] = lambda args: args.merge_handler(args)  # orchestrator/merge_cli.py
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ saves an in-flight checkpoint to storage and asks to be requeued with the same t
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from core.config import Config
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
 from orchestrator.slurm import SlurmPoller, slurm_parameters
+from worker.persistent import current_round, run_persistent
 from worker.train import checkpoint_active, run_worker
 
 log = logging.getLogger(__name__)
@@ -30,12 +32,15 @@ class WorkerJob(submitit.helpers.Checkpointable):
     """The callable submitit runs on the node. Plain data in, a small summary out."""
 
     def __call__(self, task: WorkerTask) -> dict[str, Any]:
-        return run_worker(task)
+        return run_persistent(task) if task.persistent else run_worker(task)
 
     def checkpoint(self, task: WorkerTask) -> submitit.helpers.DelayedSubmission:
         # Called in the job when Slurm signals a time limit or preemption: save where we are so
-        # the requeued job resumes mid-round instead of starting the round over.
+        # the requeued job resumes mid-round instead of starting the round over. A persistent
+        # worker comes back at the round it was serving, not the one it started with.
         checkpoint_active()
+        if task.persistent and current_round() is not None:
+            task = dataclasses.replace(task, round=current_round())
         return submitit.helpers.DelayedSubmission(WorkerJob(), task)
 
 
@@ -74,7 +79,9 @@ class Executor:
             ex = submitit.LocalExecutor(folder=folder)
             ex.update_parameters(timeout_min=e.timeout_min, setup=list(e.setup))
             return ex
-        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
+        # A persistent worker meets its time limit once per lifetime, by design: let it requeue.
+        persistent = self.cfg.round.worker_mode == "persistent"
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=1000 if persistent else 3)
         ex.update_parameters(**slurm_parameters(self.cfg))
         return ex
 

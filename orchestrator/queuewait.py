@@ -137,6 +137,8 @@ def parse_sacct(text: str, source: str = "sacct", fields: Sequence[str] = SACCT_
     rows = [line.rstrip("\n").split("|") for line in text.splitlines() if line.strip()]
     if rows and rows[0] and rows[0][0].strip() == "JobID":
         fields, rows = [f.strip() for f in rows[0]], rows[1:]
+        if fields[-1] == "":  # `sacct -p` ends every line with a "|"
+            fields, rows = fields[:-1], [r[:-1] if r and r[-1] == "" else r for r in rows]
     missing = [f for f in ("JobID", "Submit", "Start", "NNodes") if f not in fields]
     if missing:
         raise QueueWaitError(f"{source}: sacct fields {list(fields)} lack {missing}; run sacct -P -o "
@@ -301,11 +303,11 @@ class ProjectionSpec:
         return math.ceil(self.rounds / self.lifetime_rounds)
 
 
-def queue_time(pool: np.ndarray, waits: int, parallel: int, samples: int,
-               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def queue_time(pool: np.ndarray, waits: int, parallel: int, samples: int, rng: np.random.Generator,
+               idle_waits: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Monte-Carlo queue time of `waits` successive waits, each the slowest of `parallel` jobs
     drawn from `pool` (with replacement). Returns per sample (queue seconds, idle node-seconds:
-    time the early jobs of each group hold a node until the slowest one starts)."""
+    time the early jobs of the first `idle_waits` groups hold a node until the slowest starts)."""
     queue, idle = np.empty(samples), np.empty(samples)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, waits * parallel))
     for lo in range(0, samples, chunk):
@@ -313,7 +315,7 @@ def queue_time(pool: np.ndarray, waits: int, parallel: int, samples: int,
         draws = rng.choice(pool, size=(hi - lo, waits, parallel))
         slowest = draws.max(axis=2)
         queue[lo:hi] = slowest.sum(axis=1)
-        idle[lo:hi] = (slowest[:, :, None] - draws).sum(axis=(1, 2))
+        idle[lo:hi] = (slowest[:, :idle_waits, None] - draws[:, :idle_waits]).sum(axis=(1, 2))
     return queue, idle
 
 
@@ -339,19 +341,23 @@ def project(data: WaitData, buckets: Sequence[Bucket], spec: ProjectionSpec) -> 
     one, many = _pool(waits, buckets, 1, data.source), _pool(waits, buckets, spec.workers, data.source)
     rng = np.random.default_rng(spec.seed)
     k, n, compute = spec.workers, spec.samples, spec.rounds * spec.round_seconds
+    # a persistent worker that started early idles after its first round of a lifetime until the
+    # slowest peer's contribution is merged; not after the run's very last round
+    last_rounds = spec.rounds - (spec.lifetimes - 1) * spec.lifetime_rounds
+    held = spec.lifetimes - (last_rounds == 1)
     runs = {
-        "data_parallel": (queue_time(many, spec.lifetimes, 1, n, rng), spec.lifetimes, False),
-        "per_round": (queue_time(one, spec.rounds, k, n, rng), spec.rounds * k, False),
-        "persistent": (queue_time(one, spec.lifetimes, k, n, rng), spec.lifetimes * k, True),
+        "data_parallel": (queue_time(many, spec.lifetimes, 1, n, rng), spec.lifetimes),
+        "per_round": (queue_time(one, spec.rounds, k, n, rng), spec.rounds * k),
+        "persistent": (queue_time(one, spec.lifetimes, k, n, rng, idle_waits=held), spec.lifetimes * k),
     }
     models = []
-    for key, ((queue, idle), submissions, holds) in runs.items():
+    for key, ((queue, idle), submissions) in runs.items():
         total = queue + compute
         models.append({
             "model": key, "label": MODELS[key].format(k=k), "job_submissions": submissions,
             "median_s": float(np.percentile(total, 50)), "p90_s": float(np.percentile(total, 90)),
             "mean_s": float(np.mean(total)), "queue_median_s": float(np.percentile(queue, 50)),
-            "idle_node_hours_median": float(np.percentile(idle, 50)) / 3600 if holds else 0.0,
+            "idle_node_hours_median": float(np.percentile(idle, 50)) / 3600,
         })
     return {"rounds": spec.rounds, "round_seconds": spec.round_seconds, "workers": k,
             "job_time_limit_s": spec.job_time_limit_s, "lifetime_rounds": spec.lifetime_rounds,

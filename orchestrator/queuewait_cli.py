@@ -128,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def fmt_s(seconds: float | None) -> str:
-    """Human duration: 42s, 12.5m, 3.2h, 2.1d."""
+    """Human duration: 42s, 12.5min, 3.2h, 2.1d."""
     if seconds is None:
         return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= 2 * size:
             return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.0f}s"
@@ -139,7 +139,7 @@ def fmt_s(seconds: float | None) -> str:
 
 def _headline(report: dict[str, Any]) -> str:
     reasons = ", ".join(f"{n} {why}" for why, n in report["skipped_reasons"].items())
-    cpn = f"; {report['cores_per_node']:g} cores per node" if report["cores_per_node"] else ""
+    cpn = f"; cores per node: {report['cores_per_node']:g}" if report["cores_per_node"] else ""
     return f"{report['source']}: {report['jobs']} jobs, {report['skipped']} skipped{f' ({reasons})' if reasons else ''}{cpn}"
 
 

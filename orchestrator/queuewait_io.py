@@ -132,6 +132,10 @@ def run_probes(node_counts: Sequence[int], per_size: int = 2, partition: str | N
     Every probe is cancelled on exit.
     """
     plan = probe_plan(node_counts, per_size)
+    nodes_there = partition_nodes(partition)
+    if max(plan) > nodes_there:
+        raise QueueWaitError(f"partition {partition or '(default)'} has {nodes_there} node(s) but --probe-nodes "
+                             f"asks for {max(plan)}; such a probe would pend forever")
     ids: list[str] = []
     with _sigterm_as_interrupt():
         try:
@@ -147,11 +151,31 @@ def run_probes(node_counts: Sequence[int], per_size: int = 2, partition: str | N
     return WaitData(data.source, data.jobs, {f"not started within {max_seconds:g}s": late} if late else {})
 
 
+def partition_nodes(partition: str | None) -> int:
+    """Number of nodes in `partition` (default: the default partition, marked * by sinfo)."""
+    rows = [line.split("|") for line in _run(["sinfo", "-h", "-N", "-o", "%N|%P"], "sizing the probes").split()]
+    name = partition or next((p.rstrip("*") for _, p in rows if p.endswith("*")), None)
+    nodes = {n for n, p in rows if p.rstrip("*") == name}
+    if not nodes:
+        known = sorted({p.rstrip("*") for _, p in rows})
+        raise QueueWaitError(f"partition {name or '(default)'} not found by sinfo; known: {', '.join(known) or 'none'}")
+    return len(nodes)
+
+
 def _wait_started(ids: list[str], max_seconds: float, poll_s: float) -> str:
-    """sacct text for the probes once all have a start time (or at the deadline)."""
+    """sacct text for the probes once all have a start time (or at the deadline).
+
+    A failing sacct (slurmdbd restarting) is retried until the deadline."""
     deadline = time.monotonic() + max_seconds
     while True:
-        text = _run(sacct_command(None, None, None, ids), "measuring the probes")
+        try:
+            text = _run(sacct_command(None, None, None, ids), "measuring the probes")
+        except QueueWaitError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s; retrying", exc)
+            time.sleep(max(poll_s, 2.0))
+            continue
         data = parse_sacct(text)
         if len(data.jobs) == len(ids) or time.monotonic() >= deadline:
             if len(data.jobs) < len(ids):
@@ -166,8 +190,9 @@ def cancel_probes(ids: Sequence[str]) -> None:
         return
     try:
         out = subprocess.run(["scancel", *ids], capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False)
-        if out.returncode != 0:
-            log.warning("scancel %s: %s", " ".join(ids), out.stderr.strip())
+        if out.returncode != 0:  # also when some had already ended: harmless
+            log.warning("scancel %s: %s; check with `squeue -j %s` and cancel what is left by hand",
+                        " ".join(ids), out.stderr.strip(), ",".join(ids))
         else:
             log.info("cancelled probe jobs %s", ",".join(ids))
     except (OSError, subprocess.TimeoutExpired) as exc:

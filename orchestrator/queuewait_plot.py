@@ -99,7 +99,7 @@ def write_plot(path: str | Path, data: WaitData, buckets: Sequence[Bucket], repo
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig).print_png(str(out))
-    log.info("wrote %s", out)
+    log.debug("wrote %s", out)
     return out
 
 

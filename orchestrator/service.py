@@ -26,6 +26,7 @@ from merge.outer import outer_step
 from merge.engine import Contribution, QuorumError, merge_round
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import Decision, WorkerView, decide, next_bases
+from orchestrator.metrics import write_round_metrics
 from orchestrator.runstate import Evaluator, arrived_workers, export_final, jobs_of_round
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,36 @@ class RoundService:
     def _ensure_submitted(self, r: int) -> dict[str, Any]:
         jobs = jobs_of_round(self.storage, r)
         if not jobs["workers"]:
-            self._submit(r, jobs, list(range(self.cfg.workers)), self._bases(r))
+            bases = self._bases(r)
+            adopted = self._assign_persistent(r, jobs, bases)
+            todo = [w for w in range(self.cfg.workers) if w not in adopted]
+            if todo:
+                self._submit(r, jobs, todo, bases)
+            else:
+                self.storage.write_json(L.round_jobs(r), jobs)
         return jobs
+
+    def _assign_persistent(self, r: int, jobs: dict[str, Any], bases: dict[int, str]) -> list[int]:
+        """Hand round r to persistent jobs of round r-1 that are still alive: no sbatch, no queue."""
+        if self.cfg.round.worker_mode != "persistent" or r == 0:
+            return []
+        prev = jobs_of_round(self.storage, r - 1)["workers"]
+        latest = {int(w): e["job_ids"][-1] for w, e in prev.items()}
+        states = self.executor.status(list(latest.values()))
+        adopted = [w for w, j in latest.items() if states[j].alive]
+        now = time.time()
+        for w in adopted:
+            jobs["workers"][str(w)] = {"attempts": 1, "job_ids": [latest[w]], "base": bases[w], "persistent": True,
+                                       "base_sha256": read_manifest(self.storage, bases[w])["sha256"], "submitted_at": now}
+        jobs.setdefault("submitted_at", now)
+        return adopted
 
     def _evaluate(self, record: dict[str, Any]) -> None:
         """Add the new global model's eval loss to a committed round record (off the critical path)."""
         r = record["round"]
         record["eval_loss"] = self.evaluator.loss(self.storage, L.global_weights(r + 1))
         self.storage.write_json(L.round_record(r), record)
+        write_round_metrics(self.storage, self.cfg, record)  # metrics/round_r.jsonl (docs/observability.md)
         self.on_round(record)
 
     def _evaluate_missing(self, upto: int) -> None:
@@ -128,7 +151,10 @@ class RoundService:
         for w in workers:
             entry = jobs["workers"].setdefault(str(w), {"attempts": 0, "job_ids": []})
             entry.update(base=bases[w], base_sha256=read_manifest(self.storage, bases[w])["sha256"])
-            tasks.append(WorkerTask(self.storage.url, r, w, bases[w], attempt=entry["attempts"], threads=threads))
+            persistent = self.cfg.round.worker_mode == "persistent"
+            entry["persistent"] = persistent
+            tasks.append(WorkerTask(self.storage.url, r, w, bases[w], attempt=entry["attempts"], threads=threads,
+                                    persistent=persistent))
         ids = self.executor.submit(tasks)
         now = time.time()
         for w, job_id in zip(workers, ids):
@@ -206,6 +232,7 @@ class RoundService:
 
     # -- merge + commit ---------------------------------------------------------------------
     def _merge(self, r: int, jobs: dict[str, Any], decision: Decision) -> dict[str, Any]:
+        self._idle: dict[int, float] = {}
         stale, contribs = self._contributions(r, jobs, decision.workers)
         t0 = time.time()
         try:
@@ -233,6 +260,7 @@ class RoundService:
             "outer_grad_norm": result.outer_grad_norm, "weights": {str(c.worker): c.weight for c in contribs},
             "submitted_at": jobs["submitted_at"], "merge_started_at": t0, "committed_at": time.time(),
             "global_sha256": result.manifest["sha256"],
+            "worker_idle_s": {str(w): s for w, s in self._idle.items()},  # persistent workers waiting for this round
             "jobs": {w: {**final[j].as_dict(), "attempts": jobs["workers"][w]["attempts"]} for w, j in latest.items()},
         }
         self.storage.write_json(L.round_record(r), record)  # the commit point of the round
@@ -268,4 +296,6 @@ class RoundService:
                 continue
             weight = float(m.get("tokens", 1)) if self.cfg.outer.weighting == "tokens" else 1.0
             out.append(Contribution(w, key, weight))
+            if m.get("waited_s") is not None:
+                self._idle[w] = m["waited_s"]
         return stale, out

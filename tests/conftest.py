@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,14 +15,75 @@ from core.storage import Storage  # noqa: E402
 
 _ids = itertools.count()
 
+try:  # an S3-compatible server for the suite: moto's server mode + s3fs (the `test` extra)
+    import moto.server
+    import s3fs  # noqa: F401
+    S3_SKIP = ""
+except ImportError as _exc:
+    S3_SKIP = f"the s3 backend needs moto[server] and s3fs: pip install -e .[test] ({_exc})"
 
-@pytest.fixture(params=["local", "memory"])
+
+@dataclass(frozen=True)
+class S3Server:
+    """moto's S3 server on 127.0.0.1 (a random free port) and one bucket on it."""
+
+    endpoint_url: str
+    bucket: str = "islands-test"
+    key: str = "testing"
+    secret: str = "testing"
+
+    def storage(self, name: str) -> Storage:
+        return Storage(f"s3://{self.bucket}/{name}", key=self.key, secret=self.secret,
+                       client_kwargs={"endpoint_url": self.endpoint_url, "region_name": "us-east-1"})
+
+    def objects(self, storage: Storage) -> list[str]:
+        """Keys under `storage`'s root, then its unfinished multipart uploads, asked of the server."""
+        import boto3
+        c = boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.key,
+                         aws_secret_access_key=self.secret, region_name="us-east-1")
+        prefix = storage.root.split("/", 1)[1] + "/"
+        keys = [o["Key"] for o in c.list_objects_v2(Bucket=self.bucket, Prefix=prefix).get("Contents", [])]
+        uploads = [u["Key"] for u in c.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix).get("Uploads", [])]
+        return sorted(k[len(prefix):] for k in keys) + [f"(upload in progress) {k[len(prefix):]}" for k in uploads]
+
+    def env(self) -> dict[str, str]:
+        """Environment that points every boto-based client at this server (what workers inherit)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint_url, "AWS_ACCESS_KEY_ID": self.key,
+                "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> S3Server:
+    if S3_SKIP:
+        pytest.skip(S3_SKIP)
+    import boto3
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    s3 = S3Server(f"http://{host}:{port}")
+    boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id=s3.key, aws_secret_access_key=s3.secret,
+                 region_name="us-east-1").create_bucket(Bucket=s3.bucket)
+    yield s3
+    server.stop()
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.skipif(bool(S3_SKIP), reason=S3_SKIP))])
 def storage(request, tmp_path) -> Storage:
-    """The same tests on a local directory and on fsspec's memory:// filesystem."""
+    """The same tests on a local directory, fsspec's memory:// and S3 (moto's server + s3fs)."""
     if request.param == "local":
         yield Storage(str(tmp_path / "run"))
         return
-    s = Storage(f"memory://islands-test-{next(_ids)}")
+    if request.param == "s3":
+        if request.node.originalname == "test_failed_atomic_write_leaves_nothing":
+            # Its last line lists the folder with the raw `fs.ls`, which raises on S3 once no object
+            # is left under a prefix (S3 has no folders). Drop this when that line checks
+            # `storage.fs.find(storage.root) == []` instead; test_storage_s3.py checks the S3 case.
+            request.applymarker(pytest.mark.xfail(raises=FileNotFoundError, strict=True,
+                                                  reason="raw fs.ls of an empty S3 prefix raises"))
+        s = request.getfixturevalue("s3_server").storage(f"run-{next(_ids)}")
+    else:
+        s = Storage(f"memory://islands-test-{next(_ids)}")
     yield s
     if s.fs.exists(s.root):
         s.fs.rm(s.root, recursive=True)

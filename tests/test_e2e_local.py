@@ -127,3 +127,17 @@ def test_cancel_stops_the_run(tmp_path, corpus_cache):
     assert b"cancelled during round 0" in out
     assert json.loads(subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run), "--json"],
                                      capture_output=True, cwd=Path(__file__).parent.parent).stdout)["state"] == "cancelled"
+
+
+def test_detached_service_local(tmp_path, corpus_cache, capsys):
+    from orchestrator.runstate import run_status
+
+    run = tmp_path / "run"
+    assert main(_tiny(run, corpus_cache, "--workers", "1", "--rounds", "2", "--inner-steps", "2", "--detach")) == 0
+    assert "merge service started as process" in capsys.readouterr().out
+    s = Storage(str(run))
+    deadline = time.time() + 120
+    while run_status(s)["state"] != "done":
+        assert time.time() < deadline, (run / "jobs" / "service.log").read_text()[-2000:]
+        time.sleep(0.2)
+    assert (run / "jobs" / "service.log").exists()

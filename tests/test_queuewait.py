@@ -147,6 +147,8 @@ def test_sacct_filters_and_headerless_input():
     assert sorted(j.wait_s for j in alice.jobs) == [30, 60] and alice.n_skipped == 1
     headerless = "\n".join(SACCT.splitlines()[1:])
     assert qw.parse_sacct(headerless).jobs == qw.parse_sacct(SACCT).jobs
+    trailing = "\n".join(line + "|" for line in SACCT.splitlines())  # sacct -p instead of -P
+    assert qw.parse_sacct(trailing).jobs == qw.parse_sacct(SACCT).jobs
 
 
 def test_sacct_without_needed_fields_is_an_error():
@@ -223,7 +225,11 @@ def test_projection_is_seeded_and_resubmitting_costs_more():
     m = _models(first)
     assert m["per_round"]["median_s"] >= m["persistent"]["median_s"] > 600
     assert m["per_round"]["p90_s"] >= m["persistent"]["p90_s"]
-    assert m["persistent"]["idle_node_hours_median"] > 0
+    assert m["persistent"]["idle_node_hours_median"] > 0 and m["per_round"]["idle_node_hours_median"] == 0
+    one_round = qw.ProjectionSpec(rounds=1, round_seconds=60, workers=4, samples=200)
+    m = _models(qw.project(data, qw.parse_buckets(), one_round))  # lo-fi: nobody waits for a merge
+    assert m["persistent"]["idle_node_hours_median"] == 0
+    assert m["persistent"]["median_s"] == pytest.approx(m["per_round"]["median_s"], rel=0.5)
 
 
 def test_projection_errors_say_how_to_fix():
@@ -293,9 +299,9 @@ def _squeue(*args: str) -> list[str]:
 
 @pytest.fixture
 def background_load():
-    """Three whole-node sleep jobs: only one of the 4 nodes stays free for a while."""
+    """Three whole-node sleep jobs: one of the 4 nodes stays free for a while. Yields whether some
+    node still has free CPUs once the load runs (other people's jobs may take them)."""
     ids = []
-    idle_cluster = not _squeue()
     try:
         for _ in range(3):
             out = subprocess.run(["sbatch", "--parsable", "-N", "1", "--exclusive", "-t", "5", "-J", "islands-qw-load",
@@ -305,7 +311,8 @@ def background_load():
         deadline = time.monotonic() + 20
         while set(_squeue("-t", "R", "-j", ",".join(ids))) != set(ids) and time.monotonic() < deadline:
             time.sleep(0.5)
-        yield idle_cluster
+        nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, timeout=30)
+        yield bool({"idle", "mix"} & set(nodes.stdout.split()))
     finally:
         subprocess.run(["scancel", *ids], timeout=30, check=False)
 
@@ -315,9 +322,10 @@ def background_load():
 def test_live_probes_single_node_starts_first(background_load):
     data = run_probes([1, 2, 4], per_size=2, max_seconds=45, poll_s=0.5)
     waits = qw.waits_by_bucket(data.jobs, qw.parse_buckets("1,2,4"))
+    print("probe waits (s) for 1, 2, 4 nodes:", [w.tolist() for w in waits])
     assert len(data.jobs) + data.n_skipped == 6 and len(data.jobs) >= 2
     assert not _squeue("-n", PROBE_NAME, "-t", "PD,R"), "probe jobs left behind"
-    if background_load and all(w.size for w in waits):  # someone else's jobs would make the order moot
+    if background_load and all(w.size for w in waits):  # with no free node at all the order is moot
         assert np.median(waits[0]) <= min(np.median(waits[1]), np.median(waits[2]))
 
 

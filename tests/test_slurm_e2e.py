@@ -137,3 +137,40 @@ def test_merge_service_killed_and_resumed(tmp_path, corpus_cache, capsys):
     main(["status", str(run), "--json"])
     st = json.loads(capsys.readouterr().out)
     assert st["state"] == "done" and [r["round"] for r in st["rounds"]] == [0, 1, 2]
+
+
+def test_detached_merge_service_runs_as_a_slurm_job(tmp_path, corpus_cache, capsys):
+    from orchestrator.runstate import run_status
+
+    run = tmp_path / "run"
+    assert main(_args(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "3", "--detach")) == 0
+    out = capsys.readouterr().out
+    job = out.split("Slurm job ")[1].split(";")[0]
+    s = Storage(str(run))
+    _wait_for(lambda: run_status(s)["state"] == "done", "the detached run to finish", timeout=240)
+    assert len(wait_for_sacct_state(job, "COMPLETED")) == 1  # the service's own job ended cleanly
+    assert s.read_json("rounds/00001/record.json")["merged"] == [0, 1]
+
+
+def test_persistent_workers_serve_rounds_across_a_requeue(tmp_path, corpus_cache):
+    """One job per worker serves every round; signalled as at its time limit, it is requeued and carries on."""
+    run = tmp_path / "run"
+    rounds = 6
+    proc = _start(_args(run, corpus_cache, "--workers", "2", "--rounds", str(rounds), "--inner-steps", "30",
+                        "--set", "round.worker_mode=persistent"))
+    s = Storage(str(run))
+    _wait_for(lambda: s.exists("rounds/00001/record.json"), "two rounds served", timeout=180, proc=proc)
+    job = s.read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
+    # USR2 is what Slurm sends before the time limit (--signal=USR2@...): submitit checkpoints and requeues
+    subprocess.run(["scancel", "--signal", "USR2", job], check=True)
+    _finish(proc, timeout=300)
+    jobs = [s.read_json(f"rounds/{r:05d}/jobs.json") for r in range(rounds)]
+    assert sum(j.get("sbatch_calls", 0) for j in jobs) == 1  # the queue was paid once
+    ids = {w: {tuple(j["workers"][w]["job_ids"]) for j in jobs} for w in ("0", "1")}
+    assert all(len(v) == 1 for v in ids.values()), ids  # the same job served every round
+    assert all(s.read_json(f"rounds/{r:05d}/record.json")["merged"] == [0, 1] for r in range(rounds))
+    history = subprocess.run(["sacct", "-D", "-P", "-n", "-X", "-o", "JobID,State", "-j", job.split("_")[0]],
+                             capture_output=True, text=True).stdout
+    assert "REQUEUED" in history, history  # requeued, and no contribution was lost
+    waits = [s.read_json(f"rounds/{r:05d}/contrib/worker_001.json")["waited_s"] for r in range(1, rounds)]
+    assert all(w is not None and w >= 0 for w in waits)  # idle time between rounds is recorded

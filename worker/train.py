@@ -136,6 +136,7 @@ class InnerTrainer:
         self.done = 0  # inner steps done in this round
         self.losses: list[float] = []
         self._next_beat = 0.0  # first heartbeat after the first step
+        self.waited_s: float | None = None  # a persistent worker's idle wait before this round
         self.resumed_at: int | None = None  # step of the in-flight checkpoint this job resumed from
         self.base_sha = self._load_base()
 
@@ -217,6 +218,7 @@ class InnerTrainer:
             "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
+            "waited_s": self.waited_s,
         }
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), weights_of(self.model), manifest=manifest)
         self.storage.remove(L.worker_inflight(t.worker, t.round))
@@ -241,12 +243,16 @@ class InnerTrainer:
                 self.storage.remove(key)
 
 
-def run_worker(task: WorkerTask) -> dict[str, Any]:
-    """Entry point of a worker job. Returns a small summary (the real output is in storage)."""
+def run_worker(task: WorkerTask, waited_s: float | None = None) -> dict[str, Any]:
+    """Entry point of a worker job. Returns a small summary (the real output is in storage).
+
+    `waited_s`: for a persistent worker, how long it sat idle waiting for this round (its
+    accelerator idle meanwhile); recorded in the manifest."""
     global _ACTIVE
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     trainer = InnerTrainer(task)
+    trainer.waited_s = waited_s
     _ACTIVE = trainer
     try:
         trainer.train()

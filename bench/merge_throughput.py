@@ -1,0 +1,339 @@
+"""Merge throughput and memory: our streaming merge vs the raw read rate of the same files.
+
+Creates N checkpoints shaped like a small Llama (39 tensors, ~1.02 GiB each in fp32 by default),
+each a Hugging Face directory (model.safetensors + config.json) with our manifest beside the
+weights, in a temporary directory on local disk (deleted at the end). Then, for K inputs:
+
+- raw read: the same files read with 16 MiB `readinto` buffers, one after another and K at once
+  in threads; the faster is the physical limit the merges are compared with;
+- ours: `merge.manual.manual_merge` (average), sha256 of every input verified against its manifest;
+- ours, plain files: the same with the manifests moved away (nothing to verify, as for files from
+  elsewhere: that is what mergekit and the naive baseline do);
+- naive: `safetensors.torch.load_file` every checkpoint, then average, then `save_file`;
+- mergekit: `mergekit-yaml` with `merge_method: linear` (float32), when it is installed.
+
+Each merge runs in its own process; its wall time minus the start-up of the same tool on a tiny
+merge gives the merge time, its peak RSS (wait4's ru_maxrss) is reported raw and minus that tiny
+merge's. The inputs are dropped from the page cache before every measurement (posix_fadvise
+DONTNEED on the input files; /proc/sys/vm/drop_caches once at the start when root),
+so inputs come from the disk while the tools' libraries stay cached; where eviction is impossible
+every measurement runs warm (the inputs read once before it).
+
+    python -m bench.merge_throughput [--k 8] [--rss-k 2,8,16] [--dir /tmp] [--repeats 2]
+        [--mergekit /path/to/mergekit-yaml] [--json results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+BUF = 16 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+def llama_shapes(hidden: int, inter: int, vocab: int, layers: int) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        for n in ("q", "k", "v", "o"):
+            shapes[p + f"self_attn.{n}_proj.weight"] = (hidden, hidden)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def llama_config(hidden: int, inter: int, vocab: int, layers: int) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 128),
+            "num_key_value_heads": max(1, hidden // 128), "vocab_size": vocab, "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "float32", "hidden_act": "silu"}
+
+
+def make_checkpoints(folder: Path, n: int, dims: tuple[int, int, int, int], dtype: str) -> list[Path]:
+    import torch
+
+    from core.checkpoint import write_checkpoint
+    from core.storage import Storage
+
+    shapes = llama_shapes(*dims)
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    out = []
+    for i in range(n):
+        d = folder / f"ck_{i:02d}"
+        if not (d / "model.json").exists():
+            g = torch.Generator().manual_seed(i)
+            tensors = {k: (torch.rand(s, generator=g) - 0.5).to(tdtype) for k, s in shapes.items()}
+            write_checkpoint(Storage(str(d)), "model.safetensors", tensors, metadata={"format": "pt"})
+            (d / "config.json").write_text(json.dumps(llama_config(*dims)))
+            del tensors
+        out.append(d)
+    return out
+
+
+# -- the page cache -----------------------------------------------------------------------------
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def evict(files: list[Path]) -> bool:
+    """Drop just these files from the page cache (the tools' own libraries stay cached)."""
+    os.sync()
+    try:
+        for p in files:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def warm(files: list[Path]) -> None:
+    buf = bytearray(BUF)
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+# -- raw read -----------------------------------------------------------------------------------
+def _read_file(p: Path) -> int:
+    buf = memoryview(bytearray(BUF))
+    n = 0
+    with open(p, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            n += k
+    return n
+
+
+def raw_read(files: list[Path], parallel: bool) -> float:
+    """Seconds to read every byte of `files` (one after another, or all at once in threads)."""
+    t0 = time.perf_counter()
+    if parallel:
+        threads = [threading.Thread(target=_read_file, args=(p,)) for p in files]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for p in files:
+            _read_file(p)
+    return time.perf_counter() - t0
+
+
+# -- children: one merge per process ------------------------------------------------------------
+def child(argv: list[str]) -> None:
+    kind, out, inputs = argv[0], argv[1], argv[2:]
+    t0 = time.perf_counter()
+    if kind == "ours":
+        from merge.manual import manual_merge
+        manual_merge(inputs, out)
+    elif kind == "naive":
+        import torch
+        from safetensors.torch import load_file, save_file
+        models = [load_file(str(Path(p) / "model.safetensors")) for p in inputs]
+        merged = {}
+        for name in models[0]:
+            acc = models[0][name].to(torch.float32, copy=True)
+            for m in models[1:]:
+                acc += m[name]
+            merged[name] = (acc / len(models)).to(models[0][name].dtype)
+        os.makedirs(out, exist_ok=True)
+        save_file(merged, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+    print(json.dumps({"inner_s": time.perf_counter() - t0}))
+
+
+def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, stdout) of one process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    out_chunks: list[bytes] = []
+    err_chunks: list[bytes] = []
+    readers = [threading.Thread(target=lambda: out_chunks.append(proc.stdout.read())),
+               threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()))]
+    for r in readers:
+        r.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    for r in readers:
+        r.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n{b''.join(err_chunks).decode()[-3000:]}")
+    return wall, usage.ru_maxrss * 1024, b"".join(out_chunks).decode()
+
+
+def merge_cmd(kind: str, out: Path, inputs: list[Path], mergekit: str | None) -> list[str]:
+    if kind == "mergekit":
+        cfg = out.parent / f"{out.name}.yml"
+        lines = ["merge_method: linear", "dtype: float32", "models:"]
+        for p in inputs:
+            lines += [f"  - model: {p}", "    parameters:", "      weight: 1.0"]
+        cfg.write_text("\n".join(lines) + "\n")
+        return [mergekit, str(cfg), str(out), "--no-copy-tokenizer", "--no-write-model-card", "--quiet",
+                "--out-shard-size", "100B"]
+    return [sys.executable, "-m", "bench.merge_throughput", "--child", kind, str(out), *map(str, inputs)]
+
+
+def hide_manifests(dirs: list[Path], hide: bool) -> None:
+    for d in dirs:
+        a, b = d / "model.json", d / "model.json.hidden"
+        if hide and a.exists():
+            a.rename(b)
+        elif not hide and b.exists():
+            b.rename(a)
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    ap.add_argument("--k", type=int, default=8, help="inputs of the throughput comparison")
+    ap.add_argument("--rss-k", default="2,8,16", help="input counts of the peak-RSS sweep")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="local disk for the temporary checkpoints")
+    ap.add_argument("--dims", default="2048,5632,16384,4", help="hidden,intermediate,vocab,layers")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per throughput measurement; the best is kept")
+    ap.add_argument("--mergekit", default=shutil.which("mergekit-yaml"), help="mergekit-yaml executable")
+    ap.add_argument("--naive-max-k", type=int, default=8, help="largest K for the naive baseline (it holds K models)")
+    ap.add_argument("--keep", help="reuse/keep checkpoints in this folder instead of a temporary one")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if args.child is not None:
+        child(args.child)
+        return
+
+    dims = tuple(int(x) for x in args.dims.split(","))
+    rss_ks = [int(x) for x in args.rss_k.split(",")]
+    n = max([args.k, *rss_ks])
+    folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="islands-merge-bench-", dir=args.dir))
+    folder.mkdir(parents=True, exist_ok=True)
+    results: dict = {"command": " ".join(["python -m bench.merge_throughput", *sys.argv[1:]]), "dims": dims,
+                     "dtype": args.dtype, "cpus": os.cpu_count()}
+    try:
+        t0 = time.time()
+        dirs = make_checkpoints(folder / "big", n, dims, args.dtype)
+        tiny = make_checkpoints(folder / "tiny", n, (64, 128, 128, 4), args.dtype)
+        files = [d / "model.safetensors" for d in dirs]
+        size = files[0].stat().st_size
+        results.update(checkpoint_bytes=size, tensors=len(llama_shapes(*dims)), created_s=round(time.time() - t0, 1))
+        print(f"{n} checkpoints of {size / 2**30:.3f} GiB ({len(llama_shapes(*dims))} tensors, {args.dtype}) "
+              f"in {folder}, made in {time.time() - t0:.0f}s", flush=True)
+        dropped = drop_caches()
+        cold = evict(files)
+        results.update(drop_caches=dropped, cold=cold)
+        print(("page cache dropped (/proc/sys/vm/drop_caches) once; " if dropped else "") +
+              ("the inputs are evicted from the page cache (posix_fadvise DONTNEED) before every measurement: "
+               "cold reads from disk" if cold else "cannot evict the inputs from the page cache: every measurement "
+               "runs warm"), flush=True)
+
+        def prepare(fs: list[Path]) -> None:
+            if cold:
+                evict(fs)
+            else:
+                warm(fs)
+
+        kinds = ["ours", "ours-plain", "naive"] + (["mergekit"] if args.mergekit else [])
+        if not args.mergekit:
+            print("mergekit: not installed (pip install mergekit, then --mergekit PATH); skipped", flush=True)
+
+        startup: dict[str, tuple[float, int]] = {}
+
+        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int]:
+            ins = (dirs if big else tiny)[:k]
+            out = folder / f"out-{kind}"
+            shutil.rmtree(out, ignore_errors=True)
+            hide_manifests(ins, kind == "ours-plain")
+            try:
+                prepare([d / "model.safetensors" for d in ins])
+                tool = "mergekit" if kind == "mergekit" else kind.split("-")[0]
+                wall, rss, _ = run_child(merge_cmd(tool if tool != "ours" else "ours", out, ins, args.mergekit))
+            finally:
+                hide_manifests(ins, False)
+                shutil.rmtree(out, ignore_errors=True)
+            return wall, rss
+
+        for kind in kinds:  # start-up: the same tool merging 2 tiny checkpoints
+            runs = [measure(kind, 2, big=False) for _ in range(2)]
+            startup[kind] = (min(r[0] for r in runs), min(r[1] for r in runs))
+        results["startup"] = {k: {"s": round(v[0], 3), "rss": v[1]} for k, v in startup.items()}
+
+        k = args.k
+        in_bytes = size * k
+        raw = {}
+        for mode in ("sequential", "parallel"):
+            times = []
+            for _ in range(args.repeats):
+                prepare(files[:k])
+                times.append(raw_read(files[:k], parallel=mode == "parallel"))
+            raw[mode] = in_bytes / min(times) / 1e9
+        limit = max(raw.values())
+        results["raw_read_gbps"] = raw
+        print(f"raw read of {k} files: sequential {raw['sequential']:.3f} GB/s, parallel {raw['parallel']:.3f} GB/s",
+              flush=True)
+
+        rows = []
+        for kind in kinds:
+            if kind == "naive" and k > args.naive_max_k:
+                continue
+            runs = [measure(kind, k) for _ in range(args.repeats)]
+            wall = min(r[0] for r in runs)
+            rss = max(r[1] for r in runs)
+            net = wall - startup[kind][0]
+            rate = in_bytes / net / 1e9
+            rows.append({"kind": kind, "k": k, "wall_s": round(wall, 2), "merge_s": round(net, 2), "gbps": round(rate, 3),
+                         "ratio_to_raw": round(rate / limit, 3), "peak_rss": rss,
+                         "rss_x_ckpt": round(rss / size, 3), "rss_minus_startup_x_ckpt": round((rss - startup[kind][1]) / size, 3)})
+            print(f"{kind:>10} K={k}: {net:.1f}s, {rate:.3f} GB/s = {rate / limit:.2f} x raw read; peak RSS "
+                  f"{rss / 2**30:.2f} GiB = {rss / size:.2f} x ckpt ({(rss - startup[kind][1]) / size:.2f} x above start-up)",
+                  flush=True)
+        results["throughput"] = rows
+
+        sweep = []
+        for kk in rss_ks:
+            for kind in kinds:
+                if kind == "ours-plain" or (kind == "naive" and kk > args.naive_max_k):
+                    continue
+                done = next((r for r in rows if r["kind"] == kind and r["k"] == kk), None)
+                if done is not None:
+                    rss = done["peak_rss"]
+                else:
+                    _, rss = measure(kind, kk)
+                sweep.append({"kind": kind, "k": kk, "peak_rss": rss, "rss_x_ckpt": round(rss / size, 3),
+                              "rss_minus_startup_x_ckpt": round((rss - startup[kind][1]) / size, 3)})
+                print(f"{kind:>10} K={kk}: peak RSS {rss / 2**30:.2f} GiB = {rss / size:.2f} x ckpt "
+                      f"({(rss - startup[kind][1]) / size:.2f} x above start-up)", flush=True)
+        results["rss_sweep"] = sweep
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""`orchestrate merge`: merge existing checkpoints, ours or anyone's, with any registered method.
+
+Inputs are `.safetensors` files or Hugging Face model directories (`model.safetensors`, or shards
++ `model.safetensors.index.json`) at any fsspec URL. A file with a manifest beside it (our
+checkpoints) is checked against the manifest's sha256; plain files from elsewhere are taken as
+they are. The output follows the first input's layout: a `.safetensors` OUT is one file (with a
+manifest, so it is a checkpoint of ours); any other OUT is a model directory with the first
+input's shard names and grouping, its safetensors metadata, its index (written last) and its
+other files (config, tokenizer, ...) copied, so `from_pretrained(OUT)` works.
+
+Every problem found before the maths (unreadable or truncated files, missing tensors, shape or
+dtype mismatches, bad parameters) is reported at once, each naming the file and tensor; a
+non-finite value found while streaming names its file and tensor too. Nothing is written unless
+the whole merge succeeds.
+"""
+from __future__ import annotations
+
+import math
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from core.config import OuterConfig
+from core.errors import CheckpointError, IslandsError
+from core.storage import Storage
+from merge.engine import DEFAULT_BUFFER_BYTES, compare_specs, model_specs, run_merge, state_out_specs
+from merge.methods import check_method_args
+from merge.reader import INDEX, ITEMSIZE, InputError, Model, open_file_model, open_model, split_url
+from merge.writer import OutputFile
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+
+
+class MergeError(IslandsError):
+    """A manual merge cannot be done; the message lists every problem, each with file and tensor."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"merge failed, nothing was written; {len(self.problems)} problem(s):\n{lines}")
+
+
+@dataclass
+class ManualResult:
+    method: str
+    inputs: int
+    bytes_read: int
+    seconds: float
+    outputs: list[str]
+    state: str | None
+
+
+def _norm(url: str) -> str:
+    proto, _ = fsspec.core.split_protocol(url)
+    _, path = fsspec.core.url_to_fs(url)
+    return f"{proto or 'file'}://{path.rstrip('/')}"
+
+
+def manual_merge(
+    inputs: Sequence[str],
+    out: str,
+    *,
+    method: str = "average",
+    weights: Sequence[float] | None = None,
+    base: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    outer: OuterConfig | None = None,
+    state: str | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+) -> ManualResult:
+    """Merge the models at `inputs` into `out` (see the module docstring); return what was done."""
+    params = dict(params or {})
+    weights = [1.0] * len(inputs) if weights is None else [float(w) for w in weights]
+    problems: list[str] = []
+    if len(weights) != len(inputs):
+        problems.append(f"{len(weights)} weights for {len(inputs)} inputs: give one weight per input")
+    if method == "outer":
+        params.setdefault("optimizer", outer or OuterConfig())
+    elif outer is not None or state is not None:
+        problems.append(f"outer-optimizer options and --outer-state are for --method outer, not {method}")
+    problems += check_method_args(method, weights if len(weights) == len(inputs) else [1.0] * len(inputs), params,
+                                  base is not None)
+    sources = {_norm(u): u for u in [*inputs, *([base] if base else [])]}
+    for target in [out, *([state] if state else [])]:
+        if _norm(target) in sources:
+            problems.append(f"{target} is also an input: write the merge somewhere else")
+    if problems:
+        raise MergeError(problems)
+
+    models: list[Model] = []
+    try:
+        for i, url in enumerate(inputs):
+            try:
+                models.append(open_model(url, ident=i))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        base_model = None
+        if base:
+            try:
+                base_model = open_model(base, ident="base", label=f"{base} (base)")
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise MergeError(problems)
+        ref = models[0]
+        ref_specs = model_specs(ref)
+        for m in [*models[1:], *([base_model] if base_model else [])]:
+            problems += [f"{m.label}: {p}" for p in compare_specs(ref_specs, model_specs(m), ref.label)]
+        if problems:
+            raise MergeError(problems + ["merge models of the same architecture and dtype (convert them first)"])
+
+        outputs, index_key, out_storage = _output_layout(ref, out, method, inputs, weights, params)
+        order = [(n, d, s) for o in outputs for n, d, s, _ in o.specs]
+        state_in = state_out = None
+        if method == "outer" and state:
+            state_dir, state_name = split_url(state)
+            sst = Storage(state_dir)
+            if sst.exists(state_name):
+                try:
+                    state_in = open_file_model(sst, state_name, f"{state} (outer state)", "state", require_manifest=False)
+                except CheckpointError as exc:
+                    raise MergeError([str(exc)]) from None
+                models.append(state_in)
+            state_out = OutputFile(sst, state_name, state_out_specs(order, params["optimizer"]), None,
+                                   {"optimizer": params["optimizer"].optimizer})
+        try:
+            stats = run_merge(models[: len(inputs)], weights, method, outputs, params=params, base=base_model,
+                              state_in=state_in, state_out=state_out, buffer_bytes=buffer_bytes)
+        except InputError as exc:
+            raise MergeError([exc.reason]) from None
+        except (CheckpointError, ValueError) as exc:
+            raise MergeError([str(exc)]) from None
+        if ref.directory and not out.endswith(".safetensors"):
+            _copy_other_files(ref, out_storage)
+        if index_key is not None:
+            index = dict(ref.index or {})
+            index["metadata"] = {**dict(index.get("metadata") or {}),
+                                 "total_size": sum(nb for o in outputs for *_, nb in o.specs)}
+            index["weight_map"] = {n: o.key for o in outputs for n, *_ in o.specs}
+            out_storage.write_json(index_key, index)  # last: the directory is whole from now on
+        return ManualResult(method, len(inputs), stats.bytes_read, stats.seconds,
+                            [o.storage.display(o.key) for o in outputs], state)
+    finally:
+        for m in models:
+            m.close()
+
+
+def _output_layout(ref: Model, out: str, method: str, inputs: Sequence[str], weights: Sequence[float],
+                   params: Mapping[str, Any]) -> tuple[list[OutputFile], str | None, Storage]:
+    """The output files (the first input's layout), the index key if sharded, and the output storage."""
+    def specs(names: list[str]) -> list[tuple[str, str, tuple[int, ...], int]]:
+        return [(n, sp.dtype, sp.shape, math.prod(sp.shape) * ITEMSIZE[sp.dtype])
+                for n in names for sp in [ref.tensors[n][1]]]
+
+    layout = ref.layout()
+    if out.endswith(".safetensors"):
+        parent, name = split_url(out)
+        st = Storage(parent)
+        names = [n for _, ns in layout for n in ns]
+        note = {"method": method, "inputs": list(inputs), "weights": list(weights),
+                **{k: v for k, v in params.items() if isinstance(v, (int, float, str))}}
+        return [OutputFile(st, name, specs(names), layout[0][0].metadata, note)], None, st
+    st = Storage(out)
+    if not ref.directory:
+        return [OutputFile(st, "model.safetensors", specs(layout[0][1]), layout[0][0].metadata)], None, st
+    files = [OutputFile(st, f.key, specs(names), f.metadata) for f, names in layout]
+    return files, (INDEX if ref.index is not None else None), st
+
+
+def _copy_other_files(ref: Model, dst: Storage) -> None:
+    """Config, tokenizer, generation config...: every top-level non-weight file of the first input."""
+    src = ref.storage
+    assert src is not None
+    shard_stems = {posixpath.splitext(f.key)[0] for f in ref.files}
+    for name in src.list(""):
+        if name.startswith(".") or name == INDEX or name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if name.endswith(".json") and name[: -len(".json")] in shard_stems:  # a shard's manifest, not the model's
+            continue
+        if src.fs.isdir(src.path(name)):
+            continue
+        try:
+            with src.open_read(name) as fin, dst.open_atomic(name) as fout:
+                while chunk := fin.read(16 << 20):
+                    fout.write(chunk)
+        except OSError as exc:
+            raise dst.error(f"copy {src.display(name)} to the output", exc) from exc

@@ -1,0 +1,294 @@
+"""Reading safetensors files for a merge: headers first, then byte ranges into reusable buffers.
+
+`TensorFile` parses and checks a file's header (and its size, so a truncated file is refused
+before any maths), then reads byte ranges straight into caller-owned buffers: positional reads
+(`os.preadv`) on local files, seek + readinto on any other fsspec file. No per-tensor bytes
+objects, no copies. When the file has a manifest (our checkpoints do), ranges read in file order
+are hashed on the way (hashlib releases the GIL, so reader threads hash in parallel) and
+`verify()` compares with the manifest at the end; files without one (safetensors from elsewhere)
+are not hashed.
+
+`Model` is one merge input: a single `.safetensors` file or a Hugging Face model directory
+(`model.safetensors`, or shards listed by `model.safetensors.index.json`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import posixpath
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from core.checkpoint import TORCH_DTYPES, TensorSpec
+from core.errors import CheckpointError, StorageError
+from core.layout import manifest_key
+from core.storage import Storage
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+FLOATS = {"F64", "F32", "F16", "BF16"}
+_MAX_HEADER = 100 << 20
+_VERIFY_CHUNK = 16 << 20
+
+
+class InputError(CheckpointError):
+    """One input of a merge is unusable; `ident` says which (a worker id, an input index)."""
+
+    def __init__(self, ident: Any, message: str) -> None:
+        super().__init__(message)
+        self.ident = ident
+        self.reason = message
+
+
+def load_manifest(storage: Storage, key: str, required: bool, label: str) -> dict[str, Any] | None:
+    """The manifest beside `key`: required for checkpoints of a run, optional for plain files.
+
+    A plain file's neighbour `X.json` that is not a manifest (no sha256) is ignored.
+    """
+    try:
+        m = storage.read_json(manifest_key(key))
+    except StorageError as exc:
+        if required:
+            raise CheckpointError(f"manifest of {label} is damaged: {exc}") from None
+        log.warning("%s: ignoring %s, which is not a manifest (%s)", label, manifest_key(key), exc)
+        return None
+    if m is None:
+        if required:
+            raise CheckpointError(f"{label}: no manifest, so the checkpoint is incomplete or absent")
+        return None
+    if not isinstance(m, dict) or "sha256" not in m:
+        if required:
+            raise CheckpointError(f"manifest of {label} lacks a sha256; delete it so the checkpoint is rewritten")
+        log.warning("%s: ignoring %s, which is not a manifest (no sha256)", label, manifest_key(key))
+        return None
+    return m
+
+
+class TensorFile:
+    """One safetensors file: parsed header, positional reads into buffers, optional sha256 check."""
+
+    def __init__(self, storage: Storage, key: str, label: str, manifest: dict[str, Any] | None) -> None:
+        self.storage, self.key, self.label, self.manifest = storage, key, label, manifest
+        self._fd: int | None = None
+        self._f: Any = None
+        local = storage.local_path(key)
+        try:
+            if local is not None:
+                self._fd = os.open(local, os.O_RDONLY)
+                actual = os.fstat(self._fd).st_size
+            else:
+                self._f = storage.open_read(key)
+                actual = storage.size(key)
+        except FileNotFoundError:
+            self.close()
+            raise CheckpointError(f"{label}: no such file") from None
+        except OSError as exc:
+            self.close()
+            raise CheckpointError(f"{label}: cannot be opened ({exc}); check the path and its permissions") from None
+        self._sha = hashlib.sha256() if manifest is not None else None
+        self._pos = 0  # bytes hashed so far: always a prefix of the file
+        try:
+            self.metadata, self.specs, self.data_start = self._read_header(actual)
+        except BaseException:
+            self.close()
+            raise
+        self.size = self.data_start + max((s.end for s in self.specs.values()), default=0)
+        if actual < self.size:
+            self.close()
+            raise CheckpointError(f"{label}: file is truncated: its header describes {self.size} bytes, the file has "
+                                  f"{actual}; copy or download it again")
+        if actual > self.size:
+            self.close()
+            raise CheckpointError(f"{label}: file has {actual - self.size} bytes after the last tensor: damaged or "
+                                  "not a safetensors file; copy or download it again")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def _read_header(self, actual: int) -> tuple[dict[str, str], dict[str, TensorSpec], int]:
+        if actual < 8:
+            raise CheckpointError(f"{self.label}: file is truncated ({actual} bytes): not a whole safetensors file")
+        (n,) = struct.unpack("<Q", self._read_bytes(0, 8))
+        if n > _MAX_HEADER or 8 + n > actual:
+            raise CheckpointError(f"{self.label}: header length {n} is implausible for a file of {actual} bytes: "
+                                  "not a safetensors file, or truncated")
+        try:
+            header = json.loads(self._read_bytes(8, n))
+            if not isinstance(header, dict):
+                raise ValueError("not a JSON object")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointError(f"{self.label}: safetensors header is not valid JSON ({exc}): the file is damaged") from None
+        meta = header.pop("__metadata__", None) or {}
+        specs = {}
+        for name, e in header.items():
+            try:
+                spec = TensorSpec(name, e["dtype"], tuple(int(d) for d in e["shape"]), *map(int, e["data_offsets"]))
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.label}: header entry for tensor {name} is malformed") from None
+            if spec.dtype not in TORCH_DTYPES:
+                raise CheckpointError(f"{self.label}: tensor {name} has unsupported dtype {spec.dtype} "
+                                      f"(supported: {', '.join(ITEMSIZE)})")
+            if spec.nbytes != math.prod(spec.shape) * ITEMSIZE[spec.dtype] or spec.start < 0:
+                raise CheckpointError(f"{self.label}: header entry for tensor {name} is malformed: offsets "
+                                      f"{spec.start}..{spec.end} do not hold {spec.dtype}{list(spec.shape)}")
+            specs[name] = spec
+        ordered = dict(sorted(specs.items(), key=lambda kv: kv[1].start))
+        return meta, ordered, 8 + n
+
+    def _read_bytes(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` with the file's bytes at `offset`; hash them if they continue the hashed prefix."""
+        want, got = len(out), 0
+        try:
+            if self._fd is not None:
+                while got < want:
+                    n = os.preadv(self._fd, [out[got:]], offset + got)
+                    if n <= 0:
+                        break
+                    got += n
+            else:
+                self._f.seek(offset)
+                while got < want:
+                    n = self._f.readinto(out[got:])
+                    if not n:
+                        break
+                    got += n
+        except OSError as exc:
+            raise CheckpointError(f"{self.label}: read failed at offset {offset} ({exc}); check the storage and retry") from None
+        if got != want:
+            raise CheckpointError(f"{self.label}: file is truncated (wanted {want} bytes at offset {offset}, got {got})")
+        if self._sha is not None and offset == self._pos:
+            self._sha.update(out)
+            self._pos += want
+
+    def verify(self) -> None:
+        """Raise unless the whole file hashes to its manifest's sha256 (files without one: no check)."""
+        if self.manifest is None or self._sha is None:
+            return
+        if self._pos < self.size:  # some ranges were read out of file order: hash the rest in one pass
+            buf = memoryview(bytearray(min(_VERIFY_CHUNK, self.size - self._pos)))
+            while self._pos < self.size:
+                self.read_into(self._pos, buf[: min(len(buf), self.size - self._pos)])
+        if self.manifest.get("bytes") not in (None, self.size):
+            raise CheckpointError(f"{self.label}: size {self.size} differs from the manifest's {self.manifest['bytes']}: "
+                                  "truncated or replaced")
+        if self._sha.hexdigest() != self.manifest["sha256"]:
+            raise CheckpointError(f"{self.label}: sha256 does not match the manifest: the file is corrupt; "
+                                  "delete it and its .json so it is written again")
+
+
+@dataclass
+class Model:
+    """One merge input: tensors by name, each in one of its files (1 file, or the shards of a directory)."""
+
+    label: str
+    ident: Any
+    files: list[TensorFile]
+    tensors: dict[str, tuple[TensorFile, TensorSpec]]
+    storage: Storage | None = None
+    directory: bool = False
+    index: dict[str, Any] | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def verify(self) -> None:
+        for f in self.files:
+            f.verify()
+
+    def layout(self) -> list[tuple[TensorFile, list[str]]]:
+        """Files in order with their tensors in file order: the order a merge reads and writes."""
+        return [(f, [n for n in f.specs if self.tensors[n][0] is f]) for f in self.files]
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """('memory://a/b', 'c.safetensors') for 'memory://a/b/c.safetensors'."""
+    proto, path = fsspec.core.split_protocol(url)
+    path = path.rstrip("/")
+    parent, name = posixpath.split(path)
+    parent = parent or ("/" if path.startswith("/") else ".")
+    return (f"{proto}://{parent}" if proto else parent), name
+
+
+def open_file_model(storage: Storage, key: str, label: str, ident: Any = None, *, require_manifest: bool) -> Model:
+    """A model stored as one safetensors file at `key` of `storage`."""
+    manifest = load_manifest(storage, key, require_manifest, label)
+    f = TensorFile(storage, key, label, manifest)
+    return Model(label, ident, [f], {n: (f, s) for n, s in f.specs.items()}, storage)
+
+
+def open_model(url: str, ident: Any = None, label: str | None = None) -> Model:
+    """Open a merge input by URL: a `.safetensors` file or a Hugging Face model directory."""
+    label = label or url
+    proto, path = fsspec.core.split_protocol(url)
+    storage = Storage(url)
+    try:
+        is_dir = storage.fs.isdir(storage.root)
+    except OSError as exc:
+        raise CheckpointError(f"{label}: cannot be read ({exc}); check the URL and credentials") from None
+    if not is_dir:
+        if not storage.fs.exists(storage.root):
+            raise CheckpointError(f"{label}: no such file or directory")
+        parent, name = split_url(url)
+        return open_file_model(Storage(parent), name, label, ident, require_manifest=False)
+    names = storage.list("")
+    if INDEX in names:
+        index = storage.read_json(INDEX)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{label}/{INDEX}: has no weight_map: not a Hugging Face safetensors index")
+        shards = sorted(set(index["weight_map"].values()))
+    elif SINGLE in names:
+        index, shards = None, [SINGLE]
+    else:
+        found = [n for n in names if n.endswith(".safetensors")]
+        if len(found) != 1:
+            raise CheckpointError(f"{label}: a model directory needs {SINGLE} or {INDEX}; found "
+                                  f"{found or 'no .safetensors files'}")
+        index, shards = None, found
+    files: list[TensorFile] = []
+    try:
+        for s in shards:
+            flabel = f"{label.rstrip('/')}/{s}"
+            files.append(TensorFile(storage, s, flabel, load_manifest(storage, s, False, flabel)))
+        tensors: dict[str, tuple[TensorFile, TensorSpec]] = {}
+        for f in files:
+            for n, spec in f.specs.items():
+                if n in tensors:
+                    raise CheckpointError(f"{label}: tensor {n} is in both {tensors[n][0].key} and {f.key}: "
+                                          "the shards overlap; fix the model directory")
+                tensors[n] = (f, spec)
+        if index is not None:
+            wm = index["weight_map"]
+            wrong = [n for n, shard in wm.items() if n not in tensors or tensors[n][0].key != shard]
+            unlisted = [n for n in tensors if n not in wm]
+            if wrong or unlisted:
+                raise CheckpointError(f"{label}/{INDEX} disagrees with the shards: tensors {wrong[:5]} are not where "
+                                      f"the index says, {unlisted[:5]} are not in the index; re-save the model")
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return Model(label, ident, files, tensors, storage, directory=True, index=index)

@@ -1,0 +1,164 @@
+"""Streaming output of a merge: safetensors files written tensor by tensor, published only on commit.
+
+Each file's header is computed from shapes and dtypes before any data (core.checkpoint.build_header),
+so tensors are written as they are merged, by a writer thread that overlaps the disk with the maths.
+Files go to hidden temporary names; `commit()` renames them all into place and then writes the
+manifests (files that want one), in order; `abort()` deletes them. Nothing is visible until the
+whole merge has succeeded.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import posixpath
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+from core.checkpoint import DTYPES, TensorSpec, build_header, tensor_bytes
+from core.errors import CheckpointError
+from core.layout import manifest_key
+from core.storage import TMP_PREFIX, Storage
+
+_DONE = object()
+
+
+@dataclass
+class OutputFile:
+    storage: Storage
+    key: str
+    specs: list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype, shape, nbytes) in file order
+    metadata: Mapping[str, str] | None = None
+    manifest: Mapping[str, Any] | None = None
+    """Fields of the JSON manifest written beside the file on commit; None: no manifest (HF shards)."""
+    entry: dict[str, Any] = field(default_factory=dict)  # the manifest as written, after commit
+
+
+class StreamWriter:
+    """Writes `files` one after another from a thread, tensor by tensor, in their specs' order."""
+
+    def __init__(self, files: list[OutputFile], depth: int = 2) -> None:
+        self.files = files
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._tmp: list[tuple[OutputFile, str]] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="merge-writer", daemon=True)
+        self.seconds_blocked = 0.0
+        self._thread.start()
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        """Queue the next tensor (or slice of one, in order); the writer owns it from now on."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._q.put((name, t), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def _run(self) -> None:
+        try:
+            for out in self.files:
+                self._write_file(out)
+            item = self._q.get()
+            if item is not _DONE:
+                raise CheckpointError(f"the merge produced more tensors than the output's headers hold (extra: {item[0]})")
+        except BaseException as exc:  # reported to the main thread by put()/finish()
+            self._error = exc
+            with contextlib.suppress(queue.Empty):  # unblock a producer waiting on a full queue
+                while True:
+                    self._q.get_nowait()
+
+    def _write_file(self, out: OutputFile) -> None:
+        header, layout = build_header(out.specs, out.metadata)
+        final = out.storage.path(out.key)
+        tmp = posixpath.join(posixpath.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(final)}")
+        fs = out.storage.fs
+        try:
+            fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            f: IO[bytes] = fs.open(tmp, "wb")
+        except OSError as exc:
+            raise out.storage.error(f"create {out.key}", exc) from exc
+        self._tmp.append((out, tmp))
+        sha = hashlib.sha256() if out.manifest is not None else None
+        nbytes = 0
+        with f:
+            for data in self._file_chunks(header, layout):
+                try:
+                    f.write(data)
+                except OSError as exc:
+                    raise out.storage.error(f"write {out.key}", exc) from exc
+                if sha is not None:
+                    sha.update(data)
+                nbytes += len(data)
+        out.entry = {} if sha is None else {
+            **(out.manifest or {}), "file": out.key.rsplit("/", 1)[-1], "sha256": sha.hexdigest(), "bytes": nbytes,
+            "tensors": len(layout)}
+
+    def _file_chunks(self, header: bytes, layout: list[TensorSpec]):
+        yield memoryview(header)
+        for spec in layout:
+            left = spec.nbytes
+            first = True
+            while left > 0 or first:
+                item = self._q.get()
+                if item is _DONE:
+                    raise CheckpointError(f"the merge ended before tensor {spec.name} was written")
+                name, t = item
+                data = tensor_bytes(t)
+                if name != spec.name or DTYPES.get(t.dtype) != spec.dtype or len(data) > left:
+                    raise CheckpointError(f"tensor {name} {t.dtype} ({len(data)} bytes) does not fit the output header's "
+                                          f"{spec.name} {spec.dtype} ({left} bytes left): the engine's order is wrong")
+                left -= len(data)
+                first = False
+                if len(data):
+                    yield data
+
+    def finish(self) -> None:
+        """Wait until every queued tensor is written (files still under temporary names)."""
+        while self._thread.is_alive():
+            if self._error is None:
+                try:
+                    self._q.put(_DONE, timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+            break
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def commit(self) -> list[dict[str, Any]]:
+        """Rename every file into place, then write the manifests; returns them ({} for none)."""
+        for out, tmp in self._tmp:
+            try:
+                out.storage.fs.mv(tmp, out.storage.path(out.key))
+            except OSError as exc:
+                raise out.storage.error(f"publish {out.key}", exc) from exc
+        self._tmp = []
+        for out in self.files:
+            if out.manifest is not None:
+                out.entry["written_at"] = time.time()
+                out.storage.write_json(manifest_key(out.key), out.entry)
+        return [out.entry for out in self.files]
+
+    def abort(self) -> None:
+        """Stop the thread and delete every temporary file: nothing of this merge stays behind."""
+        self._error = self._error or CheckpointError("merge aborted")
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._q.get_nowait()
+        with contextlib.suppress(queue.Full):
+            self._q.put_nowait(_DONE)
+        self._thread.join(timeout=30)
+        for out, tmp in self._tmp:
+            with contextlib.suppress(Exception):
+                out.storage.fs.rm(tmp)
+        self._tmp = []

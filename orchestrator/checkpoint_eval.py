@@ -1,0 +1,156 @@
+"""`orchestrate eval CHECKPOINT...`: held-out loss of checkpoints, and of their output-space ensemble.
+
+A checkpoint is a safetensors file written by islands (any fsspec URL; the model is rebuilt from
+its metadata) or a run directory, meaning its final model (or, while the run is going, its latest
+global model). The held-out batches are the ones the merge service evaluates on, taken from the
+config of the run the first checkpoint belongs to (or `--run`), so a run's final model scores
+exactly its last round's eval loss.
+
+The ensemble (lo-fi's "ensemble" row) averages the models' next-byte *probabilities*, not their
+weights: loss = -mean log(1/K sum_k softmax(logits_k)[target]). Every loss, single or ensemble, is
+computed by the same function, so the ensemble of one model is that model's loss exactly.
+"""
+from __future__ import annotations
+
+import math
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from core.checkpoint import LazyCheckpoint, read_manifest
+from core.config import Config
+from core.errors import CheckpointError, RunError
+from core.layout import SAFETENSORS, RunLayout, manifest_key
+from core.storage import Storage
+from orchestrator.runstate import load_run
+from worker.data import eval_batches, load_corpus, split_heldout
+from worker.weights import MODEL_META, build_model, load_model, load_weights
+
+L = RunLayout()
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str  # what the user typed, plus which checkpoint of a run was taken
+    url: str  # the checkpoint file
+    run: str | None  # the run directory it belongs to, if any
+
+
+def _latest_global(storage: Storage) -> str | None:
+    names = set(storage.list("global"))
+    rounds = [r for n in names if (r := L.parse_round(n, "round")) is not None
+              and manifest_key(L.global_weights(r)).rsplit("/", 1)[-1] in names]
+    return L.global_weights(max(rounds)) if rounds else None
+
+
+def _run_of(url: str, levels: int = 4) -> str | None:
+    """The run directory holding a checkpoint file (RUN/final/x, RUN/global/x, RUN/rounds/r/contrib/x)."""
+    here = posixpath.dirname(url.rstrip("/"))
+    for _ in range(levels):
+        if here and Storage(here).exists(L.CONFIG):
+            return here
+        parent = posixpath.dirname(here)
+        if parent == here or parent.endswith(":/") or not parent:
+            return None
+        here = parent
+    return None
+
+
+def resolve(arg: str) -> Target:
+    """A run directory (its final model, else its latest global model) or a checkpoint file."""
+    storage = Storage(arg)
+    if storage.exists(L.CONFIG):
+        key = L.FINAL if storage.exists(manifest_key(L.FINAL)) else _latest_global(storage)
+        if key is None:
+            raise RunError(f"run {storage.display()} has no global model yet")
+        label = arg if key == L.FINAL else f"{arg} ({key})"
+        return Target(label, posixpath.join(storage.url, key), storage.url)
+    root, name = posixpath.split(storage.url)
+    if name.endswith(SAFETENSORS) and Storage(root or ".").exists(name):
+        return Target(arg, storage.url, _run_of(storage.url))
+    raise RunError(f"{arg} is neither a run directory (no {L.CONFIG}) nor a checkpoint file ({SAFETENSORS}); "
+                   "give a run directory or the path of a .safetensors checkpoint")
+
+
+def load(target: Target) -> torch.nn.Module:
+    """The model of a checkpoint: rebuilt from its metadata (global and final models carry it), or
+    from its run's config (workers' contributions do not)."""
+    root, name = posixpath.split(target.url)
+    storage = Storage(root or ".")
+    with LazyCheckpoint(storage, name, read_manifest(storage, name), label=target.label) as ck:
+        if MODEL_META in ck.metadata or target.run is None:
+            tensors = None
+        else:
+            tensors = ck.load_all(verify=ck.manifest is not None)
+    if tensors is None:
+        return load_model(target.url)
+    model = build_model(load_run(Storage(target.run)).model)
+    load_weights(model, tensors, target.label)
+    return model
+
+
+# -- the maths: one function for single models and the ensemble ---------------------------------
+def nll(log_probs: Sequence[torch.Tensor], targets: torch.Tensor) -> float:
+    """Mean negative log-likelihood of `targets` under the average of the given distributions
+    (log-probabilities of shape (B, T, V)); one distribution is just that model's loss."""
+    stacked = torch.stack([lp.double() for lp in log_probs])
+    mixed = torch.logsumexp(stacked, dim=0) - math.log(len(log_probs))
+    return float(-mixed.gather(-1, targets.unsqueeze(-1)).mean())
+
+
+def ensemble_losses(models: Sequence[torch.nn.Module], batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> tuple[list[float], float]:
+    """Each model's mean loss over the batches and the ensemble's (mean of per-batch means,
+    as worker.data.estimate_loss computes it)."""
+    singles = [0.0] * len(models)
+    mixed = 0.0
+    for m in models:
+        m.eval()
+    with torch.no_grad():
+        for x, y in batches:
+            lps = [F.log_softmax(m(x)[0].float(), dim=-1) for m in models]
+            for i, lp in enumerate(lps):
+                singles[i] += nll([lp], y)
+            mixed += nll(lps, y)
+    return [s / len(batches) for s in singles], mixed / len(batches)
+
+
+def row(label: str, loss: float) -> dict[str, Any]:
+    return {"checkpoint": label, "loss": round(loss, 5), "perplexity": round(math.exp(loss), 4),
+            "bits_per_byte": round(loss / math.log(2), 5)}
+
+
+# -- I/O ----------------------------------------------------------------------------------------
+def data_config(targets: Sequence[Target], run: str | None) -> tuple[Config, str]:
+    """The config whose held-out split and seed define the eval data, and where it came from."""
+    where = run or next((t.run for t in targets if t.run), None)
+    if where is None:
+        return Config(), "defaults (no run directory found: the standard library corpus, seed 0)"
+    return load_run(Storage(where)), f"{Storage(where).display()}/{L.CONFIG}"
+
+
+def evaluate_checkpoints(args: Sequence[str], batches: int | None = None, run: str | None = None,
+                         cache_dir: str | None = None) -> dict[str, Any]:
+    """Losses of every checkpoint and, for two or more, of their ensemble (what `--json` prints)."""
+    if not args:
+        raise RunError("give at least one checkpoint or run directory to evaluate")
+    targets = [resolve(a) for a in args]
+    cfg, source = data_config(targets, run)
+    models = [load(t) for t in targets]
+    if len({m.vocab_size for m in models}) > 1:
+        raise CheckpointError("the checkpoints have different vocabularies: "
+                              + ", ".join(f"{t.label}: {m.vocab_size}" for t, m in zip(targets, models)))
+    block = min([cfg.model.block_size] + [m.block_size for m in models])
+    n = batches or cfg.data.eval_batches
+    corpus = load_corpus(cfg.data.source, include_tests=cfg.data.include_tests, cache_dir=cache_dir or cfg.data.cache_dir)
+    _, heldout = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
+    data = eval_batches(corpus, heldout, block, cfg.inner.batch_size, n, cfg.seed)
+    singles, mixed = ensemble_losses(models, data)
+    return {"data": {"config": source, "batches": n, "batch_size": cfg.inner.batch_size, "block_size": block,
+                     "tokens": n * cfg.inner.batch_size * block},
+            "models": [row(t.label, v) for t, v in zip(targets, singles)],
+            "ensemble": row(f"ensemble of {len(models)} (mean of probabilities)", mixed) if len(models) > 1 else None}

@@ -1,0 +1,71 @@
+"""`orchestrate report` and `orchestrate eval`: the command-line edge of seeing a run.
+
+The work is done in orchestrator.report and orchestrator.checkpoint_eval; this module parses
+arguments and prints (a rich table on a terminal, plain lines otherwise). docs/observability.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from core.storage import Storage
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("report", help="PNG plots and one self-contained HTML page of a run (docs/observability.md)")
+    p.add_argument("run", help="run directory (any fsspec URL), finished or in progress")
+    p.add_argument("--out", help="folder for report.html, the PNGs and metrics.jsonl (default: ./<run name>-report)")
+    p.set_defaults(observe_handler=cmd_report)
+    p = sub.add_parser("eval", help="held-out loss of checkpoints and of their ensemble")
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                   help="a .safetensors checkpoint, or a run directory (its final model)")
+    p.add_argument("--batches", type=int, help="held-out batches (default: the run's data.eval_batches)")
+    p.add_argument("--run", help="run directory whose held-out data to use (default: the first checkpoint's run)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(observe_handler=cmd_eval)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from orchestrator.cli import console
+    from orchestrator.report import write_report
+
+    storage = Storage(args.run)
+    out = Path(args.out) if args.out else Path(f"{Path(storage.root).name or 'run'}-report")
+    result = write_report(storage, out)
+    console.print(f"report of {storage.display()} ({result['state']}, {result['rounds']} rounds committed): "
+                  f"{result['html']}", markup=False)
+    console.print(f"plots: {', '.join(Path(p).name for p in result['images'])}; metrics: {result['metrics']}", markup=False)
+    for line in result["problems"]:
+        console.print(line, markup=False)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from orchestrator.checkpoint_eval import evaluate_checkpoints
+    from orchestrator.cli import console
+
+    if args.batches is not None and args.batches < 1:
+        from core.errors import RunError
+        raise RunError(f"--batches must be at least 1, got {args.batches}")
+    result = evaluate_checkpoints(args.checkpoints, batches=args.batches, run=args.run)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    rows = result["models"] + ([result["ensemble"]] if result["ensemble"] else [])
+    d = result["data"]
+    title = (f"held-out eval: {d['batches']} batches x {d['batch_size']} x {d['block_size']} bytes "
+             f"({d['tokens']} tokens; data from {d['config']})")
+    if console.is_terminal:
+        table = Table("checkpoint", "loss (nats/byte)", "perplexity", "bits/byte", title=title)
+        for r in rows:
+            table.add_row(r["checkpoint"], f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r['bits_per_byte']:.4f}")
+        console.print(table)
+        return 0
+    print(title)
+    for r in rows:
+        print(f"{r['checkpoint']}\tloss {r['loss']:.4f}\tperplexity {r['perplexity']:.2f}\tbits/byte {r['bits_per_byte']:.4f}")
+    return 0

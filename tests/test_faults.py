@@ -1,0 +1,392 @@
+"""Storage faults, the run lock and killed writers, injected for real where we can.
+
+Real: a full disk (a 1 MiB tmpfs, as root), processes SIGKILLed mid-write, a lock left by a dead
+process. Simulated at the fsspec boundary: transient I/O errors and a slow shared filesystem.
+Figures and the fault matrix: docs/reliability.md.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from core.checkpoint import build_header, load_checkpoint, open_checkpoint, read_manifest, write_checkpoint
+from core.config import OuterConfig
+from core.errors import CheckpointError, RunError, StorageError
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from merge.engine import Contribution, merge_round
+from orchestrator.runstate import acquire_lock, arrived_workers, release_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+L = RunLayout()
+TENSORS = {f"t{i:02d}": torch.full((64, 64), float(i)) for i in range(4)}
+
+
+# -- transient errors: retried with back-off, then a clear failure ---------------------------------
+def _flaky(monkeypatch, fs, method: str, failures: int | None):
+    """Make fs.<method> raise EIO `failures` times (None: forever), then behave."""
+    real, calls = getattr(fs, method), []
+
+    def flaky(*a, **k):
+        calls.append(time.monotonic())
+        if failures is None or len(calls) <= failures:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*a, **k)
+    monkeypatch.setattr(fs, method, flaky)
+    return calls
+
+
+def test_default_back_off_schedule(tmp_path, monkeypatch):
+    s = Storage(str(tmp_path / "run"))
+    s.write_bytes("x.bin", b"data")
+    slept: list[float] = []
+    monkeypatch.setattr("core.storage.time.sleep", slept.append)
+    _flaky(monkeypatch, s.fs, "cat_file", None)
+    with pytest.raises(StorageError) as info:
+        s.read_bytes("x.bin")
+    assert slept == [0.2, 0.4, 0.8, 1.6]  # 5 attempts, 3.0 s of back-off before giving up
+    assert str(info.value).startswith(f"could not read x.bin in {tmp_path / 'run'} after 5 attempts over ")
+    assert str(info.value).endswith(": Input/output error; check that the storage is reachable and retry")
+
+
+def test_transient_write_errors_are_retried_and_leave_no_temporary(tmp_path, monkeypatch, caplog):
+    s = Storage(str(tmp_path / "run"), backoff_s=0.02)
+    calls = _flaky(monkeypatch, s.fs, "mv", 2)  # the publishing rename fails twice (NFS server hiccup)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="core.storage"):
+        s.write_json("a/b.json", {"k": 1})
+    elapsed = time.monotonic() - t0
+    assert s.read_json("a/b.json") == {"k": 1} and len(calls) == 3
+    assert 0.06 <= elapsed < 1.0  # 0.02 + 0.04 s of back-off
+    assert "publish a/b.json failed" in caplog.text and "retry 2/4" in caplog.text
+    assert os.listdir(tmp_path / "run" / "a") == ["b.json"]
+
+
+def test_persistent_errors_fail_after_the_retries_with_what_where_how(tmp_path, monkeypatch):
+    s = Storage(str(tmp_path / "run"), retries=3, backoff_s=0.02)
+    calls = _flaky(monkeypatch, s.fs, "ls", None)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match=r"could not list rounds/00000/contrib in .*/run after 4 attempts "
+                                           r"over 0\.\ds: Input/output error; check that the storage is reachable"):
+        s.list("rounds/00000/contrib")
+    assert len(calls) == 4 and 0.14 <= time.monotonic() - t0 < 1.5  # 0.02 + 0.04 + 0.08 s
+
+
+# -- a real full disk ------------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs mounted for the test (needs root); unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def test_checkpoint_bigger_than_the_disk(small_disk):
+    s = Storage(str(small_disk / "run"))
+    key = L.contribution(0, 1)
+    big = {"w": torch.zeros(512 * 1024)}  # 2 MiB of float32 on a 1 MiB disk
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match=r"could not write checkpoint rounds/00000/contrib/worker_001.safetensors "
+                                           r"in .*: No space left on device; the disk is full: free space on it, "
+                                           r"then `orchestrate resume` the run"):
+        write_checkpoint(s, key, big, manifest={"round": 0, "worker": 1})
+    assert time.monotonic() - t0 < 1.0  # reported at once: no retry can free space
+    assert os.listdir(small_disk / "run" / "rounds" / "00000" / "contrib") == []  # no temporary, no manifest
+    assert s.list(L.contributions_dir(0)) == [] and arrived_workers(s, 0) == []
+    with pytest.raises(CheckpointError, match="no manifest"):
+        open_checkpoint(s, key)
+    assert _free_bytes(small_disk) == 1 << 20  # every byte given back
+
+
+def test_disk_full_at_the_manifest_publishes_nothing_and_resumes(small_disk):
+    s = Storage(str(small_disk / "run"))
+    key = L.contribution(0, 1)
+    s.fs.makedirs(s.path(L.contributions_dir(0)))  # folders first: only the file's pages count below
+    # A checkpoint that takes exactly the space left: its data lands, its manifest cannot.
+    free = fill = _free_bytes(small_disk)
+    for _ in range(3):
+        fill = free - len(build_header([("w", "U8", (fill,), fill)], None)[0])
+    with pytest.raises(StorageError, match="disk is full.*orchestrate resume"):
+        write_checkpoint(s, key, {"w": torch.zeros(fill, dtype=torch.uint8)}, manifest={"round": 0, "worker": 1})
+    names = os.listdir(small_disk / "run" / "rounds" / "00000" / "contrib")
+    assert names == ["worker_001.safetensors"]  # whole data, but no manifest and no temporary
+    assert read_manifest(s, key) is None and arrived_workers(s, 0) == []
+    with pytest.raises(CheckpointError, match="no manifest"):
+        load_checkpoint(s, key)
+    # Free the space and do it again (what `orchestrate resume` does): the rewrite publishes.
+    s.remove(key)
+    write_checkpoint(s, key, {"w": torch.zeros(fill // 2, dtype=torch.uint8)}, manifest={"round": 0, "worker": 1})
+    assert arrived_workers(s, 0) == [1]
+
+
+# -- a slow shared filesystem ----------------------------------------------------------------------
+class LaggyListingFS(LocalFileSystem):
+    """Simulates NFS attribute caching (acdirmin/acregmin): a file that appears on the server is
+    invisible to this client (listing, exists, open, cat) until `lag` polls after it first could
+    have been seen. `tick()` is one poll of the reader."""
+
+    cachable = False  # a fresh instance (fresh caches) per test, not fsspec's shared one
+
+    def __init__(self, lag: int) -> None:
+        super().__init__()
+        self.lag, self.now, self.first_seen = lag, 0, {}
+
+    def tick(self) -> None:
+        self.now += 1
+
+    def _visible(self, path: str) -> bool:
+        path = self._strip_protocol(path)
+        if not os.path.exists(path):
+            return False
+        seen = self.first_seen.setdefault(path, self.now)
+        return self.now - seen >= self.lag
+
+    def ls(self, path, detail=False, **kwargs):
+        out = super().ls(path, detail=detail, **kwargs)
+        return [e for e in out if self._visible(e["name"] if detail else e)]
+
+    def exists(self, path, **kwargs):
+        return self._visible(path)
+
+    def cat_file(self, path, *a, **k):
+        if not self._visible(path):
+            raise FileNotFoundError(path)
+        return super().cat_file(path, *a, **k)
+
+    def _open(self, path, mode="rb", *a, **k):
+        if "r" in mode and not self._visible(path):
+            raise FileNotFoundError(path)
+        return super()._open(path, mode, *a, **k)
+
+
+def test_files_appearing_late_do_not_break_manifest_readers(tmp_path):
+    writer = Storage(str(tmp_path / "run"))
+    reader = Storage(str(tmp_path / "run"))
+    reader.fs = LaggyListingFS(lag=3)
+    key = L.contribution(0, 2)
+    write_checkpoint(writer, L.contribution(0, 0), TENSORS, manifest={"round": 0})
+
+    seen: list[list[int]] = []
+    for poll in range(10):
+        reader.fs.tick()
+        if poll == 1:  # worker 2's data lands; its manifest comes 3 polls later
+            with writer.open_atomic(key) as f:
+                f.write(writer.read_bytes(L.contribution(0, 0)))
+        if poll == 4:
+            writer.write_bytes(manifest_key(key), writer.read_bytes(manifest_key(L.contribution(0, 0))))
+        arrived = arrived_workers(reader, 0)
+        seen.append(arrived)
+        for w in arrived:  # whatever a reader takes for arrived is whole
+            load_checkpoint(reader, L.contribution(0, w))
+    # Worker 0 shows 3 polls late; worker 2's data is visible from poll 4 but it counts only once
+    # its manifest is (poll 7): a reader that trusts manifests waits, it never reads too early.
+    assert seen == [[], [], [], [0], [0], [0], [0], [0, 2], [0, 2], [0, 2]]
+
+
+# -- the run lock ----------------------------------------------------------------------------------
+_SECOND_ORCHESTRATOR = """
+import sys
+from core.errors import RunError
+from core.storage import Storage
+from orchestrator.runstate import acquire_lock
+try:
+    acquire_lock(Storage(sys.argv[1]))
+except RunError as exc:
+    print(exc)
+    sys.exit(3)
+print("acquired")
+"""
+
+
+def _python(code: str, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, **kw)
+
+
+def test_second_orchestrator_is_refused_naming_pid_and_host(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    acquire_lock(s)
+    second = _python(_SECOND_ORCHESTRATOR, s.url)
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 3, err
+    assert f"another orchestrator (pid {os.getpid()} on {socket.gethostname()}) drives {s.url}" in out
+    assert "--force" in out
+    assert s.read_json(L.LOCK)["pid"] == os.getpid()
+    release_lock(s)
+    assert not s.exists(L.LOCK)
+
+
+def _dead_pid() -> int:
+    """The pid of a real process that has been SIGKILLed and reaped."""
+    proc = subprocess.Popen(["sleep", "60"])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
+    s = Storage(str(tmp_path / "run"))
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        s.write_json(L.LOCK, {"pid": live.pid, "host": socket.gethostname(), "since": time.time()})
+        with pytest.raises(RunError, match=f"pid {live.pid} on {socket.gethostname()}"):
+            acquire_lock(s)
+    finally:
+        live.kill()
+        live.wait()
+    s.write_json(L.LOCK, {"pid": _dead_pid(), "host": socket.gethostname(), "since": time.time()})
+    with caplog.at_level(logging.WARNING):
+        acquire_lock(s)
+    assert "its process is gone" in caplog.text
+    assert s.read_json(L.LOCK)["pid"] == os.getpid()
+
+
+def test_lock_on_another_host_needs_force(tmp_path, caplog):
+    s = Storage(str(tmp_path / "run"))
+    s.write_json(L.LOCK, {"pid": _dead_pid(), "host": "some-other-node", "since": time.time()})
+    with pytest.raises(RunError, match="on some-other-node.*pass --force if you are sure it is gone"):
+        acquire_lock(s)  # its pid means nothing here: the lock is not stale from this host's view
+    with caplog.at_level(logging.WARNING):
+        acquire_lock(s, force=True)
+    assert "forced" in caplog.text and s.read_json(L.LOCK)["host"] == socket.gethostname()
+
+
+def test_only_the_owner_releases_the_lock(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    other = {"pid": 1, "host": socket.gethostname(), "since": 0.0}
+    s.write_json(L.LOCK, other)
+    release_lock(s)
+    assert s.read_json(L.LOCK) == other
+    s.write_json(L.LOCK, {**other, "host": "elsewhere", "pid": os.getpid()})  # our pid, not our host
+    release_lock(s)
+    assert s.exists(L.LOCK)
+    s.remove(L.LOCK)
+    acquire_lock(s)
+    release_lock(s)
+    assert not s.exists(L.LOCK)
+
+
+def test_simultaneous_lock_creation_has_one_winner(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    barrier, won = threading.Barrier(8), {}
+
+    def contend(i: int) -> None:
+        barrier.wait()
+        won[i] = s.create_exclusive(L.LOCK, json.dumps({"pid": i}).encode())
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, w in won.items() if w]
+    assert len(winners) == 1 and s.read_json(L.LOCK) == {"pid": winners[0]}
+    assert s.list("") == ["lock.json"] and os.listdir(tmp_path / "run") == ["lock.json"]
+
+
+# -- a worker killed while writing its checkpoint --------------------------------------------------
+_WRITER = """
+import sys, time, torch
+from core.checkpoint import write_checkpoint
+from core.storage import Storage
+url, key, phase = sys.argv[1:4]
+s = Storage(url)
+names = [f"t{i:02d}" for i in range(24)]
+specs = [(n, "F32", (128 * 1024,), 512 * 1024) for n in names]  # 24 x 512 KiB = 12 MiB
+def stream():
+    for i, n in enumerate(names):
+        if phase == "mid-write" and i == 12:
+            print("half written", flush=True)
+            time.sleep(120)
+        yield n, torch.full((128 * 1024,), float(i))
+real_write_json = s.write_json
+def write_json(k, obj):
+    if phase == "before-manifest":
+        print("data published", flush=True)
+        time.sleep(120)
+    real_write_json(k, obj)
+s.write_json = write_json
+write_checkpoint(s, key, specs=specs, stream=stream, manifest={"round": 0, "worker": 1})
+print("finished", flush=True)
+"""
+
+
+def _kill_writer_at(url: str, key: str, phase: str, expect: str, env: dict[str, str] | None = None) -> None:
+    proc = _python(_WRITER, url, key, phase, env=env)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == expect, (line, proc.stderr.read() if proc.poll() is not None else "")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(params=["local", "s3"])
+def kill_target(request, tmp_path):
+    """(Storage, S3 server or None, environment for the writer process): a local directory, S3."""
+    if request.param == "local":
+        return Storage(str(tmp_path / "run")), None, {}
+    s3 = request.getfixturevalue("s3_server")
+    # 5 MiB parts (fsspec's config from the environment) so that the killed writer has a multipart
+    # upload in flight, not just a buffer in memory.
+    env = {**s3.env(), "FSSPEC_S3": json.dumps({"default_block_size": 5 << 20})}
+    return s3.storage(f"killed-{tmp_path.name}"), s3, env
+
+
+def test_worker_killed_mid_write_publishes_nothing(kill_target):
+    s, s3, env = kill_target
+    key = L.contribution(0, 1)
+    _kill_writer_at(s.url, key, "mid-write", "half written", env)
+    assert s.list(L.contributions_dir(0)) == [] and not s.exists(key) and read_manifest(s, key) is None
+    assert arrived_workers(s, 0) == []
+    with pytest.raises(CheckpointError, match="worker_001.safetensors: no manifest, so the checkpoint is incomplete"):
+        open_checkpoint(s, key)
+    if s.is_local:  # what SIGKILL leaves: a partial temporary that no listing shows
+        (tmp,) = os.listdir(s.local_path(L.contributions_dir(0)))
+        assert tmp.startswith(".tmp-") and 0 < os.path.getsize(s.local_path(L.contributions_dir(0) + "/" + tmp)) < 12 << 20
+    else:  # on S3: an unfinished multipart upload, which is no object at all
+        assert s3.objects(s) == [f"(upload in progress) {key}"]
+
+
+def test_worker_killed_between_data_and_manifest_is_never_merged(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    base = {f"t{i:02d}": torch.zeros(128 * 1024) for i in range(24)}
+    write_checkpoint(s, L.global_weights(0), base, manifest={"round": 0})
+    write_checkpoint(s, L.contribution(0, 0), {k: v + 1 for k, v in base.items()}, manifest={"round": 0, "worker": 0})
+    _kill_writer_at(s.url, L.contribution(0, 1), "before-manifest", "data published")
+    assert s.list(L.contributions_dir(0)) == ["worker_000.json", "worker_000.safetensors", "worker_001.safetensors"]
+    assert arrived_workers(s, 0) == [0]  # the poller does not count it
+    contributions = [Contribution(0, L.contribution(0, 0), 1.0), Contribution(1, L.contribution(0, 1), 1.0)]
+    result = merge_round(s, L.global_weights(0), contributions, L.global_weights(1), OuterConfig(optimizer="sgd", lr=1.0),
+                         state_in_key=None, state_out_key=None)
+    assert result.merged == [0] and "no manifest" in result.rejected[1]
+    merged = load_checkpoint(s, L.global_weights(1))[0]
+    assert all(torch.equal(merged[k], base[k] + 1) for k in base)  # worker 0 alone, nothing of worker 1

@@ -1,0 +1,80 @@
+"""A persistent worker: one job that serves round after round, paying the queue wait once.
+
+After publishing its contribution to round r, the job waits on storage until the merge service
+assigns it round r+1 (an entry for this worker in rounds/r+1/jobs.json naming this job), then trains
+from the base it is given. It stops when the run is over, cancelled or failed, or when the service
+has handed the worker to another job. At its time limit Slurm signals it; the job saves an
+in-flight checkpoint if it is training and is requeued to carry on at the round it was serving.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from core.layout import RunLayout
+from core.storage import Storage
+from core.task import WorkerTask
+from worker.train import load_run_config, run_worker
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+WAIT_POLL_S = 0.2
+_CURRENT_ROUND: int | None = None  # the round this process serves or waits for (for requeue)
+
+
+def current_job_id() -> str | None:
+    """This job's id as the scheduler (and so the merge service) names it: 12_3 for array tasks."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID")
+
+
+def current_round() -> int | None:
+    return _CURRENT_ROUND
+
+
+def wait_for_assignment(storage: Storage, r: int, worker: int, job_id: str | None) -> dict[str, Any] | None:
+    """This worker's entry in round r's jobs.json once it names this job; None when we should stop."""
+    last_log = time.monotonic()
+    while True:
+        if storage.exists(L.CANCEL) or storage.exists(L.FAILED):
+            log.info("worker %d: the run was cancelled or failed; stopping", worker)
+            return None
+        entry = (storage.read_json(L.round_jobs(r)) or {}).get("workers", {}).get(str(worker))
+        if entry is not None:
+            if job_id is not None and entry["job_ids"][-1] != job_id:
+                log.info("worker %d: round %d went to job %s, not this job (%s); stopping", worker, r, entry["job_ids"][-1], job_id)
+                return None
+            return entry
+        if time.monotonic() - last_log > 60:
+            log.info("worker %d: waiting for round %d to be assigned", worker, r)
+            last_log = time.monotonic()
+        time.sleep(WAIT_POLL_S)
+
+
+def run_persistent(task: WorkerTask) -> dict[str, Any]:
+    """Serve rounds task.round, task.round+1, ... until the run ends. Returns a summary."""
+    global _CURRENT_ROUND
+    storage = Storage(task.run_url)
+    cfg = load_run_config(storage)
+    job_id = current_job_id()
+    served = []
+    r = task.round
+    while r < cfg.rounds:
+        _CURRENT_ROUND = r
+        t_wait = time.monotonic()
+        entry = wait_for_assignment(storage, r, task.worker, job_id)
+        if entry is None:
+            break
+        if storage.exists(L.round_record(r)):  # round r was closed while this job was requeued
+            r += 1
+            continue
+        sub = dataclasses.replace(task, round=r, base_key=entry["base"], attempt=entry["attempts"] - 1)
+        served.append(run_worker(sub, waited_s=round(time.monotonic() - t_wait, 3)))
+        r += 1
+    _CURRENT_ROUND = None
+    return {"worker": task.worker, "rounds": [s["round"] for s in served]}
