@@ -147,13 +147,14 @@ def raw_read(files: list[Path], parallel: bool) -> float:
 # -- children: one merge per process ------------------------------------------------------------
 def child(argv: list[str]) -> None:
     kind, out, inputs = argv[0], argv[1], argv[2:]
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from merge.manual import manual_merge
     t0 = time.perf_counter()
     if kind == "ours":
-        from merge.manual import manual_merge
         manual_merge(inputs, out)
     elif kind == "naive":
-        import torch
-        from safetensors.torch import load_file, save_file
         models = [load_file(str(Path(p) / "model.safetensors")) for p in inputs]
         merged = {}
         for name in models[0]:
@@ -166,8 +167,8 @@ def child(argv: list[str]) -> None:
     print(json.dumps({"inner_s": time.perf_counter() - t0}))
 
 
-def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes, stdout) of one process."""
+def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, int, float, str]:
+    """(wall seconds, peak RSS bytes, CPU seconds, stdout) of one process."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
     out_chunks: list[bytes] = []
@@ -183,7 +184,7 @@ def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, int, str]
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n{b''.join(err_chunks).decode()[-3000:]}")
-    return wall, usage.ru_maxrss * 1024, b"".join(out_chunks).decode()
+    return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime, b"".join(out_chunks).decode()
 
 
 def merge_cmd(kind: str, out: Path, inputs: list[Path], mergekit: str | None) -> list[str]:
@@ -262,7 +263,8 @@ def main() -> None:
 
         startup: dict[str, tuple[float, int]] = {}
 
-        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int]:
+        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int, float, float | None]:
+            """(wall s, peak RSS, CPU s, the merge's own time when it reports one) of one merge."""
             ins = (dirs if big else tiny)[:k]
             out = folder / f"out-{kind}"
             shutil.rmtree(out, ignore_errors=True)
@@ -270,16 +272,19 @@ def main() -> None:
             try:
                 prepare([d / "model.safetensors" for d in ins])
                 tool = "mergekit" if kind == "mergekit" else kind.split("-")[0]
-                wall, rss, _ = run_child(merge_cmd(tool if tool != "ours" else "ours", out, ins, args.mergekit))
+                wall, rss, cpu, stdout = run_child(merge_cmd(tool, out, ins, args.mergekit))
             finally:
                 hide_manifests(ins, False)
                 shutil.rmtree(out, ignore_errors=True)
-            return wall, rss
+            inner = json.loads(stdout.strip().splitlines()[-1])["inner_s"] if tool in ("ours", "naive") else None
+            return wall, rss, cpu, inner
 
-        for kind in kinds:  # start-up: the same tool merging 2 tiny checkpoints
-            runs = [measure(kind, 2, big=False) for _ in range(2)]
-            startup[kind] = (min(r[0] for r in runs), min(r[1] for r in runs))
-        results["startup"] = {k: {"s": round(v[0], 3), "rss": v[1]} for k, v in startup.items()}
+        for kind in kinds:  # start-up: the same tool merging 2 tiny checkpoints (median of 3)
+            runs = [measure(kind, 2, big=False) for _ in range(3)]
+            startup[kind] = (sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1], sorted(r[2] for r in runs)[1])
+        results["startup"] = {k: {"s": round(v[0], 3), "rss": v[1], "cpu_s": round(v[2], 2)} for k, v in startup.items()}
+        print("start-up (tiny merge): " + ", ".join(f"{k} {v[0]:.1f}s {v[1] / 2**20:.0f} MiB" for k, v in startup.items()),
+              flush=True)
 
         k = args.k
         in_bytes = size * k
@@ -300,16 +305,20 @@ def main() -> None:
             if kind == "naive" and k > args.naive_max_k:
                 continue
             runs = [measure(kind, k) for _ in range(args.repeats)]
-            wall = min(r[0] for r in runs)
-            rss = max(r[1] for r in runs)
+            best = min(runs, key=lambda r: r[0])
+            wall, rss, inner = best[0], max(r[1] for r in runs), best[3]
             net = wall - startup[kind][0]
+            cpu_per_gb = (min(r[2] for r in runs) - startup[kind][2]) / (in_bytes / 1e9)
             rate = in_bytes / net / 1e9
             rows.append({"kind": kind, "k": k, "wall_s": round(wall, 2), "merge_s": round(net, 2), "gbps": round(rate, 3),
-                         "ratio_to_raw": round(rate / limit, 3), "peak_rss": rss,
-                         "rss_x_ckpt": round(rss / size, 3), "rss_minus_startup_x_ckpt": round((rss - startup[kind][1]) / size, 3)})
-            print(f"{kind:>10} K={k}: {net:.1f}s, {rate:.3f} GB/s = {rate / limit:.2f} x raw read; peak RSS "
-                  f"{rss / 2**30:.2f} GiB = {rss / size:.2f} x ckpt ({(rss - startup[kind][1]) / size:.2f} x above start-up)",
-                  flush=True)
+                         "ratio_to_raw": round(rate / limit, 3), "inner_s": inner and round(inner, 2),
+                         "cpu_s_per_gb": round(cpu_per_gb, 2), "peak_rss": rss, "rss_x_ckpt": round(rss / size, 3),
+                         "rss_minus_startup_x_ckpt": round((rss - startup[kind][1]) / size, 3),
+                         "loadavg": round(os.getloadavg()[0], 2)})
+            print(f"{kind:>10} K={k}: {net:.1f}s (own timer: {inner and round(inner, 1)}s), {rate:.3f} GB/s = "
+                  f"{rate / limit:.2f} x raw read, {cpu_per_gb:.2f} CPU-s/GB; peak RSS {rss / 2**30:.2f} GiB = "
+                  f"{rss / size:.2f} x ckpt ({(rss - startup[kind][1]) / size:.2f} x above start-up); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
         results["throughput"] = rows
 
         sweep = []
@@ -321,7 +330,7 @@ def main() -> None:
                 if done is not None:
                     rss = done["peak_rss"]
                 else:
-                    _, rss = measure(kind, kk)
+                    rss = measure(kind, kk)[1]
                 sweep.append({"kind": kind, "k": kk, "peak_rss": rss, "rss_x_ckpt": round(rss / size, 3),
                               "rss_minus_startup_x_ckpt": round((rss - startup[kind][1]) / size, 3)})
                 print(f"{kind:>10} K={kk}: peak RSS {rss / 2**30:.2f} GiB = {rss / size:.2f} x ckpt "

@@ -16,7 +16,7 @@ import yaml
 
 from core.errors import ConfigError
 
-Algorithm = Literal["diloco", "lofi", "fedavg"]
+Algorithm = Literal["diloco", "lofi", "fedavg", "lte"]
 OuterOptimizer = Literal["nesterov", "sgd", "sgdm", "adam"]
 
 
@@ -101,6 +101,32 @@ class OuterConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LteConfig:
+    rank: int = 32
+    """`lte` only. r: rank of every worker's LoRA head on every linear layer (A is r x in, B is out x r).
+    The paper pairs heads x rank around the model width; rank must not exceed model.n_embd."""
+    alpha: float = 512.0
+    """LoRA alpha; the head's scale is s = alpha / rank. The paper uses a large s (alpha 4096 with
+    rank 32-64, s = 64-128) together with a lower learning rate (lte.lr)."""
+    a_init: Literal["bernstein", "kaiming", "xavier"] = "bernstein"
+    """Initialisation of each head's A (B starts at zero): `bernstein` a semi-orthogonal matrix
+    scaled by sqrt(d_out / d_in) = sqrt(rank / in_features) (the paper's best); `kaiming` uniform
+    (LoRA's default); `xavier` uniform. Every worker draws its own, from (seed, worker)."""
+    reset_b: bool = True
+    """After each merge the worker sets B to zero (Algorithm 1): its update now lives in the base."""
+    reset_a: bool = False
+    """Ablation: also redraw A after each merge (the paper found it worse)."""
+    reset_opt: bool = False
+    """Ablation: also drop the heads' AdamW state after each merge (the paper found it worse)."""
+    lr: float = 1e-3
+    """Peak learning rate of the LoRA heads (same warm-up and cosine schedule as inner.lr, which
+    the small non-LoRA parameters keep). The paper: about 0.05-0.1x the full-model rate."""
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the frozen base weights on the workers (bfloat16 halves their memory); the merge
+    keeps the float32 copy and merges into it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoundConfig:
     min_workers: int = 0
     """Quorum: the fewest contributions a round may be merged with; 0 = all workers. A round is
@@ -157,7 +183,8 @@ class ExecutorConfig:
 class Config:
     algorithm: Algorithm = "diloco"
     """`diloco`: T rounds of H inner steps with an outer optimizer; `fedavg`: diloco with outer
-    SGD lr 1.0; `lofi`: one round, batch / K per worker, weights averaged once at the end."""
+    SGD lr 1.0; `lofi`: one round, batch / K per worker, weights averaged once at the end; `lte`:
+    LoRA-the-Explorer, each worker trains its own LoRA heads, merged into the base each round."""
     workers: int = 4
     """K: independent single-node worker jobs per round."""
     rounds: int = 8
@@ -175,6 +202,8 @@ class Config:
     """Each worker's inner optimisation."""
     outer: OuterConfig = field(default_factory=OuterConfig)
     """The merge: outer optimizer and weighting."""
+    lte: LteConfig = field(default_factory=LteConfig)
+    """LoRA-the-Explorer (`--algorithm lte`): per-worker LoRA heads merged into the base each round."""
     round: RoundConfig = field(default_factory=RoundConfig)
     """Quorum, deadline, stragglers and retries."""
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -428,6 +457,12 @@ def _check(cfg: Config) -> list[str]:
     need(all(0 <= b < 1 for b in o.betas), f"outer.betas must be in [0, 1), got {list(o.betas)}")
     need(o.optimizer != "sgdm" or o.momentum > 0, "outer.optimizer sgdm needs outer.momentum > 0")
     need(o.optimizer != "nesterov" or o.momentum > 0, "outer.optimizer nesterov needs outer.momentum > 0")
+    t = cfg.lte
+    need(t.rank >= 1, f"lte.rank must be >= 1, got {t.rank}")
+    need(cfg.algorithm != "lte" or t.rank <= m.n_embd,
+         f"lte.rank ({t.rank}) must be <= model.n_embd ({m.n_embd}): a head wider than the layer is not low-rank")
+    need(t.alpha > 0, f"lte.alpha must be > 0, got {t.alpha}")
+    need(t.lr > 0, f"lte.lr must be > 0, got {t.lr}")
     d = cfg.data
     need(0 < d.heldout_fraction < 1, f"data.heldout_fraction must be in (0, 1), got {d.heldout_fraction}")
     need(d.eval_batches >= 1, f"data.eval_batches must be >= 1, got {d.eval_batches}")

@@ -55,6 +55,9 @@ class RoundService:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> None:
+        # Starting (or resuming) the service is the decision to carry on: clear the stop markers.
+        self.storage.remove(L.FAILED)
+        self.storage.remove(L.CANCEL)
         r = self.first_open_round()
         self._evaluate_missing(r)
         while r < self.cfg.rounds:

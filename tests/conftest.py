@@ -75,12 +75,6 @@ def storage(request, tmp_path) -> Storage:
         yield Storage(str(tmp_path / "run"))
         return
     if request.param == "s3":
-        if request.node.originalname == "test_failed_atomic_write_leaves_nothing":
-            # Its last line lists the folder with the raw `fs.ls`, which raises on S3 once no object
-            # is left under a prefix (S3 has no folders). Drop this when that line checks
-            # `storage.fs.find(storage.root) == []` instead; test_storage_s3.py checks the S3 case.
-            request.applymarker(pytest.mark.xfail(raises=FileNotFoundError, strict=True,
-                                                  reason="raw fs.ls of an empty S3 prefix raises"))
         s = request.getfixturevalue("s3_server").storage(f"run-{next(_ids)}")
     else:
         s = Storage(f"memory://islands-test-{next(_ids)}")

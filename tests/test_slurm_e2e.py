@@ -106,6 +106,11 @@ def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
     beat = _wait_for(lambda: (p := s.read_json("workers/worker_000/progress.json")) and p["step"] >= 20 and p,
                      "worker 0 training", proc=proc)
     job = s.read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
+    # status shows the running worker's Slurm job, its state, queue wait, run time and progress
+    from orchestrator.cli import _status_with_jobs
+    w0 = _status_with_jobs(s)["current_round"]["workers"]["0"]
+    assert w0["job_id"] == job and w0["state"] == "RUNNING" and w0["queue_wait_s"] is not None
+    assert w0["run_s"] >= 0 and w0["progress"]["step"] >= 20
     # What Slurm sends before a time limit or preemption (submitit's own test helper does the same)
     subprocess.run(["scancel", "--signal", "USR2", job], check=True)
     _finish(proc, timeout=300)

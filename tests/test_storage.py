@@ -32,7 +32,7 @@ class TestStorageContract:
                 raise RuntimeError("killed mid-write")
         assert not storage.exists("y/file.bin")
         assert storage.list("y") == []
-        assert [n for n in storage.fs.ls(storage.path("y"), detail=False)] == []  # no temporary left either
+        assert storage.fs.find(storage.root) == []  # no temporary left either
 
     def test_temporaries_are_invisible_until_published(self, storage):
         with storage.open_atomic("z/f.bin") as f:
@@ -119,8 +119,8 @@ class TestCheckpointContract:
 
 
 def test_full_disk_is_reported_at_once_with_the_fix(tmp_path, monkeypatch):
-    # A real ENOSPC needs a small filesystem we cannot mount here; the error is injected at the
-    # fsspec boundary instead, which is the layer that would raise it.
+    # The error injected at the fsspec boundary (the layer that would raise it); test_faults.py
+    # fills a real 1 MiB tmpfs for the same guarantee.
     s = Storage(str(tmp_path / "run"))
     calls = []
 

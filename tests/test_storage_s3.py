@@ -22,7 +22,18 @@ from core.storage import Storage
 
 @pytest.fixture
 def s3(s3_server, request) -> Storage:
-    s = s3_server.storage(f"{request.node.name}")
+    s = s3_server.storage(request.node.name)
+    yield s
+    if s.fs.exists(s.root):
+        s.fs.rm(s.root, recursive=True)
+
+
+@pytest.fixture
+def s3_small_parts(s3_server, request) -> Storage:
+    """Like `s3`, with 5 MiB parts (S3's smallest) so that writes of 11 MiB are multipart uploads."""
+    s = Storage(f"s3://{s3_server.bucket}/{request.node.name}", key=s3_server.key, secret=s3_server.secret,
+                default_block_size=5 << 20,
+                client_kwargs={"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"})
     yield s
     if s.fs.exists(s.root):
         s.fs.rm(s.root, recursive=True)
@@ -36,8 +47,8 @@ def test_writes_go_straight_to_the_key_no_temporary_no_copy(s3_server, s3):
     assert s3_server.objects(s3) == ["z/f.bin"]
 
 
-def test_failed_write_leaves_no_object_and_no_upload(s3_server, s3_server_small_parts):
-    s = s3_server_small_parts
+def test_failed_write_leaves_no_object_and_no_upload(s3_server, s3_small_parts):
+    s = s3_small_parts
     with pytest.raises(RuntimeError):
         with s.open_atomic("y/big.bin") as f:
             f.write(b"x" * (11 << 20))  # two 5 MiB parts go up as a multipart upload
@@ -46,21 +57,11 @@ def test_failed_write_leaves_no_object_and_no_upload(s3_server, s3_server_small_
     assert s.list("y") == [] and not s.exists("y/big.bin")
 
 
-def test_large_write_round_trips_through_multipart(s3_server, s3_server_small_parts):
-    s = s3_server_small_parts
+def test_large_write_round_trips_through_multipart(s3_server, s3_small_parts):
+    s = s3_small_parts
     data = bytes(range(256)) * ((11 << 20) // 256)
     s.write_bytes("big.bin", data)
     assert s.read_bytes("big.bin") == data and s3_server.objects(s) == ["big.bin"]
-
-
-@pytest.fixture
-def s3_server_small_parts(s3_server, request) -> Storage:
-    s = Storage(f"s3://{s3_server.bucket}/{request.node.name}", key=s3_server.key, secret=s3_server.secret,
-                default_block_size=5 << 20,
-                client_kwargs={"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"})
-    yield s
-    if s.fs.exists(s.root):
-        s.fs.rm(s.root, recursive=True)
 
 
 def test_create_exclusive_is_a_conditional_put(s3, monkeypatch):
