@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -146,6 +146,10 @@ def raw_read(files: list[Path], parallel: bool) -> float:
 
 # -- children: one merge per process ------------------------------------------------------------
 def child(argv: list[str]) -> None:
+    if argv[0] == "make":  # the checkpoints are made in a child too: the parent stays small, so the
+        # RSS that its forked children report is their own (fork counts the parent's pages)
+        make_checkpoints(Path(argv[1]), int(argv[2]), tuple(int(x) for x in argv[3].split(",")), argv[4])
+        return
     kind, out, inputs = argv[0], argv[1], argv[2:]
     import torch
     from safetensors.torch import load_file, save_file
@@ -226,6 +230,7 @@ def main() -> None:
     if args.child is not None:
         child(args.child)
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still removes its files
 
     dims = tuple(int(x) for x in args.dims.split(","))
     rss_ks = [int(x) for x in args.rss_k.split(",")]
@@ -233,11 +238,14 @@ def main() -> None:
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="islands-merge-bench-", dir=args.dir))
     folder.mkdir(parents=True, exist_ok=True)
     results: dict = {"command": " ".join(["python -m bench.merge_throughput", *sys.argv[1:]]), "dims": dims,
-                     "dtype": args.dtype, "cpus": os.cpu_count()}
+                     "dtype": args.dtype, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     try:
         t0 = time.time()
-        dirs = make_checkpoints(folder / "big", n, dims, args.dtype)
-        tiny = make_checkpoints(folder / "tiny", n, (64, 128, 128, 4), args.dtype)
+        for sub, d in (("big", dims), ("tiny", (64, 128, 128, 4))):
+            run_child([sys.executable, "-m", "bench.merge_throughput", "--child", "make", str(folder / sub), str(n),
+                       ",".join(map(str, d)), args.dtype])
+        dirs = [folder / "big" / f"ck_{i:02d}" for i in range(n)]
+        tiny = [folder / "tiny" / f"ck_{i:02d}" for i in range(n)]
         files = [d / "model.safetensors" for d in dirs]
         size = files[0].stat().st_size
         results.update(checkpoint_bytes=size, tensors=len(llama_shapes(*dims)), created_s=round(time.time() - t0, 1))
@@ -339,6 +347,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
+    results["loadavg_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

@@ -19,11 +19,13 @@ import torch
 from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import RunError
+from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.outer import outer_step
 from merge.engine import Contribution, QuorumError, merge_round
+from merge.lte import merge_lte_round
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import Decision, WorkerView, decide, next_bases
 from orchestrator.metrics import write_round_metrics
@@ -146,7 +148,9 @@ class RoundService:
             return {w: L.global_weights(0) for w in range(self.cfg.workers)}
         prev = self.storage.read_json(L.round_record(r - 1)) or {}
         late = {int(w): L.contribution(r - 1, int(w)) for w in prev.get("late", [])}
-        return next_bases(self.cfg.workers, prev.get("merged", []), late, self.cfg.round.late_policy, L.global_weights(r))
+        # lte: a contribution holds heads, not weights to continue from: every worker takes the new base
+        policy = "restart" if self.cfg.algorithm == "lte" else self.cfg.round.late_policy
+        return next_bases(self.cfg.workers, prev.get("merged", []), late, policy, L.global_weights(r))
 
     def _submit(self, r: int, jobs: dict[str, Any], workers: list[int], bases: dict[int, str]) -> None:
         threads = self._threads()
@@ -239,10 +243,18 @@ class RoundService:
         stale, contribs = self._contributions(r, jobs, decision.workers)
         t0 = time.time()
         try:
-            result = merge_round(
-                self.storage, L.global_weights(r), contribs, L.global_weights(r + 1), self.cfg.outer,
-                state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
-                min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1})
+            if self.cfg.algorithm == "lte":  # W <- W + (s/N) sum_n B_n A_n, the rest averaged (merge/lte.py)
+                from worker.lora import contribution_shapes
+                result = merge_lte_round(
+                    self.storage, L.global_weights(r), contribs, L.global_weights(r + 1),
+                    scale=self.cfg.lte.alpha / self.cfg.lte.rank, rank=self.cfg.lte.rank,
+                    expected=contribution_shapes(self.cfg.model, self.cfg.lte.rank),
+                    min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1})
+            else:
+                result = merge_round(
+                    self.storage, L.global_weights(r), contribs, L.global_weights(r + 1), self.cfg.outer,
+                    state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
+                    min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1})
         except QuorumError as exc:
             exc.rejected.update(stale)
             raise
@@ -266,7 +278,9 @@ class RoundService:
             "worker_idle_s": {str(w): s for w, s in self._idle.items()},  # persistent workers waiting for this round
             "jobs": {w: {**final[j].as_dict(), "attempts": jobs["workers"][w]["attempts"]} for w, j in latest.items()},
         }
+        failpoint("service.before_record")
         self.storage.write_json(L.round_record(r), record)  # the commit point of the round
+        failpoint("service.after_record")
         return record
 
     def _why_dropped(self, r: int, jobs: dict[str, Any], dropped: list[int]) -> dict[str, str]:

@@ -10,6 +10,8 @@ Read top to bottom, a round is:
   4. publish its optimizer state, then its weights with a manifest (the commit).
 A worker that is preempted or hits its time limit saves an in-flight checkpoint (weights,
 optimizer, step) and resumes from it when requeued.
+With `algorithm: lte` (worker/lora.py) the model gets this worker's LoRA heads over a frozen base:
+only heads and non-LoRA parameters are trained and published; A and B go into the state file.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from core.errors import CheckpointError, IslandsError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
+from worker import lora
 from worker.data import BatchSampler, load_corpus, shard, split_heldout
 from worker.weights import build_model, load_weights, weights_of
 
@@ -131,7 +134,10 @@ class InnerTrainer:
         docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[task.worker % cfg.workers]
         self.sampler = BatchSampler(corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, task.worker)
         self.model = build_model(cfg.model).to(self.device)
-        self.opt, self.names = make_optimizer(self.model, cfg)
+        self.lte = cfg.algorithm == "lte"  # LoRA-the-Explorer: train own LoRA heads over a frozen base (worker/lora.py)
+        if self.lte:
+            lora.attach_heads(self.model, cfg.lte, seed=lora.head_seed(cfg.seed, task.worker))
+        self.opt, self.names = (lora.make_optimizer if self.lte else make_optimizer)(self.model, cfg)
         self.step0 = task.round * cfg.inner.steps  # the global step this round starts at
         self.done = 0  # inner steps done in this round
         self.losses: list[float] = []
@@ -147,21 +153,31 @@ class InnerTrainer:
         if base_manifest is None:
             raise CheckpointError(f"worker {t.worker} round {t.round}: base checkpoint {self.storage.display(t.base_key)} "
                                   "is not published; the orchestrator submitted the round too early or it was deleted")
+        if self.lte:  # the frozen base always comes from the base checkpoint; heads + trainables on top
+            tensors, _, _ = load_checkpoint(self.storage, t.base_key, label=f"base weights for worker {t.worker}")
+            lora.load_base(self.model, tensors, self.storage.display(t.base_key))
+        load = lora.load_tensors if self.lte else load_weights
         inflight = L.worker_inflight(t.worker, t.round)
         m = read_manifest(self.storage, inflight)
         if m is not None and m.get("base_sha256") == base_manifest["sha256"]:
             tensors, _, _ = load_checkpoint(self.storage, inflight, label=f"worker {t.worker} in-flight checkpoint")
-            load_weights(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
+            load(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
             load_optimizer_tensors(self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k}, "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["sha256"]
-        tensors, _, _ = load_checkpoint(self.storage, t.base_key, label=f"base weights for worker {t.worker}")
-        load_weights(self.model, tensors, self.storage.display(t.base_key))
+        if not self.lte:
+            tensors, _, _ = load_checkpoint(self.storage, t.base_key, label=f"base weights for worker {t.worker}")
+            load_weights(self.model, tensors, self.storage.display(t.base_key))
         state_key = latest_state_key(self.storage, t.worker, t.round)
         if state_key is not None:
             state, _, _ = load_checkpoint(self.storage, state_key, label=f"worker {t.worker} optimizer state")
+            if self.lte:  # own A (and B) from the state file; after the merge B <- 0, A and AdamW state kept
+                lora.load_tensors(self.model, {k: v for k, v in state.items() if SEP not in k}, self.storage.display(state_key))
+                state = {k: v for k, v in state.items() if SEP in k
+                         and not (self.cfg.lte.reset_opt and lora.is_head_param(k.rpartition(SEP)[0]))}
+                lora.reset_heads(self.model, self.cfg.lte, seed=lora.head_seed(self.cfg.seed, t.worker, t.round))
             load_optimizer_tensors(self.opt, self.names, state, self.storage.display(state_key))
         return base_manifest["sha256"]
 
@@ -174,7 +190,7 @@ class InnerTrainer:
         while self.done < cfg.inner.steps:
             step = self.step0 + self.done
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
+                group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # lte: heads peak at lte.lr
             x, y = (t.to(self.device, non_blocking=True) for t in self.sampler.batch(step))
             with autocast:
                 _, loss = model(x, y)
@@ -210,7 +226,10 @@ class InnerTrainer:
     def publish(self, seconds: float) -> dict[str, Any]:
         """Optimizer state first, then the weights and their manifest: the manifest is the commit."""
         t, cfg = self.task, self.cfg
-        write_checkpoint(self.storage, L.worker_state(t.worker, t.round), optimizer_tensors(self.opt, self.names),
+        state = optimizer_tensors(self.opt, self.names)
+        if self.lte:  # the worker's own heads (A, B) travel to its next round in its state file
+            state.update(lora.head_tensors(self.model))
+        write_checkpoint(self.storage, L.worker_state(t.worker, t.round), state,
                          manifest={"round": t.round, "worker": t.worker})
         manifest = {
             "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
@@ -220,7 +239,9 @@ class InnerTrainer:
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
             "waited_s": self.waited_s,
         }
-        out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), weights_of(self.model), manifest=manifest)
+        if self.lte:  # published: heads + small non-LoRA parameters, not the frozen base
+            manifest["lte"] = {"rank": cfg.lte.rank, "scale": cfg.lte.alpha / cfg.lte.rank}
+        out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), self._weights(), manifest=manifest)
         self.storage.remove(L.worker_inflight(t.worker, t.round))
         self._prune_states(keep_from=t.round - 1)
         return out
@@ -228,11 +249,15 @@ class InnerTrainer:
     def checkpoint(self) -> None:
         """Save an in-flight checkpoint of this round (called when the job is being preempted)."""
         t = self.task
-        tensors = {**weights_of(self.model), **optimizer_tensors(self.opt, self.names)}
+        tensors = {**self._weights(), **optimizer_tensors(self.opt, self.names)}
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
                                    "base_sha256": self.base_sha, "losses": self.losses})
         log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters."""
+        return lora.contribution_tensors(self.model) if self.lte else weights_of(self.model)
 
     def _prune_states(self, keep_from: int) -> None:
         for name in self.storage.list(L.worker_dir(self.task.worker)):

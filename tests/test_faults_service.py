@@ -1,0 +1,53 @@
+"""The merge service killed at each step of a merge: `resume` finishes the round exactly once.
+
+The service is stopped by a failpoint (core/failpoints.py: os._exit, as a kill -9 would) between
+two writes no signal could be timed to hit. Training is deterministic, so "exactly once" is
+checked by comparing every global checkpoint with a run that was never interrupted: an outer step
+applied twice (or not at all) would change the bytes.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.storage import Storage
+from orchestrator.cli import main
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--executor", "local", "--workers", "2", "--rounds", "3", "--inner-steps", "2",
+        "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
+        "--set", "inner.batch_size=4", "--set", "data.eval_batches=1", "--set", "round.poll_s=0.1"]
+POINTS = ["merge.while_reading", "merge.after_global", "service.before_record", "service.after_record"]
+
+
+def _shas(run: Path) -> list[str]:
+    s = Storage(str(run))
+    out = [s.read_json(f"rounds/{r:05d}/record.json")["global_sha256"] for r in range(3)]
+    out += [s.read_json(f"outer/state_{r:05d}.json")["sha256"] for r in range(1, 4)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, corpus_cache) -> list[str]:
+    run = tmp_path_factory.mktemp("clean") / "run"
+    assert main(["submit", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
+    return _shas(run)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_killed_service_resumes_round_exactly_once(point, tmp_path, corpus_cache, clean_run):
+    run = tmp_path / "run"
+    env = {**os.environ, "ISLANDS_FAILPOINT": point}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--run-dir", str(run),
+                           "--set", f"data.cache_dir={corpus_cache}", *TINY], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 137, proc.stdout[-2000:] + proc.stderr[-2000:]  # died at the failpoint
+    s = Storage(str(run))
+    assert not s.exists("rounds/00002/record.json")
+    assert main(["resume", str(run)]) == 0
+    assert _shas(run) == clean_run
