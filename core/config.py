@@ -104,10 +104,10 @@ class OuterConfig:
 class LteConfig:
     rank: int = 32
     """`lte` only. r: rank of every worker's LoRA head on every linear layer (A is r x in, B is out x r).
-    The paper pairs heads x rank around the model width; rank must not exceed model.n_embd."""
-    alpha: float = 512.0
-    """LoRA alpha; the head's scale is s = alpha / rank. The paper uses a large s (alpha 4096 with
-    rank 32-64, s = 64-128) together with a lower learning rate (lte.lr)."""
+    The paper pairs heads x rank around the model width; rank must be below model.n_embd."""
+    alpha: float = 4096.0
+    """LoRA alpha; the head's scale is s = alpha / rank (128 by default). The paper uses a large s
+    (alpha 4096-8192 with rank 32-64) together with a lower learning rate (lte.lr)."""
     a_init: Literal["bernstein", "kaiming", "xavier"] = "bernstein"
     """Initialisation of each head's A (B starts at zero): `bernstein` a semi-orthogonal matrix
     scaled by sqrt(d_out / d_in) = sqrt(rank / in_features) (the paper's best); `kaiming` uniform
@@ -118,7 +118,7 @@ class LteConfig:
     """Ablation: also redraw A after each merge (the paper found it worse)."""
     reset_opt: bool = False
     """Ablation: also drop the heads' AdamW state after each merge (the paper found it worse)."""
-    lr: float = 1e-3
+    lr: float = 1e-4
     """Peak learning rate of the LoRA heads (same warm-up and cosine schedule as inner.lr, which
     the small non-LoRA parameters keep). The paper: about 0.05-0.1x the full-model rate."""
     base_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -459,8 +459,8 @@ def _check(cfg: Config) -> list[str]:
     need(o.optimizer != "nesterov" or o.momentum > 0, "outer.optimizer nesterov needs outer.momentum > 0")
     t = cfg.lte
     need(t.rank >= 1, f"lte.rank must be >= 1, got {t.rank}")
-    need(cfg.algorithm != "lte" or t.rank <= m.n_embd,
-         f"lte.rank ({t.rank}) must be <= model.n_embd ({m.n_embd}): a head wider than the layer is not low-rank")
+    need(cfg.algorithm != "lte" or t.rank < m.n_embd,
+         f"lte.rank ({t.rank}) must be < model.n_embd ({m.n_embd}): a head as wide as the layer is not low-rank")
     need(t.alpha > 0, f"lte.alpha must be > 0, got {t.alpha}")
     need(t.lr > 0, f"lte.lr must be > 0, got {t.lr}")
     d = cfg.data

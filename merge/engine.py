@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.failpoints import failpoint
 from core.checkpoint import DTYPES, TORCH_DTYPES, LazyCheckpoint, TensorSpec
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected, RunError
@@ -372,6 +373,7 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
             for lane, (slot, _) in zip(lanes, taken):
                 lane.free.put(slot)
             writers[0].put(seg.name, out_t)
+            failpoint("merge.while_reading")  # crash tests: half the inputs read, temporaries on disk
             if state_out is not None and seg.floating:
                 _put_state(writers[1], seg, state, slots, shapes[seg.name], pending, stream_state)
         for w in writers:
@@ -384,6 +386,7 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
             except CheckpointError as exc:
                 raise InputError(m.ident, str(exc)) from None
         manifests = writers[0].commit()
+        failpoint("merge.after_global")  # crash tests: new global published, outer state not yet
         state_manifest = writers[1].commit()[0] if state_out is not None else None
         return MergeStats(sum(m.bytes for m in inputs), time.perf_counter() - t0, stats.get("grad_sq", 0.0),
                           manifests, state_manifest)

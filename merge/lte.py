@@ -60,17 +60,9 @@ def weighted_mean(tensors: Sequence[torch.Tensor], coeffs: Sequence[float]) -> t
 
 
 def check_contribution(tensors: Mapping[str, torch.Tensor], base: Mapping[str, TensorSpec], rank: int | None,
-                       expected: Mapping[str, tuple[int, ...]] | None) -> str | None:
-    """Why a contribution cannot be merged into `base` (names, shapes, rank, dtype, finite), or None."""
-    if expected is not None:
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        if missing or extra:
-            return (f"tensor names differ from an LTE contribution of this model: missing {missing[:5]}, "
-                    f"unexpected {extra[:5]} ({len(missing)} missing, {len(extra)} unexpected in all)")
-        for n, shape in expected.items():
-            if tuple(tensors[n].shape) != tuple(shape):
-                return f"tensor {n} has shape {list(tensors[n].shape)}, expected {list(shape)}"
+                       expected: Mapping[str, tuple[int, ...]] | None, ref_name: str = "the expected ones") -> str | None:
+    """Why a contribution cannot be merged into `base` (names, shapes, rank, dtype, finite), or None.
+    `expected`: the names and shapes it must have (those of `ref_name`)."""
     layers = headed_layers(tensors)
     if not layers:
         return "carries no LoRA head (no *.lora_A tensor): not an LTE contribution"
@@ -97,12 +89,21 @@ def check_contribution(tensors: Mapping[str, torch.Tensor], base: Mapping[str, T
             return f"tensor {name} is not in the global weights"
         elif tuple(t.shape) != tuple(base[name].shape):
             return f"tensor {name} has shape {list(t.shape)}, the global weights have {list(base[name].shape)}"
-        elif name[: -len(".weight")] in layers:
+        elif name.endswith(".weight") and name[: -len(".weight")] in layers:
             return f"tensor {name} is a headed layer's frozen weight: a contribution carries its head, not the weight"
         if t.dtype not in _FLOATS:
             return f"tensor {name} is {t.dtype}, not floating point"
         if not bool(torch.isfinite(t).all()):
             return f"tensor {name} has NaN or Inf values: the worker diverged or the file is damaged"
+    if expected is not None:
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        if missing or extra:
+            return (f"tensor names differ from {ref_name}: missing {missing[:5]}, "
+                    f"unexpected {extra[:5]} ({len(missing)} missing, {len(extra)} unexpected in all)")
+        for n, shape in expected.items():
+            if tuple(tensors[n].shape) != tuple(shape):
+                return f"tensor {n} has shape {list(tensors[n].shape)}, {ref_name} have {list(shape)}"
     return None
 
 
@@ -139,9 +140,10 @@ def merge_lte_round(
             rejected[c.worker] = str(exc)
             continue
         bytes_read += int(m.get("bytes", 0))
-        ref = expected if expected is not None else (
-            {n: tuple(t.shape) for n, t in live[0][1].items()} if live else None)
-        why = check_contribution(tensors, base_specs, rank, ref)
+        ref, ref_name = expected, "those of an LTE contribution for this model and lte.rank"
+        if ref is None and live:  # no model to say which: the first valid contribution does
+            ref, ref_name = {n: tuple(t.shape) for n, t in live[0][1].items()}, f"worker {live[0][0].worker}'s"
+        why = check_contribution(tensors, base_specs, rank, ref, ref_name)
         if why is None and c.weight <= 0:
             why = f"weight {c.weight} is not positive"
         if why is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -161,7 +161,6 @@ class Method:
     propagates_nonfinite: bool = False
     """A NaN or Inf in any input (or base) always makes the result non-finite (sums do; a median
     does not): the engine then checks the result only, and the inputs only to name the culprit."""
-    doc: str = field(default="", compare=False)
 
 
 METHODS: dict[str, Method] = {

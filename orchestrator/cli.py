@@ -6,13 +6,14 @@ import json
 import logging
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from core.config import load_config, replace
+from core.config import Algorithm, load_config, replace
 from core.errors import IslandsError
 from core.layout import RunLayout
 from core.storage import Storage
@@ -38,7 +39,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="K: independent worker jobs per round")
     p.add_argument("--rounds", type=int, help="T: rounds (outer steps)")
     p.add_argument("--inner-steps", type=int, help="H: inner steps per round")
-    p.add_argument("--algorithm", choices=["diloco", "lofi", "fedavg"])
+    p.add_argument("--algorithm", choices=list(typing.get_args(Algorithm)))
     p.add_argument("--executor", choices=["auto", "local", "slurm"])
     p.add_argument("--run-dir", help="run directory (any fsspec URL); default ./runs/<algorithm>-<time>")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",

@@ -127,7 +127,7 @@ def test_property_nesterov_first_step_closed_form(lr, mom, delta):
     new, state, _ = outer_step(g, merged, {}, cfg)
     d = torch.tensor(delta)
     assert torch.allclose(new, g - lr * (1 + cfg.momentum) * d, atol=1e-5)
-    assert torch.allclose(state["momentum_buffer"], d)
+    assert torch.allclose(state["momentum_buffer"], d, atol=1e-6)  # d went through 1 - (1 - d) in float32
 
 
 # -- validation: a bad contribution is rejected with a reason, the round goes on -------------
