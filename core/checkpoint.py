@@ -256,8 +256,3 @@ def load_checkpoint(storage: Storage, key: str, label: str = "") -> tuple[dict[s
     with open_checkpoint(storage, key, label) as ck:
         tensors = ck.load_all(verify=True)
         return tensors, ck.metadata, ck.manifest or {}
-
-
-def sha256_of(storage: Storage, key: str) -> str | None:
-    m = read_manifest(storage, key)
-    return None if m is None else m["sha256"]

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from core.failpoints import failpoint
-from core.checkpoint import DTYPES, TORCH_DTYPES, LazyCheckpoint, TensorSpec
+from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected, RunError
 from core.storage import Storage
@@ -96,12 +96,6 @@ def compare_specs(ref: Mapping[str, TensorSpec], other: Mapping[str, TensorSpec]
         if o is not None and (o.shape != spec.shape or o.dtype != spec.dtype):
             problems.append(f"tensor {name} is {o.dtype}{list(o.shape)}, {ref_name} has {spec.dtype}{list(spec.shape)}")
     return problems
-
-
-def check_header(base: LazyCheckpoint, ck: LazyCheckpoint) -> str | None:
-    """Why `ck` cannot be merged into `base` (names, shapes, dtypes), or None if it can."""
-    problems = compare_specs(base.specs, ck.specs, "the global weights")
-    return problems[0] if problems else None
 
 
 def model_specs(model: Model) -> dict[str, TensorSpec]:

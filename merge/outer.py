@@ -45,12 +45,3 @@ def outer_step(
 
 def state_key(tensor: str, slot: str) -> str:
     return f"{tensor}{STATE_SEP}{slot}"
-
-
-def split_state(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """{'w::momentum_buffer': t} -> {'w': {'momentum_buffer': t}}"""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in flat.items():
-        name, _, slot = key.rpartition(STATE_SEP)
-        out.setdefault(name, {})[slot] = t
-    return out

@@ -91,9 +91,10 @@ class RoundService:
         states = self.executor.status(list(latest.values()))
         adopted = [w for w, j in latest.items() if states[j].alive]
         now = time.time()
+        shas = self._base_shas({bases[w] for w in adopted})
         for w in adopted:
             jobs["workers"][str(w)] = {"attempts": 1, "job_ids": [latest[w]], "base": bases[w], "persistent": True,
-                                       "base_sha256": read_manifest(self.storage, bases[w])["sha256"], "submitted_at": now}
+                                       "base_sha256": shas[bases[w]], "submitted_at": now}
         jobs.setdefault("submitted_at", now)
         return adopted
 
@@ -154,10 +155,11 @@ class RoundService:
 
     def _submit(self, r: int, jobs: dict[str, Any], workers: list[int], bases: dict[int, str]) -> None:
         threads = self._threads()
+        shas = self._base_shas({bases[w] for w in workers})
         tasks = []
         for w in workers:
             entry = jobs["workers"].setdefault(str(w), {"attempts": 0, "job_ids": []})
-            entry.update(base=bases[w], base_sha256=read_manifest(self.storage, bases[w])["sha256"])
+            entry.update(base=bases[w], base_sha256=shas[bases[w]])
             persistent = self.cfg.round.worker_mode == "persistent"
             entry["persistent"] = persistent
             tasks.append(WorkerTask(self.storage.url, r, w, bases[w], attempt=entry["attempts"], threads=threads,
@@ -173,6 +175,10 @@ class RoundService:
         jobs["sbatch_calls"] = jobs.get("sbatch_calls", 0) + 1
         self.storage.write_json(L.round_jobs(r), jobs)
         log.info("round %d: submitted workers %s as jobs %s", r, workers, ids)
+
+    def _base_shas(self, keys: set[str]) -> dict[str, str]:
+        """sha256 of each distinct base checkpoint: K workers mostly share one, read its manifest once."""
+        return {k: read_manifest(self.storage, k)["sha256"] for k in keys}
 
     def _threads(self) -> int:
         if self.cfg.inner.threads:
