@@ -179,3 +179,23 @@ def test_persistent_workers_serve_rounds_across_a_requeue(tmp_path, corpus_cache
     assert "REQUEUED" in history, history  # requeued, and no contribution was lost
     waits = [s.read_json(f"rounds/{r:05d}/contrib/worker_001.json")["waited_s"] for r in range(1, rounds)]
     assert all(w is not None and w >= 0 for w in waits)  # idle time between rounds is recorded
+
+
+def test_lte_four_workers_as_slurm_jobs(tmp_path, corpus_cache, capsys):
+    """`--algorithm lte --workers 4` on the real scheduler: each head is its own array task on its
+    own emulated node, only heads cross storage, and the merged base moves every round."""
+    run = tmp_path / "run"
+    assert main(_args(run, corpus_cache, "--algorithm", "lte", "--workers", "4", "--rounds", "2",
+                      "--inner-steps", "3", "--set", "lte.rank=4")) == 0
+    capsys.readouterr()
+    assert main(["status", str(run), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["state"] == "done" and st["algorithm"] == "lte"
+    assert [r["merged"] for r in st["rounds"]] == [[0, 1, 2, 3]] * 2
+    s = Storage(str(run))
+    jobs = [e["job_ids"][0] for e in s.read_json("rounds/00001/jobs.json")["workers"].values()]
+    assert len({j.split("_")[0] for j in jobs}) == 1 and len(set(jobs)) == 4  # one array, 4 tasks
+    assert len(wait_for_sacct_state(jobs[0].split("_")[0], "COMPLETED", array_tasks=range(4))) == 4
+    full = s.read_json("global/round_00001.json")["bytes"]
+    heads = [s.read_json(f"rounds/00001/contrib/worker_{w:03d}.json") for w in range(4)]
+    assert all(h["bytes"] < full / 2 and h["lte"]["rank"] == 4 for h in heads)

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 logger = logging.getLogger(__name__)
 
 # Bump when the token layout or index.json changes: old caches then simply stop matching.
-FORMAT_VERSION = "islands-corpus-v1"
+FORMAT_VERSION = "islands-corpus-v2"  # v2: index.json records the tokens file size and mtime
 SHARD_MODES = ("iid", "non-iid")
 _SEPARATOR = b"\n"
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -73,48 +73,59 @@ def _group_of(rel: str) -> str:
     return parts[0] if len(parts) > 1 else "_toplevel"
 
 
-def _list_files(source: str | None, include_tests: bool) -> tuple[Path, list[tuple[str, Path]]]:
-    """(root, sorted [(relative '/' path, absolute path)]) without reading any content."""
+def _walk(root: Path, keep_dir: Callable[[str], bool], keep_file: Callable[[str], bool]) -> list[tuple[str, Path, int, int]]:
+    """[(relative '/' path, path, size, mtime_ns)] of regular files under root, unsorted.
+
+    os.scandir hands back each entry's stat with the listing, so a warm start (fingerprint only,
+    no content read) costs one directory walk: it runs at the start of every worker round."""
+    out, stack = [], [(root, "")]
+    while stack:
+        directory, prefix = stack.pop()
+        with os.scandir(directory) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):  # as os.walk: no symlink loops
+                    if keep_dir(e.name):
+                        stack.append((Path(e.path), f"{prefix}{e.name}/"))
+                elif keep_file(e.name) and e.is_file(follow_symlinks=True):
+                    st = e.stat(follow_symlinks=True)
+                    out.append((prefix + e.name, Path(e.path), st.st_size, st.st_mtime_ns))
+    return out
+
+
+def _list_files(source: str | None, include_tests: bool) -> tuple[Path, list[tuple[str, Path, int, int]]]:
+    """(root, sorted [(relative '/' path, absolute path, size, mtime_ns)]) without reading any content."""
     if source is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         skip = _STDLIB_SKIP_DIRS | (frozenset() if include_tests else _TEST_DIRS)
-        files = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d not in skip]
-            files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    else:
-        path = Path(source).expanduser().resolve()
-        if path.is_file():
-            return path.parent, [(path.name, path)]
-        if not path.is_dir():
-            raise ValueError(
-                f"Corpus source {source!r} does not exist (resolved to {path}); pass an existing "
-                "text file or directory, or no source to use the Python standard library."
-            )
-        root, files = path, []
-        for dirpath, dirnames, filenames in os.walk(root):
-            # hidden entries (.git, .venv, editor files) are tooling, not text to learn from
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            files += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
-    listed = [(p.relative_to(root).as_posix(), p) for p in files if p.is_file()]
-    return root, sorted(listed)
+        return root, sorted(_walk(root, lambda d: d not in skip, lambda f: f.endswith(".py")))
+    path = Path(source).expanduser().resolve()
+    if path.is_file():
+        st = path.stat()
+        return path.parent, [(path.name, path, st.st_size, st.st_mtime_ns)]
+    if not path.is_dir():
+        raise ValueError(
+            f"Corpus source {source!r} does not exist (resolved to {path}); pass an existing "
+            "text file or directory, or no source to use the Python standard library."
+        )
+    # hidden entries (.git, .venv, editor files) are tooling, not text to learn from
+    visible = lambda name: not name.startswith(".")  # noqa: E731
+    return path, sorted(_walk(path, visible, visible))
 
 
 def _fingerprint(root: Path, source: str | None, include_tests: bool,
-                 files: list[tuple[str, Path]]) -> str:
+                 files: list[tuple[str, Path, int, int]]) -> str:
     h = hashlib.sha256()
     head = {"format": FORMAT_VERSION, "root": str(root), "stdlib": source is None,
             "include_tests": include_tests}
     h.update(json.dumps(head, sort_keys=True).encode())
-    for rel, path in files:
-        st = path.stat()
-        h.update(json.dumps([rel, st.st_size, st.st_mtime_ns]).encode() + b"\n")
+    for rel, _, size, mtime_ns in files:
+        h.update(json.dumps([rel, size, mtime_ns]).encode() + b"\n")
     return h.hexdigest()
 
 
-def _build(root: Path, files: list[tuple[str, Path]], fingerprint: str) -> Corpus:
+def _build(root: Path, files: list[tuple[str, Path, int, int]], fingerprint: str) -> Corpus:
     chunks, documents, offset, skipped = [], [], 0, []
-    for rel, path in files:
+    for rel, path, _, _ in files:
         data = _read_bytes(path)
         try:
             data.decode("utf-8")
@@ -159,11 +170,13 @@ def _save_cache(corpus: Corpus, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     _atomic_write(directory / "tokens.safetensors",
                   lambda p: save_file({"tokens": corpus.tokens}, p))
+    st = (directory / "tokens.safetensors").stat()
     index = {
         "format": FORMAT_VERSION,
         "fingerprint": corpus.fingerprint,
         "num_tokens": int(corpus.tokens.numel()),
         "tokens_sha256": _tokens_sha256(corpus.tokens),
+        "tokens_file": [st.st_size, st.st_mtime_ns],
         "documents": [[d.name, d.group, d.start, d.end] for d in corpus.documents],
     }
     # index.json is written last and is the manifest: without it the tokens are not trusted
@@ -179,7 +192,10 @@ def _load_cache(directory: Path, fingerprint: str) -> Corpus:
     if tokens.dtype != torch.uint8 or tokens.dim() != 1 or tokens.numel() != index["num_tokens"]:
         raise ValueError(f"tokens tensor is {tokens.dtype} {tuple(tokens.shape)}, "
                          f"expected uint8 ({index['num_tokens']},)")
-    if _tokens_sha256(tokens) != index["tokens_sha256"]:
+    # Hashing the tokens costs more than the rest of a warm start; every worker round starts
+    # warm, so the hash is checked only when the file is not the one index.json was written for.
+    st = (directory / "tokens.safetensors").stat()
+    if index.get("tokens_file") != [st.st_size, st.st_mtime_ns] and _tokens_sha256(tokens) != index["tokens_sha256"]:
         raise ValueError("tokens checksum does not match index.json")
     documents = tuple(Document(n, g, int(s), int(e)) for n, g, s, e in index["documents"])
     return Corpus(tokens, documents, fingerprint)

@@ -47,7 +47,9 @@ _ACTIVE: "InnerTrainer | None" = None
 
 def load_run_config(storage: Storage) -> Config:
     raw = storage.read_bytes(L.CONFIG)
-    return config_from_dict(yaml.safe_load(raw), source=storage.display(L.CONFIG))
+    # the C loader when PyYAML has it: the pure-Python one is a visible part of a worker's start-up
+    return config_from_dict(yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)),
+                            source=storage.display(L.CONFIG))
 
 
 def lr_at(step: int, cfg: Config) -> float:
