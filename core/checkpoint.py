@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import posixpath
+import re
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -21,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from core.errors import CheckpointError, StorageError
+from core.errors import CheckpointError
 from core.layout import manifest_key
 from core.storage import Storage
 
@@ -140,15 +143,136 @@ def _write_stream(w: HashingWriter, layout: list[TensorSpec], items: Iterator[tu
         raise CheckpointError(f"the stream ended after {count} of {len(layout)} tensors")
 
 
-def read_manifest(storage: Storage, key: str) -> dict[str, Any] | None:
-    """The manifest of checkpoint `key`, or None when there is none (not yet, or never, whole)."""
+def parse_header(raw: bytes, label: str) -> tuple[dict[str, str], dict[str, TensorSpec]]:
+    """(metadata, specs in file order) of a safetensors header, every entry checked: a JSON object;
+    metadata strings only; each tensor a known dtype, a shape of non-negative integers, offsets that
+    hold exactly shape x itemsize bytes; the tensors tile the data section without gaps or overlaps.
+    Raises CheckpointError naming the file and the entry."""
     try:
-        m = storage.read_json(manifest_key(key))
-    except StorageError as exc:
-        raise CheckpointError(f"manifest of {storage.display(key)} is damaged: {exc}") from None
-    if m is not None and not isinstance(m, dict) or (m is not None and "sha256" not in m):
-        raise CheckpointError(f"manifest of {storage.display(key)} lacks a sha256; delete it so the checkpoint is rewritten")
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{label}: safetensors header is not valid JSON ({type(exc).__name__}): the file is damaged") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{label}: safetensors header is not a JSON object: the file is damaged")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError(f"{label}: safetensors __metadata__ must map strings to strings: the file is damaged")
+    specs = {}
+    for name, e in header.items():
+        try:
+            dtype, shape, (start, end) = e["dtype"], e["shape"], e["data_offsets"]
+            ok = (dtype in TORCH_DTYPES and isinstance(shape, list) and all(_is_count(d) for d in shape)
+                  and _is_count(start) and _is_count(end) and end - start == math.prod(shape) * _ITEMSIZE[dtype])
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{label}: header entry for tensor {name[:100]!r} is malformed ({str(e)[:200]}): "
+                                  "the file is damaged or not a safetensors file")
+        specs[name] = TensorSpec(name, dtype, tuple(shape), start, end)
+    ordered = dict(sorted(specs.items(), key=lambda kv: kv[1].start))
+    pos = 0
+    for spec in ordered.values():
+        if spec.start != pos:
+            raise CheckpointError(f"{label}: tensor {spec.name[:100]!r} starts at byte {spec.start} of the data, expected "
+                                  f"{pos}: tensors overlap or leave gaps; the file is damaged")
+        pos = spec.end
+    return meta, ordered
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def read_manifest(storage: Storage, key: str) -> dict[str, Any] | None:
+    """The manifest of checkpoint `key`, or None when there is none (not yet, or never, whole).
+
+    Everything in it is checked (check_manifest) before anyone uses it: it comes from shared
+    storage that any worker, or anyone else with write access, may have written."""
+    label = storage.display(key)
+    try:
+        raw = storage.read_bytes(manifest_key(key))
+    except FileNotFoundError:
+        return None
+    return check_manifest(parse_manifest(raw, label), label, key)
+
+
+def parse_manifest(raw: bytes, label: str) -> Any:
+    """JSON of at most MAX_MANIFEST_BYTES, nested at most a few levels; CheckpointError otherwise."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"manifest of {label} is {len(raw)} bytes, over the limit of {MAX_MANIFEST_BYTES}: "
+                              "not written by islands; delete it and its checkpoint")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(f"manifest of {label} is damaged: not valid JSON ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); delete it so the checkpoint is rewritten") from None
+
+
+def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]:
+    """Validate every field islands reads from a manifest; return it, or raise one CheckpointError
+    listing every problem. Ids and rounds are small non-negative integers, hashes are 64 hex digits,
+    names are plain file names of this checkpoint (no folders, no `..`), keys are relative paths
+    inside the run (no absolute paths, no `..`, no URLs); other fields are free but size-limited."""
+    if not isinstance(m, dict):
+        raise CheckpointError(f"manifest of {label} is not a JSON object ({type(m).__name__}); delete it so the "
+                              "checkpoint is rewritten")
+    if "sha256" not in m:
+        raise CheckpointError(f"manifest of {label} lacks a sha256; delete it so the checkpoint is rewritten")
+    problems = []
+    for name, check in _MANIFEST_FIELDS.items():
+        if m.get(name) is not None and (why := check(m[name])):
+            problems.append(f"{name} {str(m[name])[:80]!r} {why}")
+    if key is not None and isinstance(m.get("file"), str) and m["file"] != posixpath.basename(key):
+        problems.append(f"file {m['file'][:80]!r} is not this checkpoint's name {posixpath.basename(key)!r}")
+    if problems:
+        raise CheckpointError(f"manifest of {label} is invalid: " + "; ".join(problems) + "; it was not written by "
+                              "islands or was damaged: delete it and its checkpoint so the worker writes them again")
     return m
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        return "" if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else f"is not an integer in [{lo}, {hi}]"
+    return check
+
+
+def _number(v: Any) -> str:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return "" if ok else "is not a finite number >= 0"
+
+
+def _sha(v: Any) -> str:
+    return "" if isinstance(v, str) and _HEX64.fullmatch(v) else "is not a sha256 (64 lowercase hex digits)"
+
+
+def _file_name(v: Any) -> str:
+    return "" if isinstance(v, str) and _NAME.fullmatch(v) and v not in (".", "..") else \
+        "is not a plain file name (letters, digits, . _ -; no folders)"
+
+
+def _run_key(v: Any) -> str:
+    """A key inside the run directory: relative, '/'-separated, no '..', no URL, no backslash."""
+    ok = (isinstance(v, str) and 0 < len(v) <= 1024 and not v.startswith("/") and "://" not in v and "\\" not in v
+          and all(_NAME.fullmatch(part) and part not in (".", "..") for part in v.split("/")))
+    return "" if ok else "is not a relative path inside the run directory"
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+MAX_ID = 1 << 20
+"""Largest worker id, round or step count a manifest may name."""
+MAX_MANIFEST_BYTES = 16 << 20
+"""A manifest is small (the longest part is a round's per-step losses): anything bigger is refused unread."""
+_MANIFEST_FIELDS: dict[str, Callable[[Any], str]] = {
+    "sha256": _sha, "base_sha256": _sha, "source_sha256": _sha, "file": _file_name, "base": _run_key,
+    "round": _int_in(0, MAX_ID), "worker": _int_in(0, MAX_ID), "from_round": _int_in(0, MAX_ID),
+    "attempt": _int_in(0, MAX_ID), "steps": _int_in(0, 1 << 40), "steps_done": _int_in(0, 1 << 40),
+    "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number,
+    "written_at": _number,
+}
 
 
 class LazyCheckpoint:
@@ -180,25 +304,12 @@ class LazyCheckpoint:
         self.f.close()
 
     def _read_header(self) -> tuple[dict[str, str], dict[str, TensorSpec], int]:
+        """Parse and check the whole header before any tensor data is read (parse_header)."""
         head = self._read_at(0, 8)
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER:
             raise CheckpointError(f"{self.label}: header length {n} is implausible: not a safetensors file, or damaged")
-        try:
-            header = json.loads(self._read_at(8, n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{self.label}: safetensors header is not valid JSON ({exc}): the file is damaged") from None
-        meta = header.pop("__metadata__", None) or {}
-        specs = {}
-        for name, e in header.items():
-            try:
-                specs[name] = TensorSpec(name, e["dtype"], tuple(e["shape"]), *e["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.label}: header entry for tensor {name} is malformed") from None
-            if e["dtype"] not in TORCH_DTYPES:
-                raise CheckpointError(f"{self.label}: tensor {name} has unsupported dtype {e['dtype']}")
-        ordered = dict(sorted(specs.items(), key=lambda kv: kv[1].start))
-        return meta, ordered, 8 + n
+        return (*parse_header(self._read_at(8, n), self.label), 8 + n)
 
     def _read_at(self, offset: int, n: int) -> bytes:
         self.f.seek(offset)

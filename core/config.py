@@ -7,6 +7,7 @@ ConfigError. The resolved config is written into the run directory, and a resume
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,12 +30,18 @@ class ModelConfig:
     n_embd: int = 128
     """Model width. 2 x 4 x 128 is ~0.5M parameters; 12 x 12 x 768 is ~85M."""
     block_size: int = 128
-    """Context length in bytes (tokens)."""
+    """Context length in tokens (bytes for the built-in model)."""
     dropout: float = 0.0
     """Dropout probability inside the model (0 for pre-training as in the papers)."""
     init_from: str | None = None
     """Checkpoint (.safetensors, any fsspec URL) to start from instead of a random init: the
     pre-trained model that lo-fi fine-tunes. Tensor names and shapes must match the model."""
+    hf: str | None = None
+    """A local Hugging Face transformers causal-LM directory (config.json, weights, tokenizer: what
+    save_pretrained writes) to train instead of the built-in model, from its own weights;
+    `model: hf:PATH` is short for this. Its tokenizer tokenizes the corpus; n_layer, n_head, n_embd
+    and dropout do not apply. The final model is also exported as a Hugging Face directory
+    (final/hf). Nothing is ever downloaded. Needs transformers (`pip install -e ".[hf]"`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,9 +141,18 @@ class RoundConfig:
     deadline_s: float = 0.0
     """Once the quorum is in, close the round this many seconds after it was submitted, without
     the stragglers; 0 = wait for every worker whose job is still alive."""
-    late_policy: Literal["continue", "restart"] = "continue"
-    """A worker whose contribution missed a round `continue`s from its own weights next round
-    (the DiLoCo paper's dropped outer gradient) or `restart`s from the new global weights."""
+    late_policy: Literal["continue", "restart", "drop", "fold"] = "continue"
+    """What happens to a worker whose contribution missed a round's merge (docs/reliability.md).
+    `continue`: it trains on from its own weights next round (the DiLoCo paper's dropped outer
+    gradient). `drop` (`restart` is its old name): its late work is discarded, a straggler still
+    running at the deadline is cancelled, it restarts from the new global weights. `fold`: the
+    straggler runs on; once its contribution arrives, its pseudo-gradient (its base minus its
+    weights) joins a later round's outer gradient with weight x staleness_decay ** rounds_late,
+    and it restarts from the new global weights."""
+    staleness_decay: float = 0.5
+    """`fold` only: a contribution k rounds late is averaged in with its weight x decay ** k."""
+    max_staleness: int = 4
+    """`fold` only: contributions more rounds late than this are dropped, not folded."""
     max_retries: int = 2
     """How often a worker whose job ended without a contribution is resubmitted in one round."""
     worker_mode: Literal["per_round", "persistent"] = "per_round"
@@ -145,6 +161,24 @@ class RoundConfig:
     its time limit, when it checkpoints and is requeued: the queue is paid once per job lifetime."""
     poll_s: float = 0.5
     """Seconds between polls of the run directory and the scheduler."""
+    contribution: Literal["weights", "delta"] = "weights"
+    """What a worker publishes: its `weights`, or its outer gradient `delta` = base - weights,
+    coded as round.codec (core/codec.py); the merge decodes either. Not with `lte` (which sends
+    LoRA heads) nor late_policy `fold`."""
+    codec: Literal["fp32", "bf16", "int8"] = "fp32"
+    """`delta` only: how the delta's values are stored: `fp32` (exact), `bf16` (half the bytes),
+    `int8` with one fp32 scale per row (a quarter; error <= half a step of the row's max / 127)."""
+    prune_keep: float = 1.0
+    """`delta` only: fraction of each row's entries kept, the largest by magnitude (the DiLoCo
+    paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the kept values are
+    stored with their column index (2 bytes each for rows up to 32768 wide): it saves bytes only
+    below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
+    stream_merge: bool = True
+    """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
+    worker lands reads about one checkpoint instead of K. The sum is in arrival order (recorded
+    as the round record's `merge_order`; a resumed service rebuilds it from the contributions), so
+    with 3+ workers two runs may differ in the last bit; `false` merges in worker order at the end
+    (bitwise reproducible from run to run). Linear merges only: not `lte`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +275,7 @@ def load_config(
     problems: list[str] = []
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_yaml(path)
+        raw = _model_shorthand(_read_yaml(path), problems)  # before --set model.x merges into it
     flat = dict(overrides or {})
     for item in sets or []:
         key, sep, value = item.partition("=")
@@ -251,14 +285,22 @@ def load_config(
         flat[key.strip()] = yaml.safe_load(value) if value.strip() else None
     for key, value in flat.items():
         _set_dotted(raw, key, value)
+        raw = _model_shorthand(raw, problems)  # `--set model=hf:PATH`, then `--set model.block_size=...`
     if problems:
         raise ConfigError(problems, source=path or "command line")
-    return config_from_dict(raw, source=path or "command line")
+    cfg = config_from_dict(raw, source=path or "command line")
+    # Checked here, where a user asks for a run, not in config_from_dict: `status` or `report` of
+    # the run on a machine that cannot see the model directory must still read its config.
+    if cfg.model.hf is not None and not os.path.isfile(os.path.join(cfg.model.hf, "config.json")):
+        what = "has no config.json" if os.path.isdir(cfg.model.hf) else "does not exist"
+        raise ConfigError([f"model.hf: {cfg.model.hf} {what}; give a local Hugging Face model directory (as "
+                           "written by save_pretrained): islands never downloads a model"], source=path or "command line")
+    return cfg
 
 
 def config_from_dict(raw: Mapping[str, Any], source: str = "configuration") -> Config:
-    raw = _apply_preset(dict(raw))
     problems: list[str] = []
+    raw = _apply_preset(_model_shorthand(dict(raw), problems))
     cfg = _build(Config, raw, "", problems)
     if cfg is not None:
         problems.extend(_check(cfg))
@@ -322,8 +364,24 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _model_shorthand(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """`model: hf:PATH` -> `model: {hf: PATH}`; model.hf made absolute, so that workers started
+    elsewhere (another directory, a Slurm node) find the same directory."""
+    model = raw.get("model")
+    if isinstance(model, str):
+        if not model.startswith("hf:") or not model[3:].strip():
+            problems.append(f"model: {model!r} is not a model; write `model: hf:/path/to/dir` for a local Hugging "
+                            "Face model directory, or a mapping of model.* keys for the built-in model")
+            return {k: v for k, v in raw.items() if k != "model"}
+        model = {"hf": model[3:].strip()}
+    if isinstance(model, dict) and isinstance(model.get("hf"), str) and model["hf"]:
+        model = {**model, "hf": os.path.abspath(os.path.expanduser(model["hf"]))}
+    return {**raw, "model": model} if "model" in raw else raw
+
+
 def _apply_preset(raw: dict[str, Any]) -> dict[str, Any]:
-    preset = PRESETS.get(raw.get("algorithm", "diloco"), {})
+    algorithm = raw.get("algorithm", "diloco")
+    preset = PRESETS.get(algorithm, {}) if isinstance(algorithm, str) else {}  # a wrong type is reported by _build
     for key, value in preset.items():
         node = raw
         parts = key.split(".")
@@ -433,11 +491,24 @@ def _check(cfg: Config) -> list[str]:
     need(cfg.round.deadline_s >= 0, f"round.deadline_s must be >= 0, got {cfg.round.deadline_s}")
     need(cfg.round.max_retries >= 0, f"round.max_retries must be >= 0, got {cfg.round.max_retries}")
     need(cfg.round.poll_s > 0, f"round.poll_s must be > 0, got {cfg.round.poll_s}")
+    need(0 < cfg.round.staleness_decay <= 1, f"round.staleness_decay must be in (0, 1], got {cfg.round.staleness_decay}")
+    need(cfg.round.max_staleness >= 1, f"round.max_staleness must be >= 1, got {cfg.round.max_staleness}")
+    rc = cfg.round
+    need(0 < rc.prune_keep <= 1, f"round.prune_keep must be in (0, 1], got {rc.prune_keep}")
+    need(rc.contribution == "delta" or (rc.codec == "fp32" and rc.prune_keep == 1),
+         f"round.codec={rc.codec} and round.prune_keep={rc.prune_keep} code the outer gradient: they need "
+         "round.contribution=delta (weights are always sent in full)")
+    need(rc.contribution == "weights" or cfg.algorithm != "lte",
+         "round.contribution=delta does not apply to lte, whose workers send LoRA heads: drop it")
+    need(rc.contribution == "weights" or rc.late_policy != "fold",
+         "round.contribution=delta with round.late_policy=fold is not supported yet: use late_policy continue or drop")
     m = cfg.model
     need(min(m.n_layer, m.n_head, m.n_embd, m.block_size) >= 1, "model sizes (n_layer, n_head, n_embd, block_size) must be >= 1")
     need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,
          f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.hf is not None:
+        p.extend(_check_hf(m))
     i = cfg.inner
     need(i.steps >= 1, f"inner.steps must be >= 1, got {i.steps}")
     need(i.batch_size >= 1, f"inner.batch_size must be >= 1, got {i.batch_size}")
@@ -459,7 +530,7 @@ def _check(cfg: Config) -> list[str]:
     need(o.optimizer != "nesterov" or o.momentum > 0, "outer.optimizer nesterov needs outer.momentum > 0")
     t = cfg.lte
     need(t.rank >= 1, f"lte.rank must be >= 1, got {t.rank}")
-    need(cfg.algorithm != "lte" or t.rank < m.n_embd,
+    need(cfg.algorithm != "lte" or m.hf is not None or t.rank < m.n_embd,
          f"lte.rank ({t.rank}) must be < model.n_embd ({m.n_embd}): a head as wide as the layer is not low-rank")
     need(t.alpha > 0, f"lte.alpha must be > 0, got {t.alpha}")
     need(t.lr > 0, f"lte.lr must be > 0, got {t.lr}")
@@ -472,4 +543,15 @@ def _check(cfg: Config) -> list[str]:
     need(e.mem_gb > 0, f"executor.mem_gb must be > 0, got {e.mem_gb}")
     need(e.service_timeout_min >= 1, f"executor.service_timeout_min must be >= 1, got {e.service_timeout_min}")
     need(e.gpus_per_node >= 0, f"executor.gpus_per_node must be >= 0, got {e.gpus_per_node}")
+    return p
+
+
+def _check_hf(m: ModelConfig) -> list[str]:
+    """A Hugging Face model: a local directory with its config.json, and no built-in-model keys."""
+    p = []
+    default = ModelConfig()
+    builtin = [k for k in ("n_layer", "n_head", "n_embd", "dropout") if getattr(m, k) != getattr(default, k)]
+    if builtin:
+        p.append(f"model.{', model.'.join(builtin)} describe the built-in model, but model.hf brings its own "
+                 "architecture: remove them")
     return p

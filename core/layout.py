@@ -13,10 +13,12 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     rounds/00003/contrib/worker_001.safetensors   worker 1's weights after round 3 (+ .json manifest)
     rounds/00003/record.json                      the round's commit record, written last
     rounds/00003/rejected/                        contributions refused by the merge, with why
+    rounds/00003/folded/worker_001_from_00002...  a late contribution of round 2 folded into round 3
     workers/worker_001/state_00003.safetensors    worker 1's inner optimizer state after round 3
     workers/worker_001/inflight_00003.safetensors mid-round checkpoint of a preempted worker
     workers/worker_001/progress.json              heartbeat of the running worker (step, loss)
     final/model.safetensors                       the exported final model
+    final/hf/                                     the same, as a Hugging Face model directory (model.hf runs)
     jobs/                                         submitit's folder (job scripts, logs)
     metrics/round_00003.jsonl                     round 3's metrics as JSON lines (docs/observability.md)
     tensorboard/                                  TensorBoard event files, when tensorboard is installed
@@ -42,9 +44,15 @@ class RunLayout:
     CANCEL = "CANCEL"
     FAILED = "failed.json"
     FINAL = "final/model.safetensors"
+    FINAL_HF = "final/hf"
+    """With model.hf: the final model as a Hugging Face directory (from_pretrained loads it); its
+    config.json is written last."""
     JOBS = "jobs"
     METRICS = "metrics"
     TENSORBOARD = "tensorboard"
+
+    def final_hf_file(self, name: str) -> str:
+        return posixpath.join(self.FINAL_HF, name)
 
     def global_weights(self, round_: int) -> str:
         return f"global/round_{round_:05d}{SAFETENSORS}"
@@ -70,6 +78,12 @@ class RunLayout:
     def rejected_contribution(self, round_: int, worker: int, attempt: int) -> str:
         """Where a rejected contribution is set aside (kept as evidence, never merged)."""
         return posixpath.join(self.round_dir(round_), "rejected", f"worker_{worker:03d}_attempt{attempt}{SAFETENSORS}")
+
+    def folded_contribution(self, round_: int, worker: int, from_round: int) -> str:
+        """A late contribution of `from_round` re-based onto round `round_`'s global weights, the
+        merge input that folds it in (round.late_policy: fold); kept so the merge can be replayed."""
+        return posixpath.join(self.round_dir(round_), "folded",
+                              f"worker_{worker:03d}_from_{from_round:05d}{SAFETENSORS}")
 
     def worker_dir(self, worker: int) -> str:
         return f"workers/worker_{worker:03d}"

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TMP_PREFIX = ".tmp-"
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes of what islands creates on a local/shared POSIX filesystem
 # Errors no retry can fix: report them at once, with what to do.
 _FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then `orchestrate resume` the run",
                  errno.EDQUOT: "the disk quota is exceeded: free space, then `orchestrate resume` the run",
@@ -70,6 +71,30 @@ class Storage:
         p = self.path(key)
         return p if self.is_local else f"{_protocols(self.fs)[0]}://{p.lstrip('/')}"
 
+    def makedirs_path(self, path: str) -> None:
+        """Create folder `path` (a filesystem path of this fs) and its parents; on a local or shared
+        POSIX filesystem each new folder is private to the user (0700): a run directory holds what
+        workers execute from (config, checkpoints), so nobody else may write into it."""
+        if not self.is_local:
+            self.fs.makedirs(path, exist_ok=True)
+            return
+        missing = []
+        p = path
+        while p and not os.path.isdir(p):
+            missing.append(p)
+            parent = posixpath.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another writer created it first
+                os.mkdir(d, PRIVATE_DIR)
+
+    def make_private(self, path: str) -> None:
+        """Files of a local run directory are readable and writable by their owner only (0600)."""
+        if self.is_local:
+            os.chmod(path, PRIVATE_FILE)
+
     def local_path(self, key: str) -> str | None:
         return self.path(key) if self.is_local else None
 
@@ -96,8 +121,8 @@ class Storage:
             return None
         try:
             return json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise StorageError(f"{self.display(key)} is not valid JSON ({exc}); it was damaged outside "
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
+            raise StorageError(f"{self.display(key)} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); it was damaged outside "
                                "islands: restore it or delete it and `orchestrate resume` the run") from None
 
     def open_read(self, key: str) -> IO[bytes]:
@@ -129,9 +154,10 @@ class Storage:
             return
         final = self.path(key)
         tmp = posixpath.join(posixpath.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(final)}")
-        self._retry(f"create the folder of {key}", lambda: self.fs.makedirs(posixpath.dirname(final), exist_ok=True))
+        self._retry(f"create the folder of {key}", lambda: self.makedirs_path(posixpath.dirname(final)))
         try:
             with self.fs.open(tmp, "wb") as f:
+                self.make_private(tmp)
                 yield f
             self._retry(f"publish {key}", lambda: self.fs.mv(tmp, final))
         except BaseException:
@@ -194,10 +220,10 @@ class Storage:
 
     def _create_exclusive_local(self, key: str, data: bytes) -> bool:
         path = self.path(key)
-        os.makedirs(posixpath.dirname(path), exist_ok=True)
+        self.makedirs_path(posixpath.dirname(path))
         tmp = posixpath.join(posixpath.dirname(path), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(path)}")
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as f:
                 f.write(data)
             try:
                 os.link(tmp, path)
@@ -208,7 +234,7 @@ class Storage:
                 if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
                     raise
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
             except FileExistsError:
                 return False
             with os.fdopen(fd, "wb") as f:
@@ -219,6 +245,33 @@ class Storage:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+    def sweep_temporaries(self, older_than_s: float, skip: tuple[str, ...] = ()) -> list[str]:
+        """Delete the `.tmp-*` files that killed writers left anywhere under the root, if last
+        modified more than `older_than_s` ago; return their keys. A live writer's temporary is
+        younger than that (its mtime moves with every write), so it is never touched; nothing
+        reads temporaries, so deleting an old one loses nothing. Top-level folders in `skip` are
+        not walked (submitit's job folder). Object stores leave no temporaries: nothing to do."""
+        if self.atomic_put:
+            return []
+        now, gone = time.time(), []
+        try:
+            found = self._retry("list the run directory", lambda: self.fs.find(self.root, detail=True))
+        except FileNotFoundError:
+            return []
+        for path, info in found.items():
+            key = posixpath.relpath(path, self.root)
+            if not posixpath.basename(path).startswith(TMP_PREFIX) or key.split("/", 1)[0] in skip:
+                continue
+            if now - _mtime(info, now) < older_than_s:
+                continue
+            with contextlib.suppress(FileNotFoundError):  # another sweeper or its writer's cleanup came first
+                self.fs.rm_file(path)
+                gone.append(key)
+        if gone:
+            log.info("storage: deleted %d temporaries older than %.0fs left by killed writers: %s",
+                     len(gone), older_than_s, gone[:5])
+        return gone
 
     def remove(self, key: str, recursive: bool = False) -> None:
         try:
@@ -259,6 +312,17 @@ class Storage:
         hint = _FATAL_ERRNOS.get(exc.errno or 0, "check that the storage is reachable and retry")
         tries = f" after {attempts} attempts over {seconds:.1f}s" if attempts > 1 else ""
         return StorageError(f"could not {what} in {self.display()}{tries}: {exc.strerror or exc}; {hint}")
+
+
+def _mtime(info: dict[str, Any], default: float) -> float:
+    """Last-modified time of an fsspec `info` entry as epoch seconds (backends name it differently)."""
+    for field in ("mtime", "created", "LastModified", "last_modified"):
+        value = info.get(field)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if hasattr(value, "timestamp"):
+            return value.timestamp()
+    return default  # unknown age: treated as new, so never deleted
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

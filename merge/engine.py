@@ -19,8 +19,9 @@ How the bytes move (memory does not grow with K, nor with the size of the model)
   deletes the temporaries: nothing half-merged is ever visible.
 
 `merge_round` is the merge service's use of it (one DiLoCo/lo-fi round: contributions with
-manifests, the outer step with saved optimizer state, bad contributions rejected and the merge
-redone without them); merge.manual is `orchestrate merge`'s.
+manifests, the outer step with saved optimizer state, bad contributions rejected); for the linear
+merge it sums the contributions first (merge.incremental, which also decodes delta contributions)
+and streams that one mean here. merge.manual is `orchestrate merge`'s.
 """
 from __future__ import annotations
 
@@ -38,12 +39,13 @@ import numpy as np
 import torch
 
 from core.failpoints import failpoint
+from core.progress import track
 from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected, RunError
 from core.storage import Storage
 from merge.methods import check_method_args, method_spec
-from merge.outer import STATE_SEP, outer_step, state_key
+from merge.outer import state_in_specs, state_key, state_out_specs, state_slots  # noqa: F401 (re-exported)
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, TensorFile, open_file_model
 from merge.writer import OutputFile, StreamWriter
 
@@ -80,6 +82,8 @@ class MergeResult:
     seconds: float
     outer_grad_norm: float
     manifest: dict[str, Any] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
+    """The order the inputs were summed in (merge/incremental.py), when it matters to the bytes."""
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -100,12 +104,6 @@ def compare_specs(ref: Mapping[str, TensorSpec], other: Mapping[str, TensorSpec]
 
 def model_specs(model: Model) -> dict[str, TensorSpec]:
     return {n: spec for n, (_, spec) in model.tensors.items()}
-
-
-def state_slots(cfg: OuterConfig) -> list[tuple[str, bool]]:
-    """The optimizer's state slots in torch.optim's order, each (name, True if shaped like the param)."""
-    _, st, _ = outer_step(torch.zeros(2), torch.ones(2), {}, cfg)
-    return [(slot, tuple(t.shape) == (2,)) for slot, t in st.items()]
 
 
 # -- reading: one thread per input ---------------------------------------------------------
@@ -295,7 +293,7 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
             segments += [_Segment(name, s, min(s + step, numel), numel, floating) for s in range(0, max(numel, 1), step)]
 
         slots = state_slots(params["optimizer"]) if spec.stateful else []
-        state_specs = _state_in_specs(state_in, order, slots) if state_in else {}
+        state_specs = state_in_specs(state_in, order, slots) if state_in else {}
 
         def model_plan(m: Model) -> list[list[_Read]]:
             plan = []
@@ -337,7 +335,8 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
         shapes = {name: shape for name, _, shape in order}
         pending: dict[str, torch.Tensor] = {}  # state slots of the current tensor, when they cannot stream
         stream_state = len(slots) == 1 and slots[0][1]
-        for seg in segments:
+        label = f"merge into {outputs[0].storage.display(outputs[0].key)}"  # progress: core/progress.py
+        for seg in track(segments, label, unit="values", size=lambda g: g.stop - g.start):
             taken = [lane.take() for lane in lanes]
             parts = [p[None] for _, p in taken[: len(inputs)]]
             base_part = taken[len(inputs)][1][None] if base_lane else None
@@ -416,46 +415,6 @@ def _put_state(writer: StreamWriter, seg: _Segment, state: dict[str, torch.Tenso
             writer.put(state_key(seg.name, slot), t.reshape(shape) if full else t)
 
 
-def _state_in_specs(state_in: Model, order: list[tuple[str, str, tuple[int, ...]]],
-                    slots: list[tuple[str, bool]]) -> dict[str, list[tuple[str, bool]]]:
-    """Which slots the state file holds for each tensor, after checking it fits the model."""
-    shapes = {n: s for n, d, s in order if d in FLOATS}
-    have: dict[str, list[str]] = {}
-    problems = []
-    want = dict(slots)
-    for key, (_, sp) in state_in.tensors.items():
-        name, sep, slot = key.rpartition(STATE_SEP)
-        if not sep or name not in shapes:
-            problems.append(f"entry {key} names no floating-point tensor of the model")
-        elif slot not in want:
-            problems.append(f"entry {key} is not a state slot of this optimizer (it has {list(want) or 'none'})")
-        elif sp.dtype != "F32" or sp.shape != (shapes[name] if want[slot] else ()):
-            problems.append(f"entry {key} is {sp.dtype}{list(sp.shape)}, expected F32"
-                            f"{list(shapes[name]) if want[slot] else []}")
-        else:
-            have.setdefault(name, []).append(slot)
-    for name, got in have.items():
-        if set(got) != set(want):
-            problems.append(f"tensor {name} has state slots {sorted(got)}, the optimizer needs {sorted(want)}")
-    if problems:
-        raise InputError(state_in.ident, f"{state_in.label}: does not fit this model and optimizer: "
-                                         + "; ".join(problems[:5]) + "; pass the state file written by the same "
-                                         "merge and optimizer, or none to start from zero state")
-    return {name: [(s, f) for s, f in slots] for name in have}
-
-
-def state_out_specs(order: Sequence[tuple[str, str, tuple[int, ...]]], cfg: OuterConfig) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """The outer-state file's entries for a model whose tensors are `order` (name, dtype, shape)."""
-    out = []
-    for name, dtype, shape in order:
-        if dtype not in FLOATS:
-            continue
-        for slot, full in state_slots(cfg):
-            s = tuple(shape) if full else ()
-            out.append((state_key(name, slot), "F32", s, 4 * math.prod(s)))
-    return out
-
-
 # -- one round of a run --------------------------------------------------------------------
 def merge_round(
     storage: Storage,
@@ -470,12 +429,20 @@ def merge_round(
     method: str = "average",
     metadata: Mapping[str, str] | None = None,
     manifest: Mapping[str, Any] | None = None,
+    accumulator: Any = None,
 ) -> MergeResult:
     """Merge `contributions` into the weights at `base_key`; write `out_key` (and the outer state).
 
     Rejected contributions are reported in the result, not raised; RunError if fewer than
-    `min_inputs` valid ones remain.
+    `min_inputs` valid ones remain. `average` is summed in the contributions' order, or through
+    `accumulator` (a merge.incremental.RunningSum folded while they arrived), which decode delta
+    contributions (core/codec.py); the other methods stream every input at once, here.
     """
+    if method == "average":
+        from merge.incremental import merge_summed  # it builds on this module
+        return merge_summed(storage, base_key, contributions, out_key, outer, accumulator=accumulator,
+                            state_in_key=state_in_key, state_out_key=state_out_key, min_inputs=min_inputs,
+                            metadata=metadata, manifest=manifest)
     t0 = time.perf_counter()
     rejected: dict[int, str] = {}
     live = list(contributions)

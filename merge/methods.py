@@ -17,6 +17,7 @@ are fed slices of big tensors, so memory stays at a few MiB per input whatever t
 | ties            | base + scale * disjoint-mean(trim(t_i - base))   (Yadav et al. 2023)         |
 | median          | element-wise median of the inputs (mean of the middle two for even K)        |
 | outer           | one DiLoCo outer step from base with the pseudo-gradient base - average      |
+| outer-delta     | the same step, the inputs being pseudo-gradients: their average is the grad  |
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from core.config import OuterConfig
-from merge.outer import outer_step
+from merge.outer import outer_step, outer_step_from_grad
 
 MergeFn = Callable[..., torch.Tensor]
 
@@ -122,6 +123,20 @@ def outer(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: to
     return new
 
 
+def outer_delta(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
+                state: dict[str, torch.Tensor], optimizer: OuterConfig, stats: dict[str, float] | None = None,
+                **_: object) -> torch.Tensor:
+    """`outer` for inputs that are outer gradients already (base - worker weights, as delta
+    contributions carry them): their weighted mean goes into `.grad` as it is."""
+    grad = average(tensors, weights)
+    new, new_state, grad = outer_step_from_grad(_f32(base), grad, dict(state), optimizer)
+    state.clear()
+    state.update(new_state)
+    if stats is not None:
+        stats["grad_sq"] = stats.get("grad_sq", 0.0) + float(grad.double().pow(2).sum())
+    return new
+
+
 # -- the registry ---------------------------------------------------------------------------
 def _check_density(p: Mapping[str, Any]) -> list[str]:
     d = p.get("density", 0.2)
@@ -161,6 +176,8 @@ class Method:
     propagates_nonfinite: bool = False
     """A NaN or Inf in any input (or base) always makes the result non-finite (sums do; a median
     does not): the engine then checks the result only, and the inputs only to name the culprit."""
+    internal: bool = False
+    """Used by the round merge only (merge/incremental.py), not offered by `orchestrate merge`."""
 
 
 METHODS: dict[str, Method] = {
@@ -172,14 +189,17 @@ METHODS: dict[str, Method] = {
     "median": Method(median, weight_checks=(_uniform,)),
     "outer": Method(outer, needs_base=True, params=("optimizer", "inner"), checks=(_check_optimizer,),
                     stateful=True, propagates_nonfinite=True),  # when `inner` does: see the engine
+    "outer-delta": Method(outer_delta, needs_base=True, params=("optimizer",), checks=(_check_optimizer,),
+                          stateful=True, propagates_nonfinite=True, internal=True),
 }
+PUBLIC = sorted(name for name, m in METHODS.items() if not m.internal)
 
 
 def method_spec(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise ValueError(f"unknown merge method {name!r}; valid methods: {', '.join(sorted(METHODS))}") from None
+        raise ValueError(f"unknown merge method {name!r}; valid methods: {', '.join(PUBLIC)}") from None
 
 
 def get_method(name: str) -> MergeFn:

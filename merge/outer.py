@@ -9,9 +9,13 @@ memory to one tensor's worth: these optimizers are element-wise, so per-tensor s
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from core.config import OuterConfig
+from merge.reader import FLOATS, InputError, Model
 
 STATE_SEP = "::"
 
@@ -32,8 +36,16 @@ def outer_step(
     global_t: torch.Tensor, merged: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """One outer step of one tensor: (new global in the global's dtype, new state, outer gradient)."""
+    param = global_t.detach().to(torch.float32)
+    return outer_step_from_grad(global_t, param - merged.to(torch.float32), state, cfg)
+
+
+def outer_step_from_grad(
+    global_t: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The same step given the outer gradient itself (delta contributions carry it: core/codec.py)."""
     param = global_t.detach().to(torch.float32).clone()
-    grad = param - merged.to(torch.float32)
+    grad = grad.to(torch.float32)
     param.grad = grad
     opt = make_optimizer([param], cfg)
     if state:
@@ -45,3 +57,50 @@ def outer_step(
 
 def state_key(tensor: str, slot: str) -> str:
     return f"{tensor}{STATE_SEP}{slot}"
+
+
+# -- the state file: `<tensor>::<slot>` float32 entries ---------------------------------------
+def state_slots(cfg: OuterConfig) -> list[tuple[str, bool]]:
+    """The optimizer's state slots in torch.optim's order, each (name, True if shaped like the param)."""
+    _, st, _ = outer_step(torch.zeros(2), torch.ones(2), {}, cfg)
+    return [(slot, tuple(t.shape) == (2,)) for slot, t in st.items()]
+
+
+def state_in_specs(state_in: Model, order: list[tuple[str, str, tuple[int, ...]]],
+                    slots: list[tuple[str, bool]]) -> dict[str, list[tuple[str, bool]]]:
+    """Which slots the state file holds for each tensor, after checking it fits the model."""
+    shapes = {n: s for n, d, s in order if d in FLOATS}
+    have: dict[str, list[str]] = {}
+    problems = []
+    want = dict(slots)
+    for key, (_, sp) in state_in.tensors.items():
+        name, sep, slot = key.rpartition(STATE_SEP)
+        if not sep or name not in shapes:
+            problems.append(f"entry {key} names no floating-point tensor of the model")
+        elif slot not in want:
+            problems.append(f"entry {key} is not a state slot of this optimizer (it has {list(want) or 'none'})")
+        elif sp.dtype != "F32" or sp.shape != (shapes[name] if want[slot] else ()):
+            problems.append(f"entry {key} is {sp.dtype}{list(sp.shape)}, expected F32"
+                            f"{list(shapes[name]) if want[slot] else []}")
+        else:
+            have.setdefault(name, []).append(slot)
+    for name, got in have.items():
+        if set(got) != set(want):
+            problems.append(f"tensor {name} has state slots {sorted(got)}, the optimizer needs {sorted(want)}")
+    if problems:
+        raise InputError(state_in.ident, f"{state_in.label}: does not fit this model and optimizer: "
+                                         + "; ".join(problems[:5]) + "; pass the state file written by the same "
+                                         "merge and optimizer, or none to start from zero state")
+    return {name: [(s, f) for s, f in slots] for name in have}
+
+
+def state_out_specs(order: Sequence[tuple[str, str, tuple[int, ...]]], cfg: OuterConfig) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """The outer-state file's entries for a model whose tensors are `order` (name, dtype, shape)."""
+    out = []
+    for name, dtype, shape in order:
+        if dtype not in FLOATS:
+            continue
+        for slot, full in state_slots(cfg):
+            s = tuple(shape) if full else ()
+            out.append((state_key(name, slot), "F32", s, 4 * math.prod(s)))
+    return out

@@ -25,7 +25,7 @@ from typing import Any
 
 import fsspec
 
-from core.checkpoint import TORCH_DTYPES, TensorSpec
+from core.checkpoint import TORCH_DTYPES, TensorSpec, check_manifest
 from core.errors import CheckpointError, StorageError
 from core.layout import manifest_key
 from core.storage import Storage
@@ -70,7 +70,7 @@ def load_manifest(storage: Storage, key: str, required: bool, label: str) -> dic
             raise CheckpointError(f"manifest of {label} lacks a sha256; delete it so the checkpoint is rewritten")
         log.warning("%s: ignoring %s, which is not a manifest (no sha256)", label, manifest_key(key))
         return None
-    return m
+    return check_manifest(m, label, key)  # every field validated before use (core.checkpoint)
 
 
 class TensorFile:
@@ -142,7 +142,7 @@ class TensorFile:
             if spec.dtype not in TORCH_DTYPES:
                 raise CheckpointError(f"{self.label}: tensor {name} has unsupported dtype {spec.dtype} "
                                       f"(supported: {', '.join(ITEMSIZE)})")
-            if spec.nbytes != math.prod(spec.shape) * ITEMSIZE[spec.dtype] or spec.start < 0:
+            if spec.nbytes != math.prod(spec.shape) * ITEMSIZE[spec.dtype] or spec.start < 0 or min(spec.shape, default=0) < 0:
                 raise CheckpointError(f"{self.label}: header entry for tensor {name} is malformed: offsets "
                                       f"{spec.start}..{spec.end} do not hold {spec.dtype}{list(spec.shape)}")
             specs[name] = spec

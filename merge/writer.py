@@ -82,8 +82,9 @@ class StreamWriter:
         tmp = posixpath.join(posixpath.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(final)}")
         fs = out.storage.fs
         try:
-            fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            out.storage.makedirs_path(posixpath.dirname(final))  # private folders on POSIX (core.storage)
             f: IO[bytes] = fs.open(tmp, "wb")
+            out.storage.make_private(tmp)
         except OSError as exc:
             raise out.storage.error(f"create {out.key}", exc) from exc
         self._tmp.append((out, tmp))

@@ -19,6 +19,8 @@ from core.layout import RunLayout
 from core.storage import Storage
 
 L = RunLayout()
+TMP_SWEEP_AGE_S = 3600.0
+"""Temporaries older than this are a killed writer's leftovers (a live writer's mtime keeps moving)."""
 console = Console(highlight=False, soft_wrap=True)
 
 
@@ -26,8 +28,14 @@ def _setup_logging(verbose: bool) -> None:
     level = logging.DEBUG if verbose else logging.INFO
     if sys.stderr.isatty():
         from rich.logging import RichHandler
-        handler: logging.Handler = RichHandler(console=Console(stderr=True), show_path=False)
+
+        from orchestrator import progress_bars
+        err = Console(stderr=True)
+        handler: logging.Handler = RichHandler(console=err, show_path=False)
+        progress_bars.install(err)  # long operations draw bars here, above the log lines
     else:
+        from core.progress import set_renderer
+        set_renderer(None)  # a log file or a pipe: plain progress lines, no bars
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
@@ -101,7 +109,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _jobs_folder(storage: Storage) -> str:
     """submitit's folder: inside a local run directory, else a local cache (it holds job scripts)."""
-    return storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
+    folder = storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
+    Storage(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
+    return folder
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -118,6 +128,8 @@ def _drive(storage: Storage, force: bool) -> int:
     cfg = load_run(storage)
     executor = Executor(cfg, _jobs_folder(storage))
     acquire_lock(storage, force=force)
+    # With the lock held we are the only service: clear what killed writers left (never a live one's).
+    storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
     try:
         service = RoundService(storage, cfg, executor, on_round=lambda rec: _print_round(rec, cfg.rounds))
         console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
@@ -182,7 +194,12 @@ def _status_view(status: dict[str, Any]) -> Table:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.runstate import permission_warning
+
     storage = Storage(args.run)
+    warning = permission_warning(storage)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(_status_with_jobs(storage), indent=1))
         return 0

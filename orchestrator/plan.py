@@ -62,6 +62,8 @@ def next_bases(
     `late` maps a worker whose published contribution was not merged (dropped, not rejected) to
     that contribution's key. With policy `continue` such a worker trains on from its own weights,
     as in the DiLoCo paper's dropped outer gradients; everyone else starts from the new global.
+    Under `drop`/`restart` the late work is discarded and under `fold` it reaches the global model
+    through a later merge (fold_plan), so those workers start from the new global too.
     """
     bases = {}
     for w in range(workers):
@@ -70,3 +72,31 @@ def next_bases(
         else:
             bases[w] = global_key
     return bases
+
+
+@dataclass(frozen=True)
+class Fold:
+    from_round: int
+    """The round the late contribution was trained for."""
+    worker: int
+    staleness: int
+    """Rounds late: the merging round minus from_round (>= 1)."""
+    factor: float
+    """staleness_decay ** staleness: what its usual weight is multiplied by."""
+
+
+def fold_plan(
+    merging: int, unmerged: Mapping[int, Sequence[int]], done: set[tuple[int, int]], *, decay: float, max_staleness: int
+) -> list[Fold]:
+    """Which late contributions the merge of round `merging` folds in, in a fixed order (so a
+    replay merges them identically): every (round, worker) published but never merged, rejected
+    or folded before (`done`), at most `max_staleness` rounds late, sorted by round then worker."""
+    out = []
+    for q in sorted(unmerged):
+        late = merging - q
+        if not 1 <= late <= max_staleness:
+            continue
+        for w in sorted(set(unmerged[q])):
+            if (q, w) not in done:
+                out.append(Fold(q, w, late, decay ** late))
+    return out

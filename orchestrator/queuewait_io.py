@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from core.progress import progress
 from orchestrator.queuewait import SACCT_FIELDS, QueueWaitError, WaitData, parse_sacct, parse_swf
 
 log = logging.getLogger(__name__)
@@ -167,21 +168,25 @@ def _wait_started(ids: list[str], max_seconds: float, poll_s: float) -> str:
 
     A failing sacct (slurmdbd restarting) is retried until the deadline."""
     deadline = time.monotonic() + max_seconds
-    while True:
-        try:
-            text = _run(sacct_command(None, None, None, ids), "measuring the probes")
-        except QueueWaitError as exc:
-            if time.monotonic() >= deadline:
-                raise
-            log.warning("%s; retrying", exc)
-            time.sleep(max(poll_s, 2.0))
-            continue
-        data = parse_sacct(text)
-        if len(data.jobs) == len(ids) or time.monotonic() >= deadline:
-            if len(data.jobs) < len(ids):
-                log.warning("%d of %d probes had not started after %gs", len(ids) - len(data.jobs), len(ids), max_seconds)
-            return text
-        time.sleep(poll_s)
+    started = 0
+    with progress(len(ids), "probe jobs started", unit="jobs") as bar:
+        while True:
+            try:
+                text = _run(sacct_command(None, None, None, ids), "measuring the probes")
+            except QueueWaitError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s; retrying", exc)
+                time.sleep(max(poll_s, 2.0))
+                continue
+            data = parse_sacct(text)
+            bar.advance(len(data.jobs) - started)
+            started = len(data.jobs)
+            if len(data.jobs) == len(ids) or time.monotonic() >= deadline:
+                if len(data.jobs) < len(ids):
+                    log.warning("%d of %d probes had not started after %gs", len(ids) - len(data.jobs), len(ids), max_seconds)
+                return text
+            time.sleep(poll_s)
 
 
 def cancel_probes(ids: Sequence[str]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from core.checkpoint import open_checkpoint, read_manifest
+from core.codec import outer_gradient
 from core.config import Config
 from core.errors import CheckpointError
 from core.layout import RunLayout
@@ -107,8 +108,8 @@ def outer_grad_stats(storage: Storage, r: int, workers: Sequence[int], weights: 
         try:
             gram = torch.zeros(len(workers), len(workers), dtype=torch.float64)
             for name in base.specs:
-                g = base.get(name).double()
-                gram = gram_update(gram, [g - ck.get(name).double() for ck in inputs])
+                g = base.get(name)
+                gram = gram_update(gram, [outer_gradient(ck, name, g) for ck in inputs])  # delta contributions too
             for ck in inputs:
                 ck.verify()
             base.verify()

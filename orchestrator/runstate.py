@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import logging
 import os
@@ -18,12 +19,14 @@ from core.config import Config, config_from_dict, to_yaml
 from core.errors import RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from worker.data import eval_batches, estimate_loss, load_corpus, split_heldout
+from worker.data import corpus_for, eval_batches, estimate_loss, split_heldout
 from worker.weights import build_model, load_weights, model_metadata, weights_of
 
 log = logging.getLogger(__name__)
 L = RunLayout()
 RUN_INFO = "run.json"
+LOCK_CLAIM_STALE_S = 60.0
+"""A lock-takeover claim older than this was left by a taker that died mid-takeover: cleared."""
 
 
 def default_run_dir(cfg: Config) -> str:
@@ -66,7 +69,7 @@ class Evaluator:
     def batches(self) -> list:
         if self._batches is None:
             c = self.cfg
-            corpus = load_corpus(c.data.source, include_tests=c.data.include_tests, cache_dir=c.data.cache_dir)
+            corpus = corpus_for(c)
             _, heldout = split_heldout(corpus, c.data.heldout_fraction, c.seed)
             self._batches = eval_batches(corpus, heldout, c.model.block_size, c.inner.batch_size, c.data.eval_batches, c.seed)
         return self._batches
@@ -79,14 +82,21 @@ class Evaluator:
 
 
 def export_final(storage: Storage, cfg: Config) -> None:
-    """The last global checkpoint, copied to final/model.safetensors (loads with worker.weights.load_model)."""
+    """The last global checkpoint, copied to final/model.safetensors (loads with worker.weights.load_model);
+    with model.hf also written as a Hugging Face directory, final/hf (loads with from_pretrained)."""
     last = L.global_weights(cfg.rounds)
-    if read_manifest(storage, L.FINAL) == read_manifest(storage, last) is not None:
-        return
-    storage.copy(last, L.FINAL)
-    manifest = dict(read_manifest(storage, last) or {})
-    manifest["file"] = L.FINAL.rsplit("/", 1)[-1]
-    storage.write_json(manifest_key(L.FINAL), manifest)
+    if read_manifest(storage, L.FINAL) != read_manifest(storage, last) or read_manifest(storage, last) is None:
+        storage.copy(last, L.FINAL)
+        manifest = dict(read_manifest(storage, last) or {})
+        manifest["file"] = L.FINAL.rsplit("/", 1)[-1]
+        storage.write_json(manifest_key(L.FINAL), manifest)
+    if cfg.model.hf is not None and not storage.exists(L.final_hf_file("config.json")):  # written last
+        from worker.hf import save_pretrained_dir
+        model = build_model(cfg.model)
+        tensors, _, _ = load_checkpoint(storage, L.FINAL, label=f"final model {storage.display(L.FINAL)}")
+        load_weights(model, tensors, storage.display(L.FINAL))
+        save_pretrained_dir(model, cfg.model.hf, storage, L.FINAL_HF)
+        log.info("final model exported as a Hugging Face directory: %s", storage.display(L.FINAL_HF))
 
 
 def jobs_of_round(storage: Storage, r: int) -> dict[str, Any]:
@@ -127,21 +137,84 @@ def run_status(storage: Storage) -> dict[str, Any]:
                                     for w, e in current["workers"].items()},
             "arrived": arrived_workers(storage, r)},
         "final_model": storage.display(L.FINAL) if storage.exists(L.FINAL) else None,
+        "final_hf": storage.display(L.FINAL_HF) if storage.exists(L.final_hf_file("config.json")) else None,
     }
+
+
+def permission_warning(storage: Storage) -> str | None:
+    """Why a local run directory is unsafe, if it is: anyone who can write into it can replace the
+    config or checkpoints that workers load and run with the owner's rights."""
+    path = storage.local_path("")
+    if path is None or not os.path.isdir(path):
+        return None
+    loose = [p for p in (path, os.path.join(path, L.JOBS)) if os.path.isdir(p) and os.stat(p).st_mode & 0o022]
+    if not loose:
+        return None
+    modes = ", ".join(f"{p} is {oct(os.stat(p).st_mode & 0o777)}" for p in loose)
+    return (f"the run directory is writable by other users ({modes}): they could replace its config or checkpoints; "
+            f"run: chmod -R go-w {path}")
 
 
 # -- the run lock: one merge service per run --------------------------------------------------
 def acquire_lock(storage: Storage, force: bool = False) -> None:
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    if storage.create_exclusive(L.LOCK, json.dumps(me).encode()):
+    me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+    if storage.create_exclusive(L.LOCK, me):
         return
-    held = storage.read_json(L.LOCK) or {}
+    try:
+        seen = storage.read_bytes(L.LOCK)
+    except FileNotFoundError:  # released between our two calls: try once more, as a newcomer
+        if storage.create_exclusive(L.LOCK, me):
+            return
+        seen = storage.read_bytes(L.LOCK)
+    held = _parse_lock(seen)
     if force or _lock_is_stale(held):
-        log.warning("taking over the run lock from %s (%s)", held, "forced" if force else "its process is gone")
-        storage.write_json(L.LOCK, me)
+        _take_over(storage, seen, me, "forced" if force else "its process is gone")
         return
     raise RunError(f"another orchestrator (pid {held.get('pid')} on {held.get('host')}) drives {storage.display()}; "
                    "stop it first, or pass --force if you are sure it is gone")
+
+
+def _take_over(storage: Storage, seen: bytes, me: bytes, why: str) -> None:
+    """Replace the lock we read (`seen`) by ours, conditionally: two orchestrators taking over the
+    same stale lock at once must not both proceed. Each first creates the claim named after the
+    stale lock's bytes (create_exclusive: one winner); the winner then checks the lock still holds
+    those bytes (the compare step: a slower taker that read them before the winner replaced them
+    finds the winner's lock there) and only then writes its own. The claim is removed after, and
+    one older than LOCK_CLAIM_STALE_S (its writer died in between) is cleared."""
+    claim = f"{L.LOCK}.takeover-{hashlib.sha256(seen).hexdigest()[:16]}"
+    held = _parse_lock(seen)
+    if not storage.create_exclusive(claim, me):
+        try:
+            old = _parse_lock(storage.read_bytes(claim))
+        except FileNotFoundError:  # the other taker finished: the compare step below decides
+            old = {"since": time.time()}
+        abandoned = time.time() - float(old.get("since") or 0) >= LOCK_CLAIM_STALE_S
+        if abandoned:  # (two takers clearing one abandoned claim at once could still both win: rare)
+            storage.remove(claim)
+        if not abandoned or not storage.create_exclusive(claim, me):
+            raise RunError(f"another orchestrator is taking over the stale lock of pid {held.get('pid')} on "
+                           f"{held.get('host')} in {storage.display()} right now; let it drive the run")
+    try:
+        try:
+            now = storage.read_bytes(L.LOCK)
+        except FileNotFoundError:
+            now = b""
+        if now != seen:
+            other = _parse_lock(now)
+            raise RunError(f"another orchestrator (pid {other.get('pid')} on {other.get('host')}) took over "
+                           f"{storage.display()} first; let it drive the run")
+        log.warning("taking over the run lock from %s (%s)", held, why)
+        storage.write_bytes(L.LOCK, me)
+    finally:
+        storage.remove(claim)
+
+
+def _parse_lock(raw: bytes) -> dict[str, Any]:
+    try:
+        held = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return held if isinstance(held, dict) else {}
 
 
 def release_lock(storage: Storage) -> None:

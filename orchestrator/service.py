@@ -18,16 +18,18 @@ import torch
 
 from core.checkpoint import read_manifest
 from core.config import Config
-from core.errors import RunError
+from core.errors import CheckpointError, RunError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.outer import outer_step
 from merge.engine import Contribution, QuorumError, merge_round
+from merge.incremental import RunningSum
 from merge.lte import merge_lte_round
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import Decision, WorkerView, decide, next_bases
+from orchestrator import late
 from orchestrator.metrics import write_round_metrics
 from orchestrator.runstate import Evaluator, arrived_workers, export_final, jobs_of_round
 
@@ -52,6 +54,8 @@ class RoundService:
         self._last_arrived: set[int] = set()
         self._last_sched = 0.0
         self._sched_interval = cfg.round.poll_s
+        self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
+        self._sum_round = -1
         # torch.optim's first step pays ~1.5 s of lazy imports: pay it now, not inside round 0's merge.
         outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)
 
@@ -125,6 +129,7 @@ class RoundService:
         jobs = self._ensure_submitted(r)
         while True:
             self._check_cancel(r, jobs)
+            self._stream(r, jobs)
             decision = self._decide(r, jobs)
             if decision.action == "merge":
                 try:
@@ -246,8 +251,11 @@ class RoundService:
     # -- merge + commit ---------------------------------------------------------------------
     def _merge(self, r: int, jobs: dict[str, Any], decision: Decision) -> dict[str, Any]:
         self._idle: dict[int, float] = {}
+        self._shas: dict[int, str] = {}  # of each contribution merged: what a replay must find (bench/chaos.py)
         stale, contribs = self._contributions(r, jobs, decision.workers)
         t0 = time.time()
+        fold = self.cfg.round.late_policy == "fold" and self.cfg.algorithm != "lte"
+        folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
             if self.cfg.algorithm == "lte":  # W <- W + (s/N) sum_n B_n A_n, the rest averaged (merge/lte.py)
                 from worker.lora import contribution_shapes
@@ -258,29 +266,41 @@ class RoundService:
                     min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1})
             else:
                 result = merge_round(
-                    self.storage, L.global_weights(r), contribs, L.global_weights(r + 1), self.cfg.outer,
+                    self.storage, L.global_weights(r), contribs + late.fold_inputs(folded), L.global_weights(r + 1),
+                    self.cfg.outer,
                     state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
-                    min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1})
+                    min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1},
+                    accumulator=self._sum if self._sum_round == r else None)
         except QuorumError as exc:
-            exc.rejected.update(stale)
+            exc.rejected = {w: why for w, why in {**exc.rejected, **stale}.items() if w >= 0}  # < 0: folds
             raise
-        rejected = {**stale, **result.rejected}
+        self._sum, self._sum_round = None, -1  # spent (it holds the mean now): free it
+        merged, on_time_rejected, merged_folds, refused = late.split_merged(result.merged, result.rejected, folded)
+        if len(merged) < self.cfg.quorum:  # folds never make up a quorum: not committed, global_r+1 is redone
+            raise QuorumError(f"only {len(merged)} on-time contribution(s) merged, the quorum is {self.cfg.quorum}",
+                              {**stale, **on_time_rejected})
+        rejected = {**stale, **on_time_rejected}
         everyone = set(range(self.cfg.workers))
-        dropped = sorted(everyone - set(result.merged) - set(rejected))
+        dropped = sorted(everyone - set(merged) - set(rejected))
         why = self._why_dropped(r, jobs, dropped)
         latest = {w: e["job_ids"][-1] for w, e in jobs["workers"].items()}
         final = self.executor.status(list(latest.values()))  # one call: queue wait and run time per job
         stragglers = [jobs["workers"][str(w)]["job_ids"][-1] for w in dropped if why[str(w)].startswith("still")]
+        if fold and r + 1 < self.cfg.rounds:  # fold: stragglers run on; their work joins a later merge
+            stragglers = []
+        elif fold:  # the last round: no later merge can fold anything in
+            stragglers += late.unfinished_late_jobs(self.storage, r, self.cfg.round.max_staleness)
         self.executor.cancel(stragglers)
         record = {
-            "round": r, "merged": result.merged, "dropped": dropped, "rejected": sorted(rejected),
+            "round": r, "merged": merged, "dropped": dropped, "rejected": sorted(rejected),
             "rejected_reasons": {str(w): why for w, why in rejected.items()}, "dropped_reasons": why,
-            "late": [w for w in dropped if read_manifest(self.storage, L.contribution(r, w)) is not None],
+            "late": [w for w in dropped if w in arrived_workers(self.storage, r)],
             "reason": decision.reason, "eval_loss": None,
             "merge_seconds": round(result.seconds, 3), "bytes_read": result.bytes_read,
             "outer_grad_norm": result.outer_grad_norm, "weights": {str(c.worker): c.weight for c in contribs},
             "submitted_at": jobs["submitted_at"], "merge_started_at": t0, "committed_at": time.time(),
-            "global_sha256": result.manifest["sha256"],
+            "global_sha256": result.manifest["sha256"], "merge_order": result.order,
+            "contrib_sha256": {str(w): self._shas[w] for w in merged}, "folded": merged_folds, "fold_rejected": fold_refused + refused,
             "worker_idle_s": {str(w): s for w, s in self._idle.items()},  # persistent workers waiting for this round
             "jobs": {w: {**final[j].as_dict(), "attempts": jobs["workers"][w]["attempts"]} for w, j in latest.items()},
         }
@@ -297,7 +317,9 @@ class RoundService:
             job_id = jobs["workers"][str(w)]["job_ids"][-1]
             status = self._states.get(job_id, _UNKNOWN)
             why[str(w)] = f"job {job_id} ended {status.state} without a contribution" if not status.alive \
-                else f"still {status.state} at the merge (straggler): job {job_id} cancelled"
+                else f"still {status.state} at the merge (straggler): job {job_id} " + (
+                    "runs on, to be folded in later" if self.cfg.round.late_policy == "fold" and r + 1 < self.cfg.rounds
+                    else "cancelled")
             if not status.alive:
                 ended.append(w)
         if ended:
@@ -310,15 +332,38 @@ class RoundService:
         stale: dict[int, str] = {}
         out = []
         for w in workers:
-            key = L.contribution(r, w)
-            m = read_manifest(self.storage, key) or {}
-            want = jobs["workers"].get(str(w), {}).get("base_sha256")
-            if m.get("round") != r or m.get("worker") != w or (want and m.get("base_sha256") != want):
-                stale[w] = (f"stale contribution: manifest says round {m.get('round')} worker {m.get('worker')} base "
-                            f"{str(m.get('base_sha256'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}")
+            c, why, m = self._contribution(r, jobs, w)
+            if c is None:  # stale, or an invalid manifest
+                stale[w] = why
                 continue
-            weight = float(m.get("tokens", 1)) if self.cfg.outer.weighting == "tokens" else 1.0
-            out.append(Contribution(w, key, weight))
+            out.append(c)
+            self._shas[w] = m.get("sha256")
             if m.get("waited_s") is not None:
                 self._idle[w] = m["waited_s"]
         return stale, out
+
+    def _contribution(self, r: int, jobs: dict[str, Any], w: int) -> tuple[Contribution | None, str, dict[str, Any]]:
+        """(worker w's contribution, or None and why it is stale; its manifest)."""
+        key = L.contribution(r, w)
+        try:
+            m = read_manifest(self.storage, key) or {}
+        except CheckpointError as exc:  # an invalid manifest (core.checkpoint.check_manifest): refused
+            return None, str(exc), {}
+        want = jobs["workers"].get(str(w), {}).get("base_sha256")
+        if m.get("round") != r or m.get("worker") != w or (want and m.get("base_sha256") != want):
+            return None, (f"stale contribution: manifest says round {m.get('round')} worker {m.get('worker')} base "
+                          f"{str(m.get('base_sha256'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}"), m
+        weight = float(m.get("tokens", 1)) if self.cfg.outer.weighting == "tokens" else 1.0
+        return Contribution(w, key, weight), "", m
+
+    def _stream(self, r: int, jobs: dict[str, Any]) -> None:
+        """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""
+        if not self.cfg.round.stream_merge or self.cfg.algorithm == "lte":
+            return
+        if self._sum_round != r:
+            self._sum, self._sum_round = RunningSum(self.storage, L.global_weights(r)), r
+        folded = {f.worker for f in self._sum.folded}
+        for w in sorted(self._arrived(r) - folded):
+            c, _, _ = self._contribution(r, jobs, w)
+            if c is not None:  # a stale one is reported by the merge; a refused one is kept in _sum.rejected
+                self._sum.add(c)

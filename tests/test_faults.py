@@ -198,8 +198,9 @@ def test_files_appearing_late_do_not_break_manifest_readers(tmp_path):
         if poll == 1:  # worker 2's data lands; its manifest comes 3 polls later
             with writer.open_atomic(key) as f:
                 f.write(writer.read_bytes(L.contribution(0, 0)))
-        if poll == 4:
-            writer.write_bytes(manifest_key(key), writer.read_bytes(manifest_key(L.contribution(0, 0))))
+        if poll == 4:  # the same bytes, so worker 0's manifest with worker 2's file name
+            m = writer.read_json(manifest_key(L.contribution(0, 0)))
+            writer.write_json(manifest_key(key), {**m, "file": key.rsplit("/", 1)[-1]})
         arrived = arrived_workers(reader, 0)
         seen.append(arrived)
         for w in arrived:  # whatever a reader takes for arrived is whole
@@ -307,6 +308,84 @@ def test_simultaneous_lock_creation_has_one_winner(tmp_path):
     winners = [i for i, w in won.items() if w]
     assert len(winners) == 1 and s.read_json(L.LOCK) == {"pid": winners[0]}
     assert s.list("") == ["lock.json"] and os.listdir(tmp_path / "run") == ["lock.json"]
+
+
+def test_two_simultaneous_takeovers_of_a_stale_lock_have_one_winner(tmp_path, monkeypatch):
+    """Every contender reads the same stale lock and decides to take it over; only one may proceed."""
+    import orchestrator.runstate as runstate
+
+    s = Storage(str(tmp_path / "run"))
+    s.write_json(L.LOCK, {"pid": _dead_pid(), "host": socket.gethostname(), "since": time.time()})
+    real_stale = runstate._lock_is_stale
+    n = 6
+    barrier, results = threading.Barrier(n), {}
+
+    def slow_stale(held):  # all contenders pass the staleness check before anyone writes the lock
+        stale = real_stale(held)
+        barrier.wait()
+        return stale
+    monkeypatch.setattr(runstate, "_lock_is_stale", slow_stale)
+
+    def contend(i: int) -> None:
+        try:
+            acquire_lock(s)
+            results[i] = "won"
+        except RunError as exc:
+            results[i] = str(exc)
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, r in results.items() if r == "won"]
+    assert len(winners) == 1, results
+    assert all("taking over" in r or "took over" in r for r in results.values() if r != "won"), results
+    assert s.read_json(L.LOCK)["pid"] == os.getpid()
+    assert s.list("") == ["lock.json"]  # no takeover claim left behind
+
+
+def test_abandoned_takeover_claim_is_cleared(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    s.write_json(L.LOCK, {"pid": _dead_pid(), "host": socket.gethostname(), "since": time.time()})
+    import hashlib
+    claim = f"{L.LOCK}.takeover-{hashlib.sha256(s.read_bytes(L.LOCK)).hexdigest()[:16]}"
+    s.write_json(claim, {"pid": 1, "host": "h", "since": time.time()})  # a taker is at it right now
+    with pytest.raises(RunError, match="taking over the stale lock"):
+        acquire_lock(s)
+    s.write_json(claim, {"pid": 1, "host": "h", "since": time.time() - 3600})  # ... it died an hour ago
+    acquire_lock(s)
+    assert s.read_json(L.LOCK)["pid"] == os.getpid() and not s.exists(claim)
+
+
+def test_sweep_deletes_old_temporaries_only(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    old = ["rounds/00001/contrib/.tmp-0123456789ab-worker_000.safetensors", "global/.tmp-aaaaaaaaaaaa-round_00002.json"]
+    for key in old + ["jobs/.tmp-bbbbbbbbbbbb-x", "rounds/00001/contrib/.tmp-cccccccccccc-worker_001.safetensors"]:
+        (tmp_path / "run" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "run" / key).write_bytes(b"partial")
+    for key in old + ["jobs/.tmp-bbbbbbbbbbbb-x"]:
+        os.utime(tmp_path / "run" / key, (time.time() - 7200, time.time() - 7200))
+    s.write_bytes("rounds/00001/contrib/worker_002.safetensors", b"whole")
+    live, release = threading.Event(), threading.Event()
+
+    def writer():  # a live writer, mid-write, holding its temporary open
+        with s.open_atomic("rounds/00001/contrib/worker_003.safetensors") as f:
+            f.write(b"half")
+            f.flush()
+            live.set()
+            release.wait(30)
+            f.write(b" and the rest")
+    t = threading.Thread(target=writer)
+    t.start()
+    live.wait(10)
+    gone = s.sweep_temporaries(3600, skip=("jobs",))
+    release.set()
+    t.join()
+    assert sorted(gone) == sorted(old)
+    left = sorted(p.name for p in (tmp_path / "run").rglob(".tmp-*"))
+    assert left == [".tmp-bbbbbbbbbbbb-x", ".tmp-cccccccccccc-worker_001.safetensors"]  # skipped; too young
+    assert s.read_bytes("rounds/00001/contrib/worker_003.safetensors") == b"half and the rest"  # never disturbed
+    assert s.read_bytes("rounds/00001/contrib/worker_002.safetensors") == b"whole"
 
 
 # -- a worker killed while writing its checkpoint --------------------------------------------------

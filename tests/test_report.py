@@ -195,6 +195,15 @@ def test_tensorboard_events_when_available(tiny_run, tmp_path):
     s = Storage(str(tmp_path))
     assert write_tensorboard(s, read_metrics(Storage(str(tiny_run)), load_run(Storage(str(tiny_run)))))
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / L.TENSORBOARD).iterdir())
+    # read the events back with tensorboard's own reader: the eval losses are the run's, round by round
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / L.TENSORBOARD))
+    events.Reload()
+    expected = [ln["eval_loss"] for ln in read_metrics(Storage(str(tiny_run)), load_run(Storage(str(tiny_run))))
+                if ln["kind"] in ("run", "round")]
+    got = [e.value for e in events.Scalars("eval_loss")]
+    assert got == pytest.approx(expected, rel=1e-6) and len(got) >= 2
+    assert "round/outer_grad_norm" in events.Tags()["scalars"]
 
 
 # -- eval -------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The training text: a corpus of byte tokens, held-out split, per-worker shards and samplers.
+"""The training text: a corpus of tokens, held-out split, per-worker shards and samplers.
 
 The built-in corpus is the Python standard library's own source, so every machine that can run
-this project also has its data, with no download. Tokens are raw bytes (vocab 256).
+this project also has its data, with no download. Tokens are raw bytes (vocab 256, uint8), or,
+for a Hugging Face model (model.hf), the ids of its own tokenizer (int32; worker/hf.py).
 
-Layout of `Corpus.tokens`: every document's bytes, each followed by one b"\\n" separator. A
-document's slice [start, end) excludes its separator, so `tokens[start:end]` is exactly the file.
+Layout of `Corpus.tokens`: every document's tokens, each followed by one separator (b"\\n" for
+bytes, the tokenizer's end-of-text token otherwise). A document's slice [start, end) excludes its
+separator, so `tokens[start:end]` is exactly the file, tokenized.
 
 Everything a worker sees is a pure function of (corpus, seed, worker, step): a job that is killed
 and requeued, or started fresh next round, reads exactly the batches it would have read.
@@ -12,26 +14,31 @@ and requeued, or started fresh next round, reads exactly the batches it would ha
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import logging
 import os
 import random
 import sysconfig
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from core.progress import progress
+from worker.corpus_cache import FORMAT_VERSION, load_cache, save_cache
+
+if TYPE_CHECKING:
+    from core.config import Config
 
 logger = logging.getLogger(__name__)
 
-# Bump when the token layout or index.json changes: old caches then simply stop matching.
-FORMAT_VERSION = "islands-corpus-v2"  # v2: index.json records the tokens file size and mtime
 SHARD_MODES = ("iid", "non-iid")
 _SEPARATOR = b"\n"
+_ENCODE_BATCH = 64  # documents handed to the tokenizer at once
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 
@@ -53,7 +60,28 @@ class Document:
 class Corpus:
     tokens: torch.Tensor  # 1-D uint8, documents concatenated, each followed by one b"\n"
     documents: tuple[Document, ...]
-    fingerprint: str  # sha256 hex of format version + source + file list (path, size, mtime_ns)
+    fingerprint: str  # sha256 hex of format version + source + file list (path, size, mtime_ns) + tokenizer
+
+
+class Tokenizer(Protocol):
+    """What the corpus needs of a tokenizer other than raw bytes (worker.hf.HFTokenizer)."""
+
+    name: str
+    """Identifies the vocabulary and the tokenization: part of the corpus cache key."""
+    separator: int
+    """The token placed after every document."""
+
+    def encode(self, texts: list[str]) -> list[list[int]]: ...
+
+
+def corpus_for(cfg: Config, cache_dir: str | os.PathLike | None = None) -> Corpus:
+    """The corpus a run trains and evaluates on: its data.* keys, tokenized for its model."""
+    tokenizer = None
+    if cfg.model.hf is not None:
+        from worker.hf import load_tokenizer  # transformers only when a Hugging Face model is used
+        tokenizer = load_tokenizer(cfg.model.hf)
+    return load_corpus(cfg.data.source, include_tests=cfg.data.include_tests,
+                       cache_dir=cache_dir or cfg.data.cache_dir, tokenizer=tokenizer)
 
 
 # ----------------------------------------------------------------------------- loading and cache
@@ -113,30 +141,40 @@ def _list_files(source: str | None, include_tests: bool) -> tuple[Path, list[tup
 
 
 def _fingerprint(root: Path, source: str | None, include_tests: bool,
-                 files: list[tuple[str, Path, int, int]]) -> str:
+                 files: list[tuple[str, Path, int, int]], tokenizer: Tokenizer | None = None) -> str:
     h = hashlib.sha256()
     head = {"format": FORMAT_VERSION, "root": str(root), "stdlib": source is None,
             "include_tests": include_tests}
+    if tokenizer is not None:  # absent for bytes: their fingerprints (and caches) stay as they were
+        head["tokenizer"] = tokenizer.name
     h.update(json.dumps(head, sort_keys=True).encode())
     for rel, _, size, mtime_ns in files:
         h.update(json.dumps([rel, size, mtime_ns]).encode() + b"\n")
     return h.hexdigest()
 
 
-def _build(root: Path, files: list[tuple[str, Path, int, int]], fingerprint: str) -> Corpus:
+def _build(root: Path, files: list[tuple[str, Path, int, int]], fingerprint: str,
+           tokenizer: Tokenizer | None = None) -> Corpus:
     chunks, documents, offset, skipped = [], [], 0, []
-    for rel, path, _, _ in files:
-        data = _read_bytes(path)
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError:
-            skipped.append(rel)
-            continue
-        if not data:  # an empty file adds nothing but a lone separator
-            continue
-        documents.append(Document(rel, _group_of(rel), offset, offset + len(data)))
-        chunks += [data, _SEPARATOR]
-        offset += len(data) + len(_SEPARATOR)
+    sep = _SEPARATOR if tokenizer is None else [tokenizer.separator]
+    with progress(len(files), f"preparing the corpus of {root}", unit="files") as bar:
+        for i in range(0, len(files), _ENCODE_BATCH):
+            texts = []
+            for rel, path, _, _ in files[i:i + _ENCODE_BATCH]:
+                data = _read_bytes(path)
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    skipped.append(rel)
+                    continue
+                if data:  # an empty file adds nothing but a lone separator
+                    texts.append((rel, data, text))
+            ids = [d for _, d, _ in texts] if tokenizer is None else tokenizer.encode([t for *_, t in texts])
+            for (rel, _, _), toks in zip(texts, ids):
+                documents.append(Document(rel, _group_of(rel), offset, offset + len(toks)))
+                chunks += [toks, sep]
+                offset += len(toks) + len(sep)
+            bar.advance(len(files[i:i + _ENCODE_BATCH]))
     if skipped:
         logger.warning("skipped %d file(s) under %s that are not UTF-8 text: %s%s", len(skipped),
                        root, ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
@@ -145,60 +183,14 @@ def _build(root: Path, files: list[tuple[str, Path, int, int]], fingerprint: str
             f"Corpus source {root} has no usable files ({len(files)} listed, {len(skipped)} not "
             "UTF-8, the rest empty); point the source at a directory of non-empty text files."
         )
-    tokens = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    if tokenizer is None:
+        tokens = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    else:  # ids past 255: 4 bytes each (array "i" is a C int, 32 bits on every platform torch runs on)
+        ids32 = array.array("i")
+        for chunk in chunks:
+            ids32.extend(chunk)
+        tokens = torch.frombuffer(ids32, dtype=torch.int32) if ids32 else torch.empty(0, dtype=torch.int32)
     return Corpus(tokens, tuple(documents), fingerprint)
-
-
-def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
-    # temp name in the same directory, so os.replace is a rename on one filesystem: readers see
-    # the old state or the whole new file, never a prefix of it
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _tokens_sha256(tokens: torch.Tensor) -> str:
-    return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
-
-
-def _save_cache(corpus: Corpus, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    _atomic_write(directory / "tokens.safetensors",
-                  lambda p: save_file({"tokens": corpus.tokens}, p))
-    st = (directory / "tokens.safetensors").stat()
-    index = {
-        "format": FORMAT_VERSION,
-        "fingerprint": corpus.fingerprint,
-        "num_tokens": int(corpus.tokens.numel()),
-        "tokens_sha256": _tokens_sha256(corpus.tokens),
-        "tokens_file": [st.st_size, st.st_mtime_ns],
-        "documents": [[d.name, d.group, d.start, d.end] for d in corpus.documents],
-    }
-    # index.json is written last and is the manifest: without it the tokens are not trusted
-    _atomic_write(directory / "index.json",
-                  lambda p: Path(p).write_text(json.dumps(index, separators=(",", ":"))))
-
-
-def _load_cache(directory: Path, fingerprint: str) -> Corpus:
-    index = json.loads((directory / "index.json").read_text())
-    tokens = load_file(str(directory / "tokens.safetensors"))["tokens"]
-    if index.get("format") != FORMAT_VERSION or index.get("fingerprint") != fingerprint:
-        raise ValueError("index.json belongs to another corpus format or fingerprint")
-    if tokens.dtype != torch.uint8 or tokens.dim() != 1 or tokens.numel() != index["num_tokens"]:
-        raise ValueError(f"tokens tensor is {tokens.dtype} {tuple(tokens.shape)}, "
-                         f"expected uint8 ({index['num_tokens']},)")
-    # Hashing the tokens costs more than the rest of a warm start; every worker round starts
-    # warm, so the hash is checked only when the file is not the one index.json was written for.
-    st = (directory / "tokens.safetensors").stat()
-    if index.get("tokens_file") != [st.st_size, st.st_mtime_ns] and _tokens_sha256(tokens) != index["tokens_sha256"]:
-        raise ValueError("tokens checksum does not match index.json")
-    documents = tuple(Document(n, g, int(s), int(e)) for n, g, s, e in index["documents"])
-    return Corpus(tokens, documents, fingerprint)
 
 
 def load_corpus(
@@ -206,30 +198,34 @@ def load_corpus(
     *,
     include_tests: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Corpus:
-    """Load a byte corpus, preparing it once and caching it under cache_dir/data/<fingerprint>/.
+    """Load a corpus of bytes (or of `tokenizer`'s ids), preparing it once and caching it under
+    cache_dir/data/<fingerprint>/.
 
     source None is the standard library's *.py files (tests excluded unless include_tests);
     otherwise a text file or a directory of text files (hidden entries and non-UTF-8 files skipped).
     The fingerprint covers file names, sizes and mtimes, so an edited source gets a fresh cache
-    and an unchanged one is reused without reading any file content.
+    and an unchanged one is reused without reading any file content. The tokenizer's name is part
+    of the fingerprint: byte-level and tokenizer caches never mix.
     """
     root, files = _list_files(source, include_tests)
     if not files:
         raise ValueError(f"Corpus source {root} has no files to read; point the source at a "
                          "directory that contains text files.")
-    fingerprint = _fingerprint(root, source, include_tests, files)
+    fingerprint = _fingerprint(root, source, include_tests, files, tokenizer)
     directory = Path(cache_dir or _default_cache_dir()) / "data" / fingerprint
     if (directory / "index.json").exists():
         try:
-            corpus = _load_cache(directory, fingerprint)
+            tokens, docs = load_cache(directory, fingerprint, torch.uint8 if tokenizer is None else torch.int32)
+            corpus = Corpus(tokens, tuple(Document(n, g, int(s), int(e)) for n, g, s, e in docs), fingerprint)
             logger.info("corpus %s loaded from cache %s", fingerprint[:12], directory)
             return corpus
         except Exception as e:  # any unreadable cache is rebuilt: it is derived data
             logger.warning("corpus cache %s is unreadable (%s: %s); rebuilding it from %s",
                            directory, type(e).__name__, e, root)
-    corpus = _build(root, files, fingerprint)
-    _save_cache(corpus, directory)
+    corpus = _build(root, files, fingerprint, tokenizer)
+    save_cache(corpus, directory, tokenizer.name if tokenizer is not None else None)
     logger.info("corpus %s prepared from %s: %d documents, %d tokens, cached in %s",
                 fingerprint[:12], root, len(corpus.documents), corpus.tokens.numel(), directory)
     return corpus
@@ -311,9 +307,9 @@ def shard(
 
 
 def _stream(corpus: Corpus, doc_ids: Sequence[int]) -> torch.Tensor:
-    """The docs' bytes concatenated, each with its separator, still uint8 (1 byte per token)."""
+    """The docs' tokens concatenated, each with its separator, in the corpus's compact dtype."""
     parts = [corpus.tokens[d.start : d.end + 1] for d in (corpus.documents[i] for i in doc_ids)]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=corpus.tokens.dtype)
 
 
 def _windows(

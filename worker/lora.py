@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from core.config import Config, LteConfig, ModelConfig
 from core.errors import CheckpointError
+from worker.weights import build_model, tied_aliases
 
 LORA_A, LORA_B = "lora_A", "lora_B"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -170,12 +171,10 @@ def contribution_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def contribution_shapes(model_cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of an LTE contribution for the built-in model (built on the meta device:
-    no memory, no init); what the merge checks contributions against."""
-    from worker.weights import build_model
-
+    """Names and shapes of an LTE contribution for the run's model (built on the meta device: no
+    memory, no weights read); what the merge checks contributions against."""
     with torch.device("meta"):
-        model = build_model(model_cfg)
+        model = build_model(model_cfg, pretrained=False)
     headed = {f"{n}.weight" for n, _ in head_layers(model, rank)}
     out: dict[str, tuple[int, ...]] = {}
     for n, p in model.named_parameters():
@@ -190,9 +189,11 @@ def contribution_shapes(model_cfg: ModelConfig, rank: int) -> dict[str, tuple[in
 
 def load_base(model: nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
     """Copy a full-model checkpoint (the global weights) into a headed model: every tensor but the
-    heads, each cast to the model's own dtype (bf16 for a bf16 base)."""
-    own = {k: v for k, v in model.state_dict().items() if not is_head_param(k)}
-    _copy(own, tensors, label, exact=True)
+    heads, each cast to the model's own dtype (bf16 for a bf16 base). A tied alias (an lm_head that
+    is the embedding) is loaded through its first name, as worker.weights stores it."""
+    aliases = tied_aliases(model)
+    own = {k: v for k, v in model.state_dict().items() if not is_head_param(k) and k not in aliases}
+    _copy(own, {k: v for k, v in tensors.items() if k not in aliases}, label, exact=True)
 
 
 def load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
@@ -229,7 +230,8 @@ def reset_heads(model: nn.Module, cfg: LteConfig, seed: int) -> None:
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state_dict with this worker's heads folded in (W + s B A), float32: to
     evaluate or export one worker's model on its own."""
-    out = {k: _cpu32(v) for k, v in model.state_dict().items() if not is_head_param(k)}
+    aliases = tied_aliases(model)
+    out = {k: _cpu32(v) for k, v in model.state_dict().items() if not is_head_param(k) and k not in aliases}
     for name, h in heads(model):
         out[f"{name}.weight"] += h.delta().cpu()
     return out

@@ -26,14 +26,16 @@ from typing import Any
 import torch
 import yaml
 
+from core import codec
 from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import Config, config_from_dict
 from core.errors import CheckpointError, IslandsError
+from core.failpoints import slowpoint
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from worker import lora
-from worker.data import BatchSampler, load_corpus, shard, split_heldout
+from worker.data import BatchSampler, corpus_for, shard, split_heldout
 from worker.weights import build_model, load_weights, weights_of
 
 log = logging.getLogger(__name__)
@@ -64,9 +66,12 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, list[str]]:
-    """AdamW with weight decay on matrices only; returns it with the parameter names in state order."""
+    """AdamW with weight decay on matrices that are not embeddings (by module type, so it holds for
+    Hugging Face models, and for an lm_head tied to its embedding); returns it with the parameter
+    names in state order."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
     params = sorted(model.named_parameters())
-    decay = [(n, p) for n, p in params if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
+    decay = [(n, p) for n, p in params if p.dim() >= 2 and id(p) not in embeddings]
     rest = [(n, p) for n, p in params if (n, p) not in decay]
     groups = [{"params": [p for _, p in decay], "weight_decay": cfg.inner.weight_decay},
               {"params": [p for _, p in rest], "weight_decay": 0.0}]
@@ -131,7 +136,7 @@ class InnerTrainer:
             torch.set_num_threads(task.threads)
         self.device = pick_device(cfg)
         torch.manual_seed(_seed(cfg.seed, task.worker, task.round))  # dropout, if any
-        corpus = load_corpus(cfg.data.source, include_tests=cfg.data.include_tests, cache_dir=cfg.data.cache_dir)
+        corpus = corpus_for(cfg)  # bytes, or the Hugging Face model's tokens (model.hf)
         train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
         docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[task.worker % cfg.workers]
         self.sampler = BatchSampler(corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, task.worker)
@@ -146,6 +151,7 @@ class InnerTrainer:
         self._next_beat = 0.0  # first heartbeat after the first step
         self.waited_s: float | None = None  # a persistent worker's idle wait before this round
         self.resumed_at: int | None = None  # step of the in-flight checkpoint this job resumed from
+        self._base: dict[str, torch.Tensor] | None = None  # the base weights, kept to code a delta from
         self.base_sha = self._load_base()
 
     def _load_base(self) -> str:
@@ -169,9 +175,10 @@ class InnerTrainer:
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["sha256"]
-        if not self.lte:
-            tensors, _, _ = load_checkpoint(self.storage, t.base_key, label=f"base weights for worker {t.worker}")
+        if not self.lte:  # the base may be this worker's own coded contribution (late_policy continue)
+            tensors = codec.load_weights(self.storage, t.base_key, f"base weights for worker {t.worker}")
             load_weights(self.model, tensors, self.storage.display(t.base_key))
+            self._base = tensors if self.cfg.round.contribution == "delta" else None
         state_key = latest_state_key(self.storage, t.worker, t.round)
         if state_key is not None:
             state, _, _ = load_checkpoint(self.storage, state_key, label=f"worker {t.worker} optimizer state")
@@ -243,7 +250,9 @@ class InnerTrainer:
         }
         if self.lte:  # published: heads + small non-LoRA parameters, not the frozen base
             manifest["lte"] = {"rank": cfg.lte.rank, "scale": cfg.lte.alpha / cfg.lte.rank}
-        out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), self._weights(), manifest=manifest)
+        tensors, metadata = self._contribution(manifest)
+        out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
+                               manifest=manifest)
         self.storage.remove(L.worker_inflight(t.worker, t.round))
         self._prune_states(keep_from=t.round - 1)
         return out
@@ -256,6 +265,16 @@ class InnerTrainer:
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
                                    "base_sha256": self.base_sha, "losses": self.losses})
         log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
+
+    def _contribution(self, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+        """What is published (and its safetensors metadata): the weights, or the delta base -
+        weights coded as round.codec (core/codec.py; the codec goes into the manifest too)."""
+        rc = self.cfg.round
+        if self.lte or rc.contribution == "weights":
+            return self._weights(), None
+        base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
+        manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep}
+        return codec.encode(base, self._weights(), rc.codec, rc.prune_keep, self.base_sha)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters."""
@@ -283,6 +302,7 @@ def run_worker(task: WorkerTask, waited_s: float | None = None) -> dict[str, Any
     _ACTIVE = trainer
     try:
         trainer.train()
+        slowpoint(f"worker_{task.worker:03d}.publish")  # fault injection only (bench/chaos.py): a straggler
         manifest = trainer.publish(time.perf_counter() - t0)
     finally:
         _ACTIVE = None

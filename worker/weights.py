@@ -1,10 +1,16 @@
-"""Between the built-in model and checkpoints: build it, save it, load it back.
+"""Between models and checkpoints: build a model, save its weights, load them back.
 
-The model's architecture travels inside every global checkpoint (safetensors metadata key
-`islands.model`), so a checkpoint alone is enough to rebuild the model:
+The model is the built-in GPT (worker/model.py) or, with model.hf, a Hugging Face causal LM
+(worker/hf.py); both take (idx, targets) and return (logits, loss). The model's description travels
+inside every global checkpoint (safetensors metadata key `islands.model`), so a checkpoint alone is
+enough to rebuild the model:
 
     from worker.weights import load_model
     model = load_model("runs/diloco-.../final/model.safetensors")   # any fsspec URL
+
+Tied weights (a Hugging Face lm_head sharing the embedding's tensor) are stored once, under the
+name that comes first in the state_dict: safetensors refuses shared tensors, and a merge that
+walks names would otherwise average one tensor twice.
 """
 from __future__ import annotations
 
@@ -24,24 +30,49 @@ MODEL_META = "islands.model"
 ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
 
 
-def build_model(cfg: ModelConfig) -> GPT:
+def build_model(cfg: ModelConfig, *, pretrained: bool = True) -> torch.nn.Module:
+    """The model `cfg` describes: the built-in GPT (initialised from torch's seed), or the Hugging
+    Face model at cfg.hf with its own weights (pretrained=False: its architecture only, initialised
+    as transformers does, e.g. to build it on the meta device)."""
+    if cfg.hf is not None:
+        from worker import hf  # transformers is imported only for a Hugging Face model
+        return hf.build(cfg, pretrained=pretrained)
     return GPT(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
                dropout=cfg.dropout)
 
 
 def model_metadata(cfg: ModelConfig) -> dict[str, str]:
-    return {MODEL_META: json.dumps({k: getattr(cfg, k) for k in ARCH_KEYS}, sort_keys=True)}
+    arch = {k: getattr(cfg, k) for k in ARCH_KEYS}
+    if cfg.hf is not None:  # only then: the built-in model's metadata stays byte for byte as it was
+        arch["hf"] = cfg.hf
+    return {MODEL_META: json.dumps(arch, sort_keys=True)}
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: name} for state_dict entries that are the same tensor as an earlier entry `name`."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if id(v) in first:
+            aliases[k] = first[id(v)]
+        else:
+            first[id(v)] = k
+    return aliases
 
 
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """fp32 CPU copies of the parameters and buffers, keyed by state_dict name."""
+    """fp32 CPU copies of the parameters and buffers, keyed by state_dict name (tied ones once)."""
+    aliases = tied_aliases(model)
     return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
-            for k, v in model.state_dict().items()}
+            for k, v in model.state_dict().items() if k not in aliases}
 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
-    """Copy `tensors` into `model`, naming every missing, unexpected or mis-shaped tensor at once."""
-    own = model.state_dict()
+    """Copy `tensors` into `model`, naming every missing, unexpected or mis-shaped tensor at once.
+    A tied alias is not needed (its tensor is loaded under the first name) and ignored if given."""
+    aliases = tied_aliases(model)
+    own = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    tensors = {k: v for k, v in tensors.items() if k not in aliases}
     problems = [f"missing tensor {k}" for k in own if k not in tensors]
     problems += [f"unexpected tensor {k}" for k in tensors if k not in own]
     problems += [f"tensor {k} has shape {list(tensors[k].shape)}, the model wants {list(v.shape)}"
@@ -55,8 +86,8 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label
             v.copy_(tensors[k].to(v.dtype))
 
 
-def load_model(url: str, **overrides: Any) -> GPT:
-    """Rebuild the built-in model from a checkpoint written by islands (any fsspec URL)."""
+def load_model(url: str, **overrides: Any) -> torch.nn.Module:
+    """Rebuild the model (built-in or Hugging Face) from a checkpoint written by islands (any fsspec URL)."""
     root, name = posixpath.split(url.rstrip("/"))
     storage = Storage(root or ".")
     # A manifest, when the file still sits beside it, lets the bytes be checked; a file copied

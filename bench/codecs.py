@@ -1,0 +1,123 @@
+"""Compressed contributions: bytes per worker-round, and what each codec costs in eval loss.
+
+One short DiLoCo run per variant, in this process, with the real pieces in the real order:
+`worker.train.run_worker` trains each worker and publishes its contribution (weights, or the
+outer gradient coded as round.codec / round.prune_keep: core/codec.py), `merge.engine.merge_round`
+merges the round (the call the merge service makes), and the service's evaluator scores the new
+global model on the held-out batches. Every variant has the same seed, data, schedule and
+outer optimizer, so the only difference is the coding. Workers run one after another (the
+local executor would run them at once; the arithmetic is the same).
+
+Reported: the contribution's bytes (from its manifest) per worker-round, as a ratio to sending
+the weights; the eval loss after every round; and the same bytes for bigger built-in models,
+computed from the shapes alone (core.codec.stored_specs) since they are not trained here.
+
+    python -m bench.codecs [--workers 4 --rounds 6 --inner-steps 25] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from core import codec
+from core.checkpoint import DTYPES
+from core.config import ModelConfig, load_config
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from core.task import WorkerTask
+from merge.engine import Contribution, merge_round
+from orchestrator.runstate import Evaluator, create_run
+from worker.train import run_worker
+from worker.weights import build_model
+
+L = RunLayout()
+VARIANTS = [("weights", "fp32", 1.0), ("delta", "fp32", 1.0), ("delta", "bf16", 1.0), ("delta", "int8", 1.0),
+            ("delta", "int8", 0.25), ("delta", "int8", 0.1)]
+
+
+def name_of(v: tuple[str, str, float]) -> str:
+    return "weights (fp32)" if v[0] == "weights" else f"delta {v[1]}" + (f", keep {v[2]:g}" if v[2] < 1 else "")
+
+
+def run_variant(v: tuple[str, str, float], args: argparse.Namespace, root: Path) -> dict:
+    run = root / name_of(v).replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+    cfg = load_config(None, {"workers": args.workers, "rounds": args.rounds, "inner.steps": args.inner_steps,
+                             "run_dir": str(run), "round.contribution": v[0], "round.codec": v[1],
+                             "round.prune_keep": v[2], **({"data.cache_dir": args.cache_dir} if args.cache_dir else {})},
+                      args.sets)
+    s = Storage(str(run))
+    create_run(s, cfg)
+    ev = Evaluator(cfg)
+    losses, sent, t0 = [ev.loss(s, L.global_weights(0))], [], time.perf_counter()
+    for r in range(args.rounds):
+        contribs = []
+        for w in range(args.workers):
+            run_worker(WorkerTask(s.url, r, w, L.global_weights(r), threads=args.threads))
+            m = s.read_json(manifest_key(L.contribution(r, w)))
+            sent.append(m["bytes"])
+            contribs.append(Contribution(w, L.contribution(r, w), float(m["tokens"])))
+        res = merge_round(s, L.global_weights(r), contribs, L.global_weights(r + 1), cfg.outer,
+                          state_in_key=L.outer_state(r) if r else None, state_out_key=L.outer_state(r + 1),
+                          metadata=ev.metadata, manifest={"round": r + 1})
+        assert res.merged == list(range(args.workers)), res.rejected
+        losses.append(ev.loss(s, L.global_weights(r + 1)))
+    return {"variant": name_of(v), "losses": losses, "bytes": sum(sent) / len(sent),
+            "weights_bytes": s.read_json(manifest_key(L.global_weights(0)))["bytes"], "seconds": time.perf_counter() - t0}
+
+
+def shape_bytes(model: ModelConfig, v: tuple[str, str, float]) -> int:
+    """Data bytes of one contribution of `model` coded as `v` (headers left out), from shapes alone."""
+    with torch.device("meta"):
+        sd = build_model(model).state_dict()
+    ref = {n: (DTYPES[torch.float32 if t.is_floating_point() else t.dtype], tuple(t.shape)) for n, t in sd.items()}
+    specs = ref if v[0] == "weights" else codec.stored_specs(ref, codec.Encoding(v[1], v[2], ""))
+    size = {"F32": 4, "BF16": 2, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+    return sum(size[d] * math.prod(shape) for d, shape in specs.values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--inner-steps", type=int, default=25)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each (sequential) worker")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key, e.g. --set model.n_embd=64 (applies to every variant)")
+    p.add_argument("--variants", help="comma-separated indices into VARIANTS (default: all)")
+    p.add_argument("--cache-dir", help="corpus cache (data.cache_dir)")
+    p.add_argument("--json", help="write the results here too")
+    args = p.parse_args()
+    logging.disable(logging.INFO)  # the workers log every round
+    with tempfile.TemporaryDirectory(prefix="bench-codecs-") as tmp:
+        chosen = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
+        rows = [run_variant(v, args, Path(tmp)) for v in chosen]
+    base = rows[0]
+    print(f"K={args.workers} workers x {args.rounds} rounds x {args.inner_steps} inner steps, built-in model "
+          f"{' '.join(args.sets)} ({base['weights_bytes']:,} bytes of weights)\n")
+    print("| contribution | bytes / worker-round | x weights | eval loss per round | final | final - weights |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['variant']} | {row['bytes']:,.0f} | {row['bytes'] / base['bytes']:.3f} | "
+              f"{', '.join(f'{x:.4f}' for x in row['losses'])} | {row['losses'][-1]:.4f} | "
+              f"{row['losses'][-1] - base['losses'][-1]:+.4f} |")
+    bigger = [ModelConfig(), ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+              ModelConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024)]
+    print("\n| data bytes, from shapes | " + " | ".join(name_of(v) for v in VARIANTS) + " |")
+    print("|---|" + "---|" * len(VARIANTS))
+    for m in bigger:
+        full = shape_bytes(m, VARIANTS[0])
+        print(f"| {m.n_layer} x {m.n_head} x {m.n_embd} | " + " | ".join(
+            f"{shape_bytes(m, v) / full:.3f}" for v in VARIANTS) + f" |  ({full / 1e6:.1f} MB of weights)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

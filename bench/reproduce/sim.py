@@ -1,0 +1,198 @@
+"""In-process simulation of K workers and the merge service, built from the toolkit's real pieces.
+
+A simulated worker is an `InnerTrainer` (worker/train.py) whose constructor takes its pieces from
+memory instead of a run directory: the same model, shard, BatchSampler, AdamW (make_optimizer) and
+the same `train()` loop (lr schedule lr_at over the global step, clipping, autocast on CUDA). It
+keeps its AdamW state across rounds, as a real worker does through its state file. The outer step
+is merge.methods' `outer` method (a real torch.optim step on `global - weighted mean`), tensor by
+tensor with the per-tensor state the service saves between rounds; which checkpoint a worker starts
+the next round from is orchestrator.plan.next_bases (round.late_policy).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from core.config import Config
+from merge.methods import get_method
+from orchestrator.plan import next_bases
+from worker.data import BatchSampler, Corpus, eval_batches, estimate_loss, load_corpus, shard, split_heldout
+from worker.train import InnerTrainer, make_optimizer, pick_device
+from worker.weights import build_model, load_weights, weights_of
+
+log = logging.getLogger(__name__)
+Weights = dict[str, torch.Tensor]
+EVAL_BATCH_SIZE = 16
+TEST_DIRS = frozenset({"test", "tests", "idle_test"})  # as worker/data.py's include_tests
+
+
+def is_test_doc(name: str) -> bool:
+    """A stdlib document under a test folder (test/, tests/, idle_test/): lo-fi's fine-tuning domain."""
+    return any(part in TEST_DIRS for part in name.split("/")[:-1])
+
+
+@functools.lru_cache(maxsize=4)
+def corpus(include_tests: bool, cache_dir: str | None) -> Corpus:
+    return load_corpus(None, include_tests=include_tests, cache_dir=cache_dir)
+
+
+@dataclass
+class Data:
+    """A run's documents: train and held-out ids of one corpus (optionally only its tests)."""
+    corpus: Corpus
+    train: list[int]
+    heldout: list[int]
+
+    @classmethod
+    def of(cls, cfg: Config, domain: str = "source") -> "Data":
+        """domain 'source': the corpus of cfg.data (stdlib modules); 'tests': only the stdlib tests."""
+        c = corpus(cfg.data.include_tests or domain == "tests", cfg.data.cache_dir)
+        train, held = split_heldout(c, cfg.data.heldout_fraction, cfg.seed)
+        if domain == "tests":
+            keep = {i for i, d in enumerate(c.documents) if is_test_doc(d.name)}
+            train, held = [i for i in train if i in keep], [i for i in held if i in keep]
+        return cls(c, train, held)
+
+    def shards(self, cfg: Config, num: int) -> list[list[int]]:
+        return shard(self.corpus, self.train, num, cfg.data.sharding, cfg.seed)
+
+    def eval_set(self, cfg: Config) -> list:
+        """data.eval_batches batches of EVAL_BATCH_SIZE windows: not inner.batch_size, which differs
+        between the methods of one experiment (4x batch, LTE heads), whose eval data must not."""
+        return eval_batches(self.corpus, self.heldout, cfg.model.block_size, EVAL_BATCH_SIZE,
+                            cfg.data.eval_batches, cfg.seed)
+
+
+class SimWorker(InnerTrainer):
+    """One worker: the real InnerTrainer minus storage (no run directory, no heartbeat file)."""
+
+    def __init__(self, cfg: Config, worker: int, docs: Sequence[int], data: Data,
+                 model_hook: Callable[[torch.nn.Module, int], Any] | None = None) -> None:
+        # InnerTrainer.__init__ reads the run directory; everything it builds is built here instead
+        self.cfg, self.device, self.lte = cfg, pick_device(cfg), cfg.algorithm == "lte"
+        self.task = SimpleNamespace(worker=worker, round=0)  # train() names them in its errors
+        self.sampler = BatchSampler(data.corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, worker)
+        self.model = build_model(cfg.model).to(self.device)
+        optimizer = make_optimizer
+        if model_hook is not None:  # LTE: attach heads, and use their optimizer
+            optimizer = model_hook(self.model, worker) or make_optimizer
+        self.opt, self.names = optimizer(self.model, cfg)
+        self.losses: list[float] = []
+        self._next_beat = float("inf")
+
+    def _heartbeat(self) -> None:
+        """No progress file: nothing watches a simulated worker."""
+
+    def run_round(self, start: Weights | None, rnd: int) -> Weights:
+        """H inner steps at global steps rnd*H.., from `start` (None: the model's current weights)."""
+        if start is not None:
+            load_weights(self.model, start, f"round {rnd} base")
+        self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
+        self.train()
+        return weights_of(self.model)
+
+
+def init_weights(cfg: Config, init: Weights | None = None) -> Weights:
+    """The round-0 global weights, as orchestrator/runstate.py makes them (seeded init or init_from)."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    if init is not None:
+        load_weights(model, init, "pre-trained weights")
+    return weights_of(model)
+
+
+class Evaluator:
+    """Held-out loss of weights, on the same fixed batches for every model of a run."""
+
+    def __init__(self, cfg: Config, data: Data) -> None:
+        self.model = build_model(cfg.model).to(pick_device(cfg))
+        self.batches = data.eval_set(cfg)
+
+    def __call__(self, weights: Weights) -> float:
+        load_weights(self.model, weights, "evaluated weights")
+        return estimate_loss(self.model, self.batches)
+
+
+def outer_merge(global_w: Weights, contribs: Sequence[Weights], weights: Sequence[float],
+                states: dict[str, dict[str, torch.Tensor]], cfg: Config) -> Weights:
+    """The merge service's DiLoCo step: per tensor, merge.methods.outer (weighted mean, then one
+    torch.optim step of cfg.outer on the pseudo-gradient global - mean, with that tensor's state)."""
+    outer = get_method("outer")
+    return {name: outer([c[name] for c in contribs], weights, base=g, optimizer=cfg.outer,
+                        state=states.setdefault(name, {}))
+            for name, g in global_w.items()}
+
+
+@dataclass
+class RunResult:
+    losses: list[float]  # held-out loss of the global model: initial, then after every round
+    comm_bytes: int = 0  # bytes that crossed storage: every download of a base + every upload
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final(self) -> float:
+        return self.losses[-1]
+
+
+def nbytes(weights: Weights) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def run_plain(cfg: Config, data: Data, init: Weights | None = None) -> RunResult:
+    """One worker trained without any merge for rounds x H steps (its batches and lr schedule
+    are those of worker 0 of a DiLoCo run), evaluated every H steps."""
+    worker = SimWorker(cfg, 0, data.train, data)
+    evaluate = Evaluator(cfg, data)
+    w = init_weights(cfg, init)
+    load_weights(worker.model, w, "initial weights")
+    losses = [evaluate(w)]
+    for r in range(cfg.rounds):
+        w = worker.run_round(None, r)
+        losses.append(evaluate(w))
+    return RunResult(losses, extra={"weights": w, "worker": worker})
+
+
+def _active_count(schedule: Callable[[int], int] | None, cfg: Config, rnd: int) -> int:
+    return cfg.workers if schedule is None else schedule(rnd)
+
+
+def run_diloco(cfg: Config, data: Data, *, drop: float = 0.0, schedule: Callable[[int], int] | None = None,
+               init: Weights | None = None) -> RunResult:
+    """DiLoCo with cfg.workers shards. `drop`: probability that a worker's outer gradient is left out
+    of a round (it then continues from its own weights, round.late_policy); `schedule(round)`: how
+    many workers (ids 0..k-1) train that round (the DiLoCo paper's Fig. 7), default all."""
+    shards = data.shards(cfg, cfg.workers)
+    workers: dict[int, SimWorker] = {}
+    evaluate = Evaluator(cfg, data)
+    global_w = init_weights(cfg, init)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    own: dict[int, Weights] = {}
+    bases: dict[int, str] = {}
+    rng = random.Random(f"drop:{cfg.seed}:{drop}")
+    losses, comm, dropped = [evaluate(global_w)], 0, 0
+    size = nbytes(global_w)
+    for r in range(cfg.rounds):
+        active = _active_count(schedule, cfg, r)
+        for w in range(active):
+            if w not in workers:  # a worker joining later starts with a fresh AdamW state
+                workers[w] = SimWorker(cfg, w, shards[w], data)
+            base = bases.get(w, "global")
+            own[w] = workers[w].run_round(global_w if base == "global" else own[w], r)
+            comm += (size if base == "global" else 0) + size
+        merged = [w for w in range(active) if not (drop and rng.random() < drop)]
+        dropped += active - len(merged)
+        if merged:  # every gradient dropped: the global model stays as it is
+            tokens = [float(cfg.inner.steps * workers[w].sampler.tokens_per_batch) for w in merged]
+            global_w = outer_merge(global_w, [own[w] for w in merged], tokens, states, cfg)
+        late = {w: f"own:{w}" for w in range(active) if w not in merged}
+        bases = next_bases(active, merged, late, cfg.round.late_policy, "global")
+        losses.append(evaluate(global_w))
+        log.debug("round %d: %d workers, merged %s, eval %.4f", r, active, merged, losses[-1])
+    return RunResult(losses, comm, {"weights": global_w, "dropped": dropped})

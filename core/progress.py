@@ -1,0 +1,108 @@
+"""Progress of long operations (corpus preparation, merges): plain log lines, or a bar on a terminal.
+
+Library code reports progress through `progress()` / `track()` and nothing else; it never draws.
+By default a running operation logs one plain line at most every `interval_s` seconds through
+`logging` (what a Slurm log file wants: no carriage returns, no escape codes), and an operation
+shorter than that logs nothing. The command line, and only when its output is a terminal, installs
+a renderer (`set_renderer`) that draws a bar instead (orchestrator/progress_bars.py, with rich).
+
+    with progress(len(files), "preparing corpus", unit="files") as bar:
+        for f in files:
+            ...
+            bar.advance()
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 30.0
+"""Seconds between two plain progress lines of one operation: a few lines per minute in a Slurm log."""
+
+
+class Task(Protocol):
+    """One operation in progress, as a renderer shows it."""
+
+    def advance(self, n: float = 1) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Renderer = Callable[[float | None, str, str], Task]
+"""Makes the Task of one operation from (total, description, unit)."""
+
+_renderer: Renderer | None = None
+
+
+def set_renderer(renderer: Renderer | None) -> Renderer | None:
+    """Draw every operation's progress with `renderer` from now on (None: plain log lines again);
+    returns the previous one. For the command line's edge only."""
+    global _renderer
+    previous, _renderer = _renderer, renderer
+    return previous
+
+
+class LogLines:
+    """The default Task: a log line at most every `interval_s` seconds while the operation runs."""
+
+    def __init__(self, total: float | None, desc: str, unit: str, interval_s: float | None = None,
+                 logger: logging.Logger = log) -> None:
+        self.total, self.desc, self.unit, self.logger = total, desc, unit, logger
+        self.interval_s = DEFAULT_INTERVAL_S if interval_s is None else interval_s
+        self.done = 0.0
+        self.t0 = self._last = time.monotonic()
+        self.lines = 0
+
+    def advance(self, n: float = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            self.lines += 1
+            self.logger.info("%s: %s after %.0fs", self.desc, self._amount(), now - self.t0)
+
+    def close(self) -> None:
+        # a closing line only for an operation that has already said it was running
+        if self.lines:
+            ended = "stopped at" if self.total and self.done < self.total else "done,"
+            self.logger.info("%s: %s %s in %.0fs", self.desc, ended, self._amount(), time.monotonic() - self.t0)
+
+    def _amount(self) -> str:
+        if not self.total:
+            return f"{human(self.done)} {self.unit}"
+        return f"{human(self.done)}/{human(self.total)} {self.unit} ({100 * self.done / self.total:.0f}%)"
+
+
+def human(x: float) -> str:
+    """1234567 -> 1.2M: amounts short enough for a log line or a bar."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{suffix}"
+    return f"{x:.0f}"
+
+
+@contextlib.contextmanager
+def progress(total: float | None, desc: str, *, unit: str = "items") -> Iterator[Task]:
+    """The Task of one operation of `total` units (None: unknown), closed when the block ends."""
+    task = _renderer(total, desc, unit) if _renderer is not None else LogLines(total, desc, unit)
+    try:
+        yield task
+    finally:
+        task.close()
+
+
+def track(items: Iterable[T], desc: str, *, total: float | None = None, unit: str = "items",
+          size: Callable[[T], float] | None = None) -> Iterator[T]:
+    """Yield `items`, advancing by `size(item)` (default 1) once each item has been dealt with."""
+    if total is None and hasattr(items, "__len__"):
+        total = sum(size(i) for i in items) if size else len(items)  # type: ignore[arg-type]
+    with progress(total, desc, unit=unit) as task:
+        for item in items:
+            yield item
+            task.advance(size(item) if size else 1)

@@ -1,0 +1,372 @@
+"""A round's linear merge as an fp32 running sum, folded one contribution at a time.
+
+The merge of a DiLoCo / FedAvg / lo-fi round is linear: the outer gradient is the weighted mean of
+the workers' deltas, base - mean(weights). So each contribution can be folded into a running sum
+S = sum_i w_i x_i the moment it lands, and the merge after the last worker lands reads about one
+checkpoint (the last contribution, then base and optimizer state for the outer step) instead of K.
+
+- Space: x_i are weights, or, when the contributions are deltas against this round's base
+  (round.contribution: delta, core/codec.py), the deltas themselves: their mean is then the outer
+  gradient directly (method `outer-delta`). Coded inputs are decoded tensor by tensor. An input
+  in the other space (a late worker's delta against its own older base) is decoded whole first.
+- Order: S is summed in the order contributions were folded (`order`); floating-point sums depend
+  on it. The non-incremental merge (`merge_summed` without an accumulator: a resumed service, a
+  replay, `round.stream_merge: false`) is this same code fed the list in its order, so the same
+  inputs in the same order give the same bytes.
+- Only validated contributions count: names, shapes and dtypes are checked before anything is
+  added; values are checked finite and the sha256 checked as they stream; a contribution that
+  fails after part of it was added makes S be rebuilt from the accepted ones (rare; exact).
+- Memory: S is one fp32 copy of the model, plus a few tensors in flight. Nothing of S is
+  persisted: after a crash it is rebuilt from the contributions on storage.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from core import codec
+from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec, open_checkpoint, read_manifest
+from core.config import OuterConfig
+from core.errors import CheckpointError, ContributionRejected
+from core.storage import Storage
+from merge.engine import (Contribution, MergeResult, QuorumError, _finite, _torch_threads, compare_specs,
+                          model_specs, run_merge, state_out_specs)
+from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
+from merge.writer import OutputFile
+
+log = logging.getLogger(__name__)
+_ALIGN = 64
+
+
+class MemoryFile:
+    """Tensors in one aligned buffer, readable by the engine's reader threads like a TensorFile."""
+
+    def __init__(self, label: str, entries: Sequence[tuple[str, str, tuple[int, ...]]]) -> None:
+        self.label, self.key, self.manifest, self.data_start = label, label, None, 0
+        self.specs: dict[str, TensorSpec] = {}
+        off = 0
+        for name, dtype, shape in entries:
+            n = math.prod(shape) * ITEMSIZE[dtype]
+            self.specs[name] = TensorSpec(name, dtype, tuple(shape), off, off + n)
+            off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.size = off
+        self.data = torch.zeros(off, dtype=torch.uint8)
+
+    def view(self, name: str) -> torch.Tensor:
+        s = self.specs[name]
+        return self.data[s.start: s.end].view(TORCH_DTYPES[s.dtype]).reshape(s.shape)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out[:] = memoryview(self.data.numpy())[offset: offset + len(out)]
+
+    def verify(self) -> None:  # built here from verified inputs: nothing to check
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Folded:
+    worker: int
+    key: str
+    weight: float
+    sha256: str
+    """Of the file as summed: a contribution replaced since is summed again."""
+    nbytes: int
+
+
+@dataclass
+class RunningSum:
+    """S = sum_i w_i x_i over the contributions folded so far, against the base at `base_key`."""
+
+    storage: Storage
+    base_key: str
+    space: str | None = None
+    """`weights` or `delta`; None: the space of the first contribution folded."""
+    folded: list[_Folded] = field(default_factory=list)
+    """What S sums, in summation order."""
+    rejected: dict[int, tuple[str, str]] = field(default_factory=dict)
+    """worker -> (sha256@written_at of the refused file's manifest, why): a republished file is tried again."""
+
+    def __post_init__(self) -> None:
+        base = open_file_model(self.storage, self.base_key, f"global weights {self.storage.display(self.base_key)}",
+                               "base", require_manifest=True)
+        try:
+            self.ref = model_specs(base)
+            self.base_sha = base.files[0].manifest["sha256"]
+            self.sum = MemoryFile("running sum", [(n, "F32" if s.dtype in FLOATS else s.dtype, s.shape)
+                                                  for n, s in self.ref.items()])
+            for n, s in self.ref.items():  # non-float tensors are not summed: every input must equal the base's
+                if s.dtype not in FLOATS:
+                    f = base.tensors[n][0]
+                    f.read_into(f.data_start + s.start, memoryview(self.sum.view(n).view(torch.uint8).reshape(-1).numpy()))
+        finally:
+            base.close()
+        self._dirty = False
+        self._buffers: queue.Queue[torch.Tensor] = queue.Queue()
+
+    # -- folding ------------------------------------------------------------------------
+    def add(self, c: Contribution) -> bool:
+        """Fold `c` in; False (and the reason in `rejected`) if it cannot be merged."""
+        m = self._manifest(c.key)
+        ident = f"{m.get('sha256')}@{m.get('written_at')}"  # a republished file is tried again
+        if c.worker in self.rejected and self.rejected[c.worker][0] == ident:
+            return False
+        if any(f.worker == c.worker for f in self.folded):
+            raise ValueError(f"worker {c.worker} is folded already: a contribution counts once")
+        if self._dirty:  # S was left partial or divided: bring it back to the sum over `folded`
+            self._rebuild(list(self.folded))
+        t0 = time.perf_counter()
+        try:
+            sha, nbytes = self._fold(c)
+        except ContributionRejected as exc:
+            log.warning("merge: rejected worker %d: %s", exc.worker, exc.reason)
+            self.rejected[c.worker] = (ident, exc.reason)
+            if self._dirty:  # part of it was added: rebuild S from the accepted ones, in order
+                self._rebuild(list(self.folded))
+            return False
+        self._dirty = False
+        self.rejected.pop(c.worker, None)
+        self.folded.append(_Folded(c.worker, c.key, c.weight, sha, nbytes))
+        log.info("merge: folded worker %d in %.2fs", c.worker, time.perf_counter() - t0)
+        return True
+
+    def _manifest(self, key: str) -> dict[str, Any]:
+        try:
+            return read_manifest(self.storage, key) or {}
+        except CheckpointError:  # damaged: _fold refuses the contribution, naming why
+            return {}
+
+    def _reset(self) -> None:
+        for n, s in self.sum.specs.items():
+            if s.dtype == "F32":
+                self.sum.view(n).zero_()
+        self.folded, self._dirty = [], False
+
+    def _rebuild(self, todo: Sequence[_Folded]) -> None:
+        self._reset()
+        for f in todo:
+            self.add(Contribution(f.worker, f.key, f.weight))
+
+    def _fold(self, c: Contribution) -> tuple[str, int]:
+        label = f"worker {c.worker} ({self.storage.display(c.key)})"
+        try:
+            m = open_file_model(self.storage, c.key, label, c.worker, require_manifest=True)
+        except CheckpointError as exc:
+            raise ContributionRejected(c.worker, str(exc)) from None
+        try:
+            f = m.files[0]
+            enc = codec.encoding_of(f.metadata, label)
+            if enc is not None and enc.base_sha256 != self.base_sha:
+                return self._fold_whole(c, label, m)  # a delta against another base
+            if self.space is None:
+                self.space = "weights" if enc is None else "delta"
+            if (enc is None) != (self.space == "weights"):
+                return self._fold_whole(c, label, m)
+            want = codec.stored_specs({n: (s.dtype, s.shape) for n, s in self.ref.items()}, enc) if enc else \
+                {n: (s.dtype, s.shape) for n, s in self.ref.items()}
+            problems = compare_specs({n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in want.items()}, f.specs,
+                                     "the global weights" if enc is None else f"a {enc.codec} delta of the global weights")
+            if problems:
+                raise ContributionRejected(c.worker, problems[0])
+            self._stream(c, label, f, enc)
+            return f.manifest["sha256"], f.size
+        except CheckpointError as exc:
+            if isinstance(exc, ContributionRejected):
+                raise
+            raise ContributionRejected(c.worker, str(exc)) from None
+        finally:
+            m.close()
+
+    def _stream(self, c: Contribution, label: str, f: Any, enc: codec.Encoding | None) -> None:
+        """Read `f` in file order (hashed on the way) in a reader thread; add each tensor once whole."""
+        groups = {n: [n] + ([n + codec.INDEX] if n + codec.INDEX in f.specs else [])
+                  + ([n + codec.SCALE] if n + codec.SCALE in f.specs else []) for n in self.ref}
+        owner = {e: n for n, es in groups.items() for e in es}
+        q: queue.Queue[Any] = queue.Queue(maxsize=2)
+        free = self._buffers  # read buffers handed back for reuse, by this fold and the next ones
+        stop = threading.Event()
+        reader = threading.Thread(target=_read_all, args=(f, q, free, stop), name=f"fold-{c.worker}", daemon=True)
+        reader.start()
+        pending: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        try:
+            with _torch_threads(1):  # memory-bound maths: leave the other cores to the reader (I/O, sha256)
+                for _ in range(len(f.specs)):
+                    item = q.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    entry, t, buf = item
+                    name = owner[entry]
+                    got = pending.setdefault(name, {})
+                    got[entry] = (t, buf)
+                    if len(got) == len(groups[name]):
+                        done = pending.pop(name)
+                        self._add_tensor(c, label, name, {e: v for e, (v, _) in done.items()}, enc)
+                        for _, b in done.values():
+                            free.put(b)
+            f.verify()
+        finally:
+            stop.set()
+            while reader.is_alive():  # unblock it (it may wait on a full queue) before the file closes
+                with contextlib.suppress(queue.Empty):
+                    q.get_nowait()
+                reader.join(0.01)
+
+    def _add_tensor(self, c: Contribution, label: str, name: str, got: dict[str, torch.Tensor],
+                    enc: codec.Encoding | None) -> None:
+        spec = self.ref[name]
+        if spec.dtype not in FLOATS:
+            if not torch.equal(got[name], self.sum.view(name)):
+                raise ContributionRejected(c.worker, f"{label}: tensor {name} is {spec.dtype} (not floating point) and "
+                                                     "differs from the global weights': such tensors are not merged, "
+                                                     "they must be identical in every input")
+            return
+        x = codec.decode_tensor(name, spec.shape, enc, got.__getitem__) if enc else got[name].to(torch.float32)
+        if not _finite(x):
+            raise ContributionRejected(c.worker, f"{label}: tensor {name} has NaN or Inf values: the model diverged "
+                                                 "or the file is damaged; leave it out of the merge")
+        self._dirty = True
+        # x is ours (a read buffer or a decoded copy). The product is rounded before the add, not
+        # fused into it, so that a sum of two is the same in either order.
+        self.sum.view(name).add_(x.mul_(float(c.weight)))
+
+    def _fold_whole(self, c: Contribution, label: str, m: Model) -> tuple[str, int]:
+        """An input in the other space: decode it whole (codec.load_weights), convert per tensor."""
+        sha = m.files[0].manifest["sha256"]
+        try:
+            weights = codec.load_weights(self.storage, c.key, label)
+        except CheckpointError as exc:
+            raise ContributionRejected(c.worker, str(exc)) from None
+        problems = compare_specs(self.ref, {n: TensorSpec(n, _dtype(t), tuple(t.shape), 0, 0) for n, t in weights.items()},
+                                 "the global weights")
+        if problems:
+            raise ContributionRejected(c.worker, problems[0])
+        if self.space is None:
+            self.space = "weights"
+        base = open_checkpoint(self.storage, self.base_key) if self.space == "delta" else None
+        try:
+            for name, t in weights.items():
+                x = t if self.ref[name].dtype not in FLOATS else \
+                    (base.get(name).to(torch.float32) - t.to(torch.float32) if base else t.to(torch.float32))
+                self._add_tensor(c, label, name, {name: x}, None)
+            if base is not None:
+                base.verify()
+        finally:
+            if base is not None:
+                base.close()
+        return sha, m.bytes
+
+    # -- the merge ----------------------------------------------------------------------
+    def merge(self, contributions: Sequence[Contribution], out_key: str, outer: OuterConfig, *,
+              state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
+              metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None) -> MergeResult:
+        """Make S the sum over exactly `contributions` (what is folded already, in its order, then
+        the rest in the given order), then one outer step into `out_key` (and the outer state)."""
+        t0 = time.perf_counter()
+        want = {c.worker: c for c in contributions}
+        keep = []
+        for f in self.folded:  # still wanted, with the same file and weight?
+            c = want.get(f.worker)
+            if c is None or c.key != f.key or c.weight != f.weight or \
+                    self._manifest(f.key).get("sha256") != f.sha256:
+                break
+            keep.append(f)
+        if len(keep) != len(self.folded) or self._dirty:
+            self._rebuild(keep)
+        done = {f.worker for f in self.folded}
+        for c in contributions:
+            if c.worker not in done:
+                self.add(c)
+        rejected = {w: why for w, (_, why) in self.rejected.items() if w in want}
+        order = [f.worker for f in self.folded]
+        if len(order) < min_inputs:
+            raise QuorumError(f"only {len(order)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
+                              f"rejected: {rejected or 'none'}", rejected)
+        folded = list(self.folded)
+        stats = self._commit(out_key, outer, state_in_key, state_out_key, metadata,
+                             {**(manifest or {}), "merge_order": order})
+        nbytes = sum(f.nbytes for f in folded)
+        return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=nbytes,
+                           seconds=time.perf_counter() - t0, outer_grad_norm=stats.grad_sq ** 0.5,
+                           manifest=stats.manifests[0], order=order)
+
+    def _commit(self, out_key, outer, state_in_key, state_out_key, metadata, manifest):
+        total = float(sum(f.weight for f in self.folded))
+        if not total > 0:
+            raise ValueError(f"weights must sum to a positive number, got {[f.weight for f in self.folded]}")
+        for n, s in self.sum.specs.items():
+            if s.dtype == "F32":
+                self.sum.view(n).div_(total)
+        self._dirty = True  # S is now the mean: a later add() or merge() rebuilds the sum
+        s = self.storage
+        base = open_file_model(s, self.base_key, f"global weights {s.display(self.base_key)}", "base", require_manifest=True)
+        mean = Model("mean of the contributions", "sum", [self.sum], {n: (self.sum, sp) for n, sp in self.sum.specs.items()})
+        state_in = None
+        try:
+            if state_in_key is not None:
+                state_in = open_file_model(s, state_in_key, f"outer optimizer state {s.display(state_in_key)}",
+                                           "state", require_manifest=True)
+        except BaseException:
+            base.close()
+            raise
+        order = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
+        out = OutputFile(s, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in order], metadata,
+                         dict(manifest))
+        state_out = None if state_out_key is None else OutputFile(
+            s, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
+        method, params = ("outer-delta", {"optimizer": outer}) if self.space == "delta" else \
+            ("outer", {"optimizer": outer, "inner": "average"})
+        try:
+            return run_merge([mean], [1.0], method, [out], params=params, base=base, state_in=state_in,
+                             state_out=state_out)
+        except InputError as exc:
+            raise CheckpointError(exc.reason if exc.ident != "sum" else
+                                  f"the weighted sum of the contributions overflowed: {exc.reason}") from None
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return DTYPES[t.dtype]
+
+
+def _read_all(f: Any, q: queue.Queue, free: queue.Queue, stop: threading.Event) -> None:
+    """Reader thread: every entry of `f` in file order (so the sha256 is computed on the way),
+    each into a recycled buffer when one is big enough (fresh pages cost more than the copy)."""
+    spare: list[torch.Tensor] = []
+    try:
+        for name, spec in f.specs.items():
+            if stop.is_set():
+                return
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    spare.append(free.get_nowait())
+            fit = [b for b in spare if b.numel() >= spec.nbytes]
+            buf = min(fit, key=torch.Tensor.numel) if fit else torch.empty(spec.nbytes, dtype=torch.uint8)
+            spare = [b for b in spare if b is not buf][-2:]  # keep a couple: memory stays a few tensors
+            if stop.is_set():
+                return
+            raw = buf[: spec.nbytes]
+            f.read_into(f.data_start + spec.start, memoryview(raw.numpy()))
+            q.put((name, raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape), buf))
+    except BaseException as exc:
+        q.put(exc)
+    finally:
+        for b in spare:
+            free.put(b)
+
+
+def merge_summed(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,
+                 outer: OuterConfig, *, accumulator: RunningSum | None = None, **kw: Any) -> MergeResult:
+    """merge.engine.merge_round for the linear merge: through `accumulator` (what a streaming
+    service folded so far) or a fresh one fed `contributions` in their order."""
+    acc = accumulator if accumulator is not None else RunningSum(storage, base_key)
+    return acc.merge(contributions, out_key, outer, **kw)

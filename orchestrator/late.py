@@ -1,0 +1,166 @@
+"""Late contributions under `round.late_policy: fold`: find them, check them, make them merge inputs.
+
+A worker that missed round q's deadline keeps training (its job is not cancelled) and publishes
+its round-q contribution later. Its pseudo-gradient is relative to ITS base B (global_q), not to
+the global weights G_r of the round r > q that folds it in: delta = B - W. The merge engine
+computes the outer gradient as G_r - weighted_mean(inputs), so the late contribution enters as the
+virtual input V = G_r + (W - B), whose own term G_r - V is exactly delta, with weight
+w * staleness_decay ** (r - q). V is written to rounds/r/folded/ (kept: a replay of the run's
+merges reads it, or rebuilds it from W, B and G_r bit for bit) and checked here before the merge
+(names, shapes, dtypes, finite values, sha256 of all three files), so the engine does not reject it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from core.checkpoint import LazyCheckpoint, open_checkpoint, read_manifest, write_checkpoint
+from core.config import Config
+from core.errors import CheckpointError, ContributionRejected
+from core.layout import RunLayout
+from core.storage import Storage
+from merge.engine import Contribution, compare_specs
+from merge.reader import FLOATS
+from orchestrator.plan import Fold, fold_plan
+from orchestrator.runstate import arrived_workers, jobs_of_round
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+
+
+@dataclass(frozen=True)
+class Folded:
+    worker: int
+    from_round: int
+    staleness: int
+    weight: float
+    """Its usual weight (tokens or 1) x staleness_decay ** staleness."""
+    key: str
+    """The virtual input V = G_r + (W - B) the merge reads."""
+    source: str
+    """W: the late contribution itself."""
+    base: str
+    """B: the checkpoint the late contribution was trained from."""
+    source_sha256: str
+    """sha256 of W as merged: a replay checks it finds the same bytes."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def late_window(storage: Storage, r: int, max_staleness: int) -> tuple[dict[int, list[int]], set[tuple[int, int]]]:
+    """(round -> workers published there but not merged or rejected, (round, worker) already
+    folded or refused a fold) over the rounds a merge of round r may still fold from."""
+    unmerged: dict[int, list[int]] = {}
+    done: set[tuple[int, int]] = set()
+    for q in range(max(0, r - max_staleness), r):
+        rec = storage.read_json(L.round_record(q)) or {}
+        for f in [*rec.get("folded", []), *rec.get("fold_rejected", [])]:
+            done.add((int(f["from_round"]), int(f["worker"])))
+        taken = {int(w) for w in [*rec.get("merged", []), *rec.get("rejected", [])]}
+        unmerged[q] = [w for w in arrived_workers(storage, q) if w not in taken]
+    return unmerged, done
+
+
+def prepare_folds(storage: Storage, cfg: Config, r: int) -> tuple[list[Folded], list[dict[str, Any]]]:
+    """The late contributions the merge of round r folds in (virtual inputs written), and those
+    refused with the reason (each fold is attempted once: a refused one is recorded, never retried)."""
+    unmerged, done = late_window(storage, r, cfg.round.max_staleness)
+    plan = fold_plan(r, unmerged, done, decay=cfg.round.staleness_decay, max_staleness=cfg.round.max_staleness)
+    folded, refused = [], []
+    for f in plan:
+        try:
+            folded.append(_fold_one(storage, cfg, r, f))
+        except ContributionRejected as exc:
+            log.warning("round %d: late contribution of worker %d from round %d not folded: %s", r, f.worker,
+                        f.from_round, exc.reason)
+            refused.append({"worker": f.worker, "from_round": f.from_round, "reason": exc.reason})
+    return folded, refused
+
+
+def _fold_one(storage: Storage, cfg: Config, r: int, f: Fold) -> Folded:
+    src = L.contribution(f.from_round, f.worker)
+    try:
+        m = read_manifest(storage, src) or {}
+    except CheckpointError as exc:
+        raise ContributionRejected(f.worker, str(exc)) from None
+    entry = jobs_of_round(storage, f.from_round)["workers"].get(str(f.worker), {})
+    base, want = entry.get("base"), entry.get("base_sha256")
+    if m.get("round") != f.from_round or m.get("worker") != f.worker or not base or m.get("base_sha256") != want:
+        raise ContributionRejected(f.worker, f"stale late contribution: manifest says round {m.get('round')} worker "
+                                             f"{m.get('worker')} base {str(m.get('base_sha256'))[:12]}, expected round "
+                                             f"{f.from_round} worker {f.worker} base {str(want)[:12]}")
+    weight = float(m.get("tokens", 1)) if cfg.outer.weighting == "tokens" else 1.0
+    out = L.folded_contribution(r, f.worker, f.from_round)
+    try:
+        rebase(storage, L.global_weights(r), src, base, out,
+               manifest={"round": r, "worker": f.worker, "from_round": f.from_round, "source_sha256": m["sha256"]})
+    except CheckpointError as exc:
+        raise ContributionRejected(f.worker, str(exc)) from None
+    return Folded(f.worker, f.from_round, f.staleness, weight * f.factor, out, src, base, m["sha256"])
+
+
+def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, out_key: str,
+           manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write V = G + (W - B) tensor by tensor (fp32 maths, stored in G's dtypes); non-float tensors
+    are G's. Raises CheckpointError if the three do not match or a value is not finite."""
+    g = open_checkpoint(storage, global_key, f"global weights {storage.display(global_key)}")
+    w = open_checkpoint(storage, source_key, f"late contribution {storage.display(source_key)}")
+    b = open_checkpoint(storage, base_key, f"its base {storage.display(base_key)}")
+    try:
+        problems = compare_specs(g.specs, w.specs, "the global weights") + compare_specs(g.specs, b.specs, "the global weights")
+        if problems:
+            raise CheckpointError(f"{w.label}: {problems[0]}")
+        specs = [(n, s.dtype, s.shape, s.nbytes) for n, s in g.specs.items()]
+        return write_checkpoint(storage, out_key, specs=specs, stream=lambda: _rebased(g, w, b),
+                                metadata=g.metadata, manifest=manifest)
+    finally:
+        for ck in (g, w, b):
+            ck.close()
+
+
+def _rebased(g: LazyCheckpoint, w: LazyCheckpoint, b: LazyCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, spec in g.specs.items():
+        gt, wt, bt = g.get(name), w.get(name), b.get(name)
+        if spec.dtype not in FLOATS:
+            yield name, gt
+            continue
+        v = gt.float() + (wt.float() - bt.float())
+        if not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"{w.label}: tensor {name} has NaN or Inf values (or overflows when re-based); "
+                                  "it is not folded")
+        yield name, v.to(gt.dtype)
+    for ck in (g, w, b):  # every byte has been read: check all three against their manifests
+        ck.verify()
+
+
+def unfinished_late_jobs(storage: Storage, r: int, max_staleness: int) -> list[str]:
+    """Jobs of earlier rounds still owing a late contribution: at the last round nothing can fold
+    them any more, so the service cancels them."""
+    unmerged, _ = late_window(storage, r, max_staleness)
+    ids = []
+    for q in range(max(0, r - max_staleness), r):
+        rec = storage.read_json(L.round_record(q)) or {}
+        for w in rec.get("dropped", []):
+            if w not in unmerged.get(q, []):
+                ids.append(jobs_of_round(storage, q)["workers"][str(w)]["job_ids"][-1])
+    return ids
+
+
+def fold_inputs(folded: list[Folded]) -> list[Contribution]:
+    """The folded inputs as merge contributions. They carry negative ids (-1, -2, ...) so that the
+    engine's per-input bookkeeping never confuses one with the same worker's on-time contribution."""
+    return [Contribution(-(i + 1), f.key, f.weight) for i, f in enumerate(folded)]
+
+
+def split_merged(merged: list[int], rejected: dict[int, str], folded: list[Folded]
+                 ) -> tuple[list[int], dict[int, str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(on-time workers merged, on-time rejected, folds merged, folds refused) from a merge result."""
+    merged_folds = [f.as_dict() for i, f in enumerate(folded) if -(i + 1) in merged]
+    refused = [{"worker": f.worker, "from_round": f.from_round, "reason": rejected[-(i + 1)]}
+               for i, f in enumerate(folded) if -(i + 1) in rejected]
+    return ([w for w in merged if w >= 0], {w: why for w, why in rejected.items() if w >= 0}, merged_folds, refused)

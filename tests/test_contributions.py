@@ -1,0 +1,98 @@
+"""Contributions the merge service must not take at face value: a duplicate from a requeued job,
+one from the wrong round or the wrong base (stale). Each is merged once or rejected with the reason
+recorded, and the round goes on. (Corrupt, NaN/Inf, missing/extra tensor, wrong shape or dtype and
+missing manifest are rejected by the merge engine: tests/test_merge.py; a killed writer:
+tests/test_faults.py.) Hand-made tensors, outer SGD at lr 1: the new global is the mean of the inputs.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.config import load_config
+from core.layout import RunLayout
+from core.storage import Storage
+from orchestrator.service import RoundService
+from test_late import G0, ThreadExecutor
+
+L = RunLayout()
+pytestmark = pytest.mark.slow
+
+
+class Scripted(ThreadExecutor):
+    """Worker `w`'s jobs run `behaviour[w](storage, task)` instead of publishing base + delta."""
+
+    def __init__(self, behaviour) -> None:
+        super().__init__()
+        self.behaviour = behaviour
+
+    def _work(self, job_id, t) -> None:
+        time.sleep(0.2)
+        s = Storage(t.run_url)
+        if t.worker in self.behaviour:
+            self.behaviour[t.worker](s, t)
+        else:
+            publish(s, t.round, t.worker, t.base_key, -0.5)
+
+
+def publish(s: Storage, r: int, w: int, base_key: str, delta: float, **manifest) -> None:
+    base = load_checkpoint(s, base_key)[0]
+    write_checkpoint(s, L.contribution(r, w), {k: v + delta for k, v in base.items()},
+                     manifest={"round": r, "worker": w, "tokens": 100,
+                               "base_sha256": read_manifest(s, base_key)["sha256"], **manifest})
+
+
+def _run(tmp_path, ex: ThreadExecutor, rounds: int = 1, policy: str = "continue") -> Storage:
+    s = Storage(str(tmp_path / "run"))
+    cfg = load_config(None, {"workers": 2, "rounds": rounds, "executor.kind": "local", "run_dir": s.url}, [
+        "round.min_workers=1", "round.poll_s=0.05", "round.max_retries=0", f"round.late_policy={policy}",
+        "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"])
+    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
+    service = RoundService(s, cfg, ex)
+    service.evaluator.loss = lambda storage, key: 0.0
+    service.run()
+    for th in ex.jobs.values():
+        th.join(timeout=10)
+    return s
+
+
+def test_duplicate_from_a_requeued_job_is_merged_once(tmp_path):
+    def twice(s, t):  # a requeued job publishes the same (round, worker) again
+        publish(s, t.round, t.worker, t.base_key, -0.25)
+        publish(s, t.round, t.worker, t.base_key, -0.25, attempt=1)
+    s = _run(tmp_path, Scripted({0: twice}))
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0, 1] and rec["weights"] == {"0": 1.0, "1": 1.0}
+    # once: (-0.25 - 0.5) / 2 = -0.375; twice would be (2 * -0.25 - 0.5) / 3
+    assert torch.equal(load_checkpoint(s, L.global_weights(1))[0]["w"], G0["w"] - 0.375)
+    assert [n for n in s.list(L.contributions_dir(0)) if n.startswith("worker_000")] == ["worker_000.json", "worker_000.safetensors"]
+
+
+def test_duplicate_published_after_the_merge_is_not_merged_again(tmp_path):
+    def again_later(s, t):
+        publish(s, t.round, t.worker, t.base_key, -0.25)
+        if t.round == 0:  # the requeued copy lands while round 1 runs: merged already, never folded
+            while not s.exists(L.round_record(0)):
+                time.sleep(0.05)
+            publish(s, 0, t.worker, L.global_weights(0), -0.25, attempt=1)
+    ex = Scripted({0: again_later})
+    s = _run(tmp_path, ex, rounds=2, policy="fold")
+    rec1 = s.read_json(L.round_record(1))
+    assert rec1["merged"] == [0, 1] and rec1["folded"] == [] and rec1["fold_rejected"] == []
+    assert torch.equal(load_checkpoint(s, L.global_weights(2))[0]["w"], G0["w"] - 0.75)
+
+
+@pytest.mark.parametrize("wrong, why", [
+    ({"round": 7}, "manifest says round 7 worker 1"),
+    ({"worker": 0}, "manifest says round 0 worker 0"),
+    ({"base_sha256": "f" * 64}, "base ffffffffffff, expected round 0 worker 1 base"),
+])
+def test_stale_contribution_is_rejected_with_the_reason_recorded(tmp_path, wrong, why):
+    s = _run(tmp_path, Scripted({1: lambda s, t: publish(s, t.round, t.worker, t.base_key, -0.5, **wrong)}))
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0] and rec["rejected"] == [1]
+    assert rec["rejected_reasons"]["1"].startswith("stale contribution") and why in rec["rejected_reasons"]["1"]
+    assert torch.equal(load_checkpoint(s, L.global_weights(1))[0]["w"], G0["w"] - 0.5)  # worker 0 alone

@@ -1,0 +1,243 @@
+"""Hugging Face causal LMs (`model: hf:PATH`): config, model view, tokenized corpus, LoRA heads, whole runs.
+
+The model is a tiny Llama built from a config and the tokenizer a tiny byte-level BPE trained here
+on a few strings: nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import yaml  # noqa: E402
+from safetensors.torch import save as save_safetensors  # noqa: E402
+
+from core.checkpoint import load_checkpoint  # noqa: E402
+from core.config import config_from_dict, load_config, to_yaml  # noqa: E402
+from core.errors import ConfigError  # noqa: E402
+from core.layout import RunLayout  # noqa: E402
+from core.storage import Storage  # noqa: E402
+from worker import data, lora  # noqa: E402
+from worker.hf import HFCausalLM, load_tokenizer  # noqa: E402
+from worker.train import load_run_config, make_optimizer  # noqa: E402
+from worker.weights import build_model, load_model, load_weights, weights_of  # noqa: E402
+
+L = RunLayout()
+SNIPPETS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "if x is None:\n    raise ValueError('x is missing')\n",
+    "while True:\n    line = f.readline()\n    if not line:\n        break\n",
+]
+
+
+def _texts(root: Path) -> Path:
+    """16 small Python-like files in 4 packages: enough for 2 workers and a held-out document."""
+    for i in range(16):
+        path = root / f"pkg{i % 4}" / f"mod{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(SNIPPETS[(i + k) % len(SNIPPETS)] for k in range(12)) + f"# file {i}\n")
+    return root
+
+
+def _tiny_hf(directory: Path) -> Path:
+    """A tiny Llama (tied embeddings, as SmolLM2) and a byte-level BPE tokenizer, save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(SNIPPETS * 4, trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(fast),
+                                      max_position_embeddings=64, tie_word_embeddings=True,
+                                      eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return _tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> Path:
+    return _texts(tmp_path_factory.mktemp("texts"))
+
+
+def _cfg(hf_dir: Path, **extra):
+    return config_from_dict({"model": {"hf": str(hf_dir), "block_size": 32}, **extra})
+
+
+# -- config ---------------------------------------------------------------------------------------
+def test_model_hf_shorthand_set_and_checks(hf_dir, tmp_path, monkeypatch):
+    yml = tmp_path / "c.yaml"
+    yml.write_text(f"model: hf:{hf_dir}\n")
+    cfg = load_config(str(yml), sets=["model.block_size=32"])  # --set model.x keeps the shorthand's hf
+    assert cfg.model.hf == str(hf_dir) and cfg.model.block_size == 32
+    assert load_config(sets=[f"model.hf={hf_dir}"]).model == config_from_dict({"model": {"hf": str(hf_dir)}}).model
+    assert load_config(sets=[f"model=hf:{hf_dir}", "model.block_size=32"]).model == cfg.model
+    assert config_from_dict(yaml.safe_load(to_yaml(cfg))) == cfg  # what a resumed run reads back
+    monkeypatch.chdir(hf_dir.parent)  # a relative path is made absolute: workers may start elsewhere
+    assert config_from_dict({"model": f"hf:{hf_dir.name}"}).model.hf == str(hf_dir)
+    (tmp_path / "empty").mkdir()
+    for value, why in {"gpt2": "is not a model", "hf:": "is not a model"}.items():
+        with pytest.raises(ConfigError, match=why):
+            config_from_dict({"model": value})
+    for value, why in {"nowhere": "does not exist", "empty": "has no config.json"}.items():
+        with pytest.raises(ConfigError, match=why):  # refused where a run is asked for
+            load_config(sets=[f"model.hf={tmp_path / value}"])
+    # ... but a stored config naming a directory this machine cannot see still loads (status, report)
+    assert config_from_dict({"model": f"hf:{tmp_path / 'nowhere'}"}).model.hf == str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="model.n_layer describe the built-in model"):
+        config_from_dict({"model": {"hf": str(hf_dir), "n_layer": 4}})
+    # lte.rank is checked against the HF model's layers (worker/lora.py), not model.n_embd
+    assert _cfg(hf_dir, algorithm="lte", lte={"rank": 200}).lte.rank == 200
+    with pytest.raises(ConfigError, match="model.block_size is 128, but the Hugging Face model .* has 64 positions"):
+        build_model(config_from_dict({"model": f"hf:{hf_dir}"}).model)
+
+
+# -- the model --------------------------------------------------------------------------------------
+def test_view_has_hf_names_and_the_same_loss_as_hf_labels(hf_dir):
+    model = build_model(_cfg(hf_dir).model)
+    assert isinstance(model, HFCausalLM) and model.vocab_size == len(load_tokenizer(str(hf_dir)).tok)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    ref_sd = reference.state_dict()
+    w = weights_of(model)
+    # HF names; the tied lm_head is stored once, under the embedding's name
+    assert set(w) == set(ref_sd) - {"lm_head.weight"} and all(torch.equal(w[k], ref_sd[k]) for k in w)
+    save_safetensors(w)  # safetensors refuses shared tensors: none are left
+    seq = torch.randint(0, model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    logits, loss = model(seq[:, :-1], seq[:, 1:])
+    # our batches hold next tokens as targets; HF's labels are shifted inside its own loss
+    assert logits.shape == (2, 16, model.vocab_size)
+    torch.testing.assert_close(loss, reference(input_ids=seq, labels=seq).loss)
+    # loading weights goes into the HF model itself (the view shares its parameters)
+    changed = {k: v + 1.0 for k, v in w.items()}
+    load_weights(model, changed, "test")
+    assert torch.equal(model.hf.lm_head.weight, changed["model.embed_tokens.weight"])
+    model.eval()
+    assert not model.hf.training and not model.hf.model.training
+
+
+def test_weight_decay_groups_for_hf(hf_dir):
+    model = build_model(_cfg(hf_dir).model)
+    opt, names = make_optimizer(model, _cfg(hf_dir))
+    decayed = set(names[: len(opt.param_groups[0]["params"])])
+    assert "model.layers.0.self_attn.q_proj.weight" in decayed and "model.layers.1.mlp.down_proj.weight" in decayed
+    assert "model.embed_tokens.weight" not in decayed  # the embedding (and the lm_head tied to it)
+    assert not any("norm" in n for n in decayed) and "lm_head.weight" not in names
+
+
+# -- the corpus -----------------------------------------------------------------------------------
+def test_tokenized_corpus_has_its_own_cache(hf_dir, texts, tmp_path, monkeypatch):
+    tok = load_tokenizer(str(hf_dir))
+    cache = tmp_path / "cache"
+    byte = data.load_corpus(str(texts), cache_dir=cache)
+    ids = data.load_corpus(str(texts), cache_dir=cache, tokenizer=tok)
+    assert byte.fingerprint != ids.fingerprint and len(list((cache / "data").iterdir())) == 2
+    assert byte.tokens.dtype == torch.uint8 and ids.tokens.dtype == torch.int32
+    assert int(ids.tokens.max()) > 255 and ids.tokens.numel() < byte.tokens.numel()  # merges, past one byte
+    for d in ids.documents:  # each document is its file, tokenized, then the end-of-text token
+        assert tok.tok.decode(ids.tokens[d.start:d.end].tolist()) == (texts / d.name).read_text()
+        assert int(ids.tokens[d.end]) == tok.separator == tok.tok.eos_token_id
+    monkeypatch.setattr(data, "_read_bytes", lambda p: pytest.fail(f"read {p} although it is cached"))
+    again = data.load_corpus(str(texts), cache_dir=cache, tokenizer=tok)
+    assert torch.equal(again.tokens, ids.tokens) and again.documents == ids.documents
+    assert data.corpus_for(_cfg(hf_dir, data={"source": str(texts), "cache_dir": str(cache)})).fingerprint == ids.fingerprint
+
+
+# -- LoRA heads -----------------------------------------------------------------------------------
+def test_lte_heads_on_every_linear_of_the_hf_model(hf_dir):
+    cfg = _cfg(hf_dir, algorithm="lte", lte={"rank": 4})
+    model = build_model(cfg.model)
+    linears = sorted(n for n, m in model.named_modules() if type(m) is nn.Linear)
+    headed = lora.attach_heads(model, cfg.lte, seed=0)
+    assert headed == [n for n in linears if n != "lm_head"] and len(headed) == 2 * 7  # lm_head is the embedding
+    assert isinstance(model.hf.model.layers[0].self_attn.q_proj, lora.LoRALinear)  # in the HF model itself
+    published = lora.contribution_tensors(model)
+    assert {k: tuple(v.shape) for k, v in published.items()} == lora.contribution_shapes(cfg.model, 4)
+    assert "model.embed_tokens.weight" in published and "lm_head.weight" not in published
+    x = torch.randint(0, model.vocab_size, (2, 8))
+    _, loss = model(x, x)
+    loss.backward()
+    assert model.hf.model.layers[0].self_attn.q_proj.lora_B.grad is not None
+
+
+# -- whole runs through the local executor --------------------------------------------------------
+def _submit(run: Path, hf_dir: Path, texts: Path, cache: str, *extra: str) -> list[str]:
+    return ["submit", "--executor", "local", "--workers", "2", "--rounds", "2", "--inner-steps", "4",
+            "--run-dir", str(run), "--set", f"model=hf:{hf_dir}", "--set", "model.block_size=32",
+            "--set", f"data.source={texts}", "--set", f"data.cache_dir={cache}", "--set", "data.heldout_fraction=0.1",
+            "--set", "inner.batch_size=4", "--set", "inner.warmup_steps=2", "--set", "data.eval_batches=2",
+            "--set", "round.poll_s=0.2", *extra]
+
+
+def _status(run: Path, capsys) -> dict:
+    from orchestrator.cli import main
+    capsys.readouterr()
+    assert main(["status", str(run), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_diloco_two_workers_two_rounds_exports_a_hf_directory(hf_dir, texts, tmp_path, capsys):
+    from orchestrator.cli import main
+    run = tmp_path / "run"
+    assert main(_submit(run, hf_dir, texts, str(tmp_path / "cache"))) == 0
+    st = _status(run, capsys)
+    assert st["state"] == "done" and [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]]
+    losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]
+    assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0], losses
+    s = Storage(str(run))
+    assert load_run_config(s).model.hf == str(hf_dir)
+    final, _, _ = load_checkpoint(s, L.FINAL)
+    assert "lm_head.weight" not in final and "model.layers.0.self_attn.q_proj.weight" in final
+    manifest = s.read_json("rounds/00001/contrib/worker_000.json")
+    assert manifest["tokens"] == 4 * 4 * 32
+    # the Hugging Face export loads on its own and holds the final global weights
+    assert st["final_hf"] == str(run / L.FINAL_HF)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(st["final_hf"], local_files_only=True)
+    sd = exported.state_dict()
+    assert set(sd) - set(final) == {"lm_head.weight"} and set(final) <= set(sd)
+    assert all(torch.equal(sd[k], final[k]) for k in final)
+    assert torch.equal(sd["lm_head.weight"], final["model.embed_tokens.weight"])
+    from orchestrator.checkpoint_eval import evaluate_checkpoints  # `orchestrate eval`: same tokens, same loss
+    assert evaluate_checkpoints([str(run)])["models"][0]["loss"] == pytest.approx(losses[-1], abs=1e-4)
+    reloaded = load_model(st["final_model"])  # rebuilt from the checkpoint's metadata alone
+    assert isinstance(reloaded, HFCausalLM) and all(torch.equal(v, final[k]) for k, v in weights_of(reloaded).items())
+    tok = transformers.AutoTokenizer.from_pretrained(st["final_hf"], local_files_only=True)
+    assert tok("def add(a, b):")["input_ids"] == load_tokenizer(str(hf_dir)).tok("def add(a, b):")["input_ids"]
+
+
+@pytest.mark.slow
+def test_lte_two_workers_two_rounds_on_a_hf_model(hf_dir, texts, tmp_path, capsys):
+    from orchestrator.cli import main
+    run = tmp_path / "run"
+    assert main(_submit(run, hf_dir, texts, str(tmp_path / "cache"), "--set", "algorithm=lte",
+                        "--set", "lte.rank=4", "--set", "lte.alpha=16", "--set", "lte.lr=3e-3")) == 0
+    st = _status(run, capsys)
+    assert st["state"] == "done" and st["algorithm"] == "lte"
+    assert [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]] and all(r["rejected"] == [] for r in st["rounds"])
+    losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]
+    assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0], losses
+    s = Storage(str(run))
+    contrib, _, _ = load_checkpoint(s, L.contribution(1, 0))
+    assert "model.layers.0.mlp.up_proj.lora_A" in contrib and "model.layers.0.mlp.up_proj.weight" not in contrib
+    g1, g2 = (load_checkpoint(s, L.global_weights(r))[0] for r in (1, 2))
+    assert not torch.equal(g1["model.layers.0.mlp.up_proj.weight"], g2["model.layers.0.mlp.up_proj.weight"])
+    assert st["final_hf"] is not None

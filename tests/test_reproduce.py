@@ -1,0 +1,80 @@
+"""bench.reproduce: the in-process simulation against an oracle, and one experiment end to end."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench.reproduce import report, sim
+from bench.reproduce.__main__ import main
+from bench.reproduce.context import SIZES, Context
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Context:
+    return Context(SIZES["test"], [0])
+
+
+def _max_diff(a: sim.Weights, b: sim.Weights) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_diloco_one_worker_fedavg_is_plain_training(ctx: Context) -> None:
+    """K = 1 with outer SGD lr 1.0: the new global model is the worker's weights, and the worker
+    keeps its AdamW state and data position, so it must equal uninterrupted training."""
+    over = {"workers": 1, "rounds": 4, "outer.optimizer": "sgd", "outer.lr": 1.0}
+    cfg = ctx.cfg(0, **over)
+    data = ctx.data(cfg)
+    plain = sim.run_plain(cfg, data)
+    fedavg = sim.run_diloco(cfg, data)
+    assert fedavg.losses == pytest.approx(plain.losses, abs=1e-5)
+    assert _max_diff(fedavg.extra["weights"], plain.extra["weights"]) < 1e-4
+    # the oracle can fail: the DiLoCo outer step (Nesterov) moves away from plain training
+    nesterov = sim.run_diloco(ctx.cfg(0, **{**over, "outer.optimizer": "nesterov", "outer.lr": 0.7}), data)
+    assert _max_diff(nesterov.extra["weights"], plain.extra["weights"]) > 1e-3
+
+
+def test_all_gradients_dropped_leaves_the_global_model(ctx: Context) -> None:
+    cfg = ctx.cfg(0, workers=2)
+    run = sim.run_diloco(cfg, ctx.data(cfg), drop=1.0)
+    assert run.extra["dropped"] == 2 * cfg.rounds
+    assert len(set(run.losses)) == 1
+    # dropped workers continue from their own weights: only the first round downloads the base
+    size = sim.nbytes(run.extra["weights"])
+    assert run.comm_bytes == 2 * size + 2 * cfg.rounds * size
+
+
+def test_test_docs_are_a_separate_domain(ctx: Context) -> None:
+    tests = ctx.data(ctx.cfg(0), "tests")
+    names = [tests.corpus.documents[i].name for i in tests.train + tests.heldout]
+    assert names and all(sim.is_test_doc(n) for n in names)
+    source = ctx.data(ctx.cfg(0))
+    assert not any(sim.is_test_doc(source.corpus.documents[i].name) for i in source.train)
+
+
+def test_one_experiment_end_to_end_keeps_notes(tmp_path) -> None:
+    assert main(["single", "--size", "test", "--seeds", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / report.IMG / "single.json").read_text())
+    labels = [r["label"] for r in record["rows"]]
+    assert labels[0] == "plain training (1 worker)" and labels[1].startswith("DiLoCo, K = 1")
+    assert all(math.isfinite(v) and v < math.log(256) + 0.5 for r in record["rows"] for v in r["finals"])
+    assert record["checks"] and (tmp_path / report.IMG / "single.png").stat().st_size > 1000
+    md = (tmp_path / "results.md").read_text()
+    assert "| plain training (1 worker) |" in md and "img/results/single.png" in md
+    (tmp_path / "results.md").write_text(md.replace(report.NO_NOTES.strip(), "Hand-written: kept."))
+    report.render(tmp_path, ["single"])
+    assert "Hand-written: kept." in (tmp_path / "results.md").read_text()
+
+
+def test_unknown_experiment_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["nope"])
+
+
+def test_methods_of_an_experiment_share_the_eval_data(ctx: Context) -> None:
+    """A 4x-batch baseline or an LTE head's small batch must not change what it is scored on."""
+    small, big = ctx.cfg(0), ctx.cfg(0, **{"inner.batch_size": 4 * SIZES["test"].batch_size})
+    a, b = ctx.data(small).eval_set(small), ctx.data(big).eval_set(big)
+    assert len(a) == len(b) and all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))

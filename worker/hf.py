@@ -1,0 +1,190 @@
+"""Hugging Face causal LMs as islands models (`model: hf:PATH`): build, tokenize, export.
+
+Only local directories are read (`local_files_only`, HF_HUB_OFFLINE): a job never downloads.
+transformers is imported when this module is first used for a model, never by the built-in path.
+
+- `build`: `AutoModelForCausalLM.from_pretrained(PATH)` in float32, seen through `HFCausalLM`, which
+  takes (idx, targets) and returns (logits, loss) like the built-in GPT, and whose state_dict names
+  are the Hugging Face model's own: checkpoints hold HF names, and LoRA heads (worker/lora.py) go
+  on its nn.Linear layers.
+- `load_tokenizer`: its tokenizer, for worker/data.py (the corpus cache is keyed by its hash).
+- `save_pretrained_dir`: the final model as a Hugging Face directory (weights + config + tokenizer).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import tempfile
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from core.config import ModelConfig
+from core.errors import ConfigError, IslandsError
+from core.storage import Storage
+
+_COPY_CHUNK = 16 << 20
+
+
+def transformers_module() -> ModuleType:
+    """transformers, offline, without tqdm bars (they would land in Slurm logs); or a clear error."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported: set before
+    try:
+        import transformers
+    except ImportError as exc:
+        raise IslandsError(f"model.hf needs the transformers package, which is not installed ({exc}): "
+                           "pip install transformers") from None
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def _dtype_kw(transformers: ModuleType) -> dict[str, torch.dtype]:
+    # float32 whatever the directory was saved in: the optimizer and the merge work in float32.
+    # The keyword was renamed in transformers 4.56.
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with the built-in model's interface: forward(idx, targets) ->
+    (logits, mean next-token cross-entropy; -1 targets ignored).
+
+    It is a view, not a wrapper: it shares the HF model's submodules, parameters and buffers
+    (the same dicts), so its state_dict and module names are exactly the HF model's (a wrapper
+    would prefix them all), and replacing a layer (a LoRA head) replaces it in the HF model too.
+    `.hf` is the HF model itself, e.g. for save_pretrained."""
+
+    def __init__(self, hf_model: nn.Module, block_size: int) -> None:
+        super().__init__()
+        for slot in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            object.__setattr__(self, slot, getattr(hf_model, slot))
+        # object.__setattr__: nn.Module.__setattr__ would register it as a child, i.e. put the HF
+        # model into its own (shared) _modules
+        object.__setattr__(self, "hf", hf_model)
+        self.config = hf_model.config
+        self.vocab_size = int(hf_model.config.vocab_size)
+        self.block_size = block_size
+        self.train(hf_model.training)
+
+    def train(self, mode: bool = True) -> "HFCausalLM":
+        self.hf.training = mode  # the HF model's own flag: it is not one of the shared children
+        return super().train(mode)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if idx.shape[1] > self.block_size:
+            raise ValueError(f"a sequence of {idx.shape[1]} tokens is longer than the model's "
+                             f"{self.block_size} positions; lower model.block_size")
+        logits = self.hf(input_ids=idx, use_cache=False).logits
+        if targets is None:
+            return logits, None
+        # the batches already hold the next token as target: no shift here (HF `labels` would shift)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+
+def max_positions(config: object) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def build(cfg: ModelConfig, pretrained: bool = True) -> HFCausalLM:
+    """The model at cfg.hf: its weights (pretrained) or its architecture only, in float32."""
+    tf = transformers_module()
+    path = _directory(cfg)
+    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    limit = max_positions(config)
+    if limit is not None and cfg.block_size > limit:
+        raise ConfigError([f"model.block_size is {cfg.block_size}, but the Hugging Face model at {path} has "
+                           f"{limit} positions: set model.block_size <= {limit}"], source="model")
+    if pretrained:
+        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **_dtype_kw(tf))
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config, **_dtype_kw(tf))
+    return HFCausalLM(model, limit or cfg.block_size)
+
+
+def _directory(cfg: ModelConfig) -> str:
+    path = os.path.expanduser(cfg.hf or "")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError([f"model.hf: {path} is not a Hugging Face model directory (no config.json); give a "
+                           "local directory written by save_pretrained: islands never downloads a model"],
+                          source="model")
+    return path
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer as worker/data.py uses it: its `name` (a hash of the whole
+    tokenizer, so another tokenizer never reuses this one's corpus cache), the token placed
+    between documents (end-of-text) and batch encoding without special tokens."""
+
+    def __init__(self, tokenizer: object, path: str) -> None:
+        self.tok = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)  # fast (Rust) tokenizers
+        self.separator = _separator(tokenizer, path)
+        if self.backend is not None:
+            blob = self.backend.to_str()
+        else:  # a slow (Python) tokenizer: its vocabulary and class stand for it
+            blob = json.dumps([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())])
+        digest = hashlib.sha256(f"{blob}\n{self.separator}".encode()).hexdigest()
+        self.name = f"hf-tokenizer-{digest[:24]}"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.backend is not None:
+            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def _separator(tokenizer: object, path: str) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        return eos
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    if len(newline) == 1:
+        return newline[0]
+    raise IslandsError(f"the tokenizer at {path} has no end-of-text token and no single token for a newline, so "
+                       "documents cannot be separated; give it an eos_token (tokenizer.eos_token = ...) and save it")
+
+
+def load_tokenizer(path: str) -> HFTokenizer:
+    """The tokenizer saved in the model directory `path`; its ids must fit the model's vocabulary."""
+    tf = transformers_module()
+    path = _directory(ModelConfig(hf=path))
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise IslandsError(f"model.hf: no usable tokenizer in {path} ({exc}); save the model's tokenizer "
+                           "there (tokenizer.save_pretrained)") from None
+    vocab = getattr(tf.AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
+    if isinstance(vocab, int) and len(tok) > vocab:
+        raise IslandsError(f"model.hf: the tokenizer in {path} has {len(tok)} tokens, more than the model's "
+                           f"vocab_size {vocab}: they do not belong together")
+    return HFTokenizer(tok, path)
+
+
+def save_pretrained_dir(model: HFCausalLM, source: str, storage: Storage, key: str) -> list[str]:
+    """Write `model` into the directory `key` of `storage` as a Hugging Face model directory:
+    save_pretrained (safetensors, tied weights once, as transformers does), plus the tokenizer of
+    the directory `source`. config.json is written last, so a directory with it is complete.
+    Returns the keys written."""
+    tf = transformers_module()
+    with tempfile.TemporaryDirectory(prefix="islands-hf-") as tmp:
+        model.hf.save_pretrained(tmp)
+        tf.AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(tmp)
+        names = sorted((n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n))),
+                       key=lambda n: (n == "config.json", n))
+        written = []
+        for name in names:
+            dest = posixpath.join(key, name)
+            with open(os.path.join(tmp, name), "rb") as fin, storage.open_atomic(dest) as fout:
+                while chunk := fin.read(_COPY_CHUNK):
+                    fout.write(chunk)
+            written.append(dest)
+    return written
