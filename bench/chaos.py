@@ -11,7 +11,7 @@ own), this driver, watching the run directory only:
   weights, after the round record, while reading), which no timer could hit;
 - writes a corrupt file (bytes flipped behind its manifest), a NaN contribution and a wrong-shape
   contribution into the run directory as if by a worker (right manifest: round, worker, base
-  sha256), then scancels that worker's real job, so the service finds the bad file and nothing else;
+  digest), then scancels that worker's real job, so the service finds the bad file and nothing else;
 - slows one worker: ISLANDS_SLOWPOINT makes it sleep before publishing (core/failpoints.py), so it
   misses every deadline; the run's late policy folds its late work into the next round.
 
@@ -54,7 +54,7 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.
         "--set", "round.poll_s=0.2", "--set", "executor.preset=local"]
 BAD_KINDS = ("corrupt", "nan", "shape")
 KILL_POINTS = ("merge.after_global", "service.after_record", "merge.while_reading")
-EXPECT = {"corrupt": "sha256 does not match", "nan": "NaN or Inf", "shape": "is F32["}
+EXPECT = {"corrupt": "checksum does not match", "nan": "NaN or Inf", "shape": "is F32["}
 
 
 @dataclass
@@ -162,7 +162,7 @@ class Chaos:
             w = self.rng.choice([w for w in range(self.a.workers) if w != self.slow])
             self.bad_written[r] = w
             sha = write_bad(self.s, r, w, self.bad[r], self.a)
-            self.faults.append(Fault(self.bad[r], r, w, data={"sha256": sha}))
+            self.faults.append(Fault(self.bad[r], r, w, data={"digest": sha}))
             print(f"  wrote a {self.bad[r]} contribution for worker {w} in round {r}", flush=True)
         if r in self.bad_written and r not in self.bad_cancelled:
             entry = (self.s.read_json(L.round_jobs(r)) or {}).get("workers", {}).get(str(self.bad_written[r]))
@@ -213,15 +213,15 @@ def write_bad(s: Storage, r: int, w: int, kind: str, a: argparse.Namespace) -> s
         t[name] = t[name][:-1].clone()
     key = L.contribution(r, w)
     manifest = {"round": r, "worker": w, "steps": a.inner_steps, "tokens": a.inner_steps * 4 * 32,
-                "base": L.global_weights(r), "base_sha256": read_manifest(s, L.global_weights(r))["sha256"]}
+                "base": L.global_weights(r), "base_digest": read_manifest(s, L.global_weights(r))["digest"]}
     scratch = f"chaos/{kind}_{r:05d}.safetensors"
     m = write_checkpoint(s, scratch, t, manifest=manifest)
     raw = bytearray(s.read_bytes(scratch))
     if kind == "corrupt":
-        raw[-5] ^= 0xFF  # flipped bytes in the data: only the sha256 can tell
+        raw[-5] ^= 0xFF  # flipped bytes in the data: only the digest can tell
     s.write_bytes(key, bytes(raw))
     s.write_json(manifest_key(key), {**m, "file": key.rsplit("/", 1)[-1]})
-    return m["sha256"]
+    return m["digest"]
 
 
 # -- verdict ---------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def assess(chaos: Chaos) -> None:
         elif f.kind in BAD_KINDS:
             rec = recs[f.round]
             why = _reasons(s, f.round, f.worker, rec)
-            merged_bad = rec.get("contrib_sha256", {}).get(str(f.worker)) == f.data["sha256"]
+            merged_bad = rec.get("contrib_digest", {}).get(str(f.worker)) == f.data["digest"]
             f.survived, f.detail = (not merged_bad and EXPECT[f.kind] in why), why.strip(" |")[:160]
     late = [r for r, rec in enumerate(recs) if chaos.slow in rec["dropped"]
             and "straggler" in rec["dropped_reasons"].get(str(chaos.slow), "")]

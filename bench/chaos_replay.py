@@ -4,7 +4,7 @@ The replay starts from the run's global_0 and, round by round, merges exactly th
 each record lists (`merged` with the recorded weights, and the `folded` late contributions
 re-based onto the replayed global) in the recorded `merge_order` (the running sum's arrival order:
 floating-point sums depend on it) with the merge engine's own functions, writing
-under `replay/` in the run directory. Every contribution's sha256 must still be the one recorded at
+under `replay/` in the run directory. Every contribution's digest must still be the one recorded at
 the merge (nothing merged was replaced since), and every replayed global checkpoint must hash to
 the one the run published: "replay identical" means bit for bit, every round.
 """
@@ -44,7 +44,7 @@ def invalid_merges(storage: Storage, rounds: int) -> list[str]:
         keys += [(f["worker"], f["source"]) for f in rec.get("folded", [])]
         for w, key in keys:
             try:
-                tensors = load_checkpoint(storage, key)[0]  # sha256 verified against the manifest
+                tensors = load_checkpoint(storage, key)[0]  # digest verified against the manifest
             except Exception as exc:  # noqa: BLE001 - any failure is a finding, reported with its key
                 problems.append(f"round {r} worker {w}: {key} unreadable: {exc}")
                 continue
@@ -68,11 +68,11 @@ def replay(storage: Storage, cfg: Config, rounds: int) -> dict[str, Any]:
         by_id = {}
         for w in rec["merged"]:
             key = L.contribution(r, w)
-            if (read_manifest(storage, key) or {}).get("sha256") != rec["contrib_sha256"][str(w)]:
+            if (read_manifest(storage, key) or {}).get("digest") != rec["contrib_digest"][str(w)]:
                 problems.append(f"round {r}: worker {w}'s contribution changed since it was merged")
             by_id[w] = Contribution(w, key, rec["weights"][str(w)])
         for i, f in enumerate(rec.get("folded", [])):
-            if (read_manifest(storage, f["source"]) or {}).get("sha256") != f["source_sha256"]:
+            if (read_manifest(storage, f["source"]) or {}).get("digest") != f["source_digest"]:
                 problems.append(f"round {r}: the late contribution {f['source']} changed since it was folded")
             if f["base"] != L.global_weights(f["from_round"]):
                 problems.append(f"round {r}: folded {f['source']} was trained from {f['base']}, not a global checkpoint")
@@ -88,7 +88,7 @@ def replay(storage: Storage, cfg: Config, rounds: int) -> dict[str, Any]:
         res = merge_round(storage, _g(r), contribs, _g(r + 1), cfg.outer, state_in_key=_s(r) if r > 0 else None,
                           state_out_key=_s(r + 1), min_inputs=len(contribs), metadata=metadata,
                           manifest={"round": r + 1})
-        same = res.manifest["sha256"] == rec["global_sha256"] == read_manifest(storage, L.global_weights(r + 1))["sha256"]
+        same = res.manifest["digest"] == rec["global_digest"] == read_manifest(storage, L.global_weights(r + 1))["digest"]
         out.append({"round": r, "inputs": len(contribs), "identical": same})
         if not same:
             problems.append(f"round {r}: replayed global_{r + 1} differs from the run's")

@@ -6,7 +6,7 @@ weights, in a temporary directory on local disk (deleted at the end). Then, for 
 
 - raw read: the same files read with 16 MiB `readinto` buffers, one after another and K at once
   in threads; the faster is the physical limit the merges are compared with;
-- ours: `merge.manual.manual_merge` (average), sha256 of every input verified against its manifest;
+- ours: `merge.manual.manual_merge` (average), digest of every input verified against its manifest;
 - ours, plain files: the same with the manifests moved away (nothing to verify, as for files from
   elsewhere: that is what mergekit and the naive baseline do);
 - naive: `safetensors.torch.load_file` every checkpoint, then average, then `save_file`;

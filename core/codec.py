@@ -13,7 +13,7 @@ loss up to about half pruned). The file is plain safetensors; for a float tensor
 Rows are the first dimension (a 1-D or 0-D tensor is one row); int8 is symmetric per row:
 q = round(v / s), s = max|v| / 127, so |v - q s| <= s / 2. Non-float tensors are stored as they are.
 The safetensors header metadata `islands.contribution` (JSON) says how the file is coded and the
-sha256 of the base the delta is relative to; a file without it holds plain weights. Decoding is
+digest of the base the delta is relative to; a file without it holds plain weights. Decoding is
 per tensor, so a merge streams coded contributions like plain ones. Pure logic: no role imports.
 """
 from __future__ import annotations
@@ -43,12 +43,12 @@ class Encoding:
     """fp32, bf16 or int8: how the delta's values are stored."""
     keep: float
     """Fraction of each row's entries kept (by magnitude); 1.0 stores the delta dense."""
-    base_sha256: str
-    """sha256 of the checkpoint the delta is relative to (weights = base - delta)."""
+    base_digest: str
+    """digest of the checkpoint the delta is relative to (weights = base - delta)."""
 
     def metadata(self) -> dict[str, str]:
         return {META: json.dumps({"format": "delta", "codec": self.codec, "keep": self.keep,
-                                  "base_sha256": self.base_sha256}, sort_keys=True)}
+                                  "base_digest": self.base_digest}, sort_keys=True)}
 
 
 def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:
@@ -58,7 +58,7 @@ def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:
         return None
     try:
         d = json.loads(raw)
-        enc = Encoding(str(d["codec"]), float(d["keep"]), str(d["base_sha256"]))
+        enc = Encoding(str(d["codec"]), float(d["keep"]), str(d["base_digest"]))
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{label}: metadata {META} is malformed ({raw[:80]!r}): the file is damaged") from None
     if d.get("format") != "delta" or enc.codec not in CODECS or not 0 < enc.keep <= 1:
@@ -120,7 +120,7 @@ def encode_tensor(name: str, delta: torch.Tensor, codec: str, keep: float) -> di
 
 
 def encode(base: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], codec: str, keep: float,
-           base_sha256: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+           base_digest: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, safetensors metadata) of a delta contribution: float tensors as coded deltas
     base - weights (computed in fp32), other tensors as the weights have them."""
     if codec not in CODECS:
@@ -134,7 +134,7 @@ def encode(base: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
             out.update(encode_tensor(name, base[name].to(torch.float32) - w.to(torch.float32), codec, keep))
         else:
             out[name] = w
-    return out, Encoding(codec, keep, base_sha256).metadata()
+    return out, Encoding(codec, keep, base_digest).metadata()
 
 
 def stored_specs(ref: Mapping[str, tuple[str, tuple[int, ...]]], enc: Encoding) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -180,7 +180,7 @@ def outer_gradient(ck: LazyCheckpoint, name: str, base: torch.Tensor) -> torch.T
 
 def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0) -> dict[str, torch.Tensor]:
     """A checkpoint's weights, whole and verified: plain weights as stored; a delta contribution
-    decoded as base - delta, with its base (named in its manifest, checked by sha256) loaded the
+    decoded as base - delta, with its base (named in its manifest, checked by digest) loaded the
     same way, so a worker may continue from its own coded contribution of an earlier round."""
     label = label or storage.display(key)
     tensors, meta, manifest = load_checkpoint(storage, key, label)
@@ -191,8 +191,8 @@ def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0) ->
     if not base_key or depth > 64:
         raise CheckpointError(f"{label}: a delta contribution whose manifest names no usable base: it cannot be decoded")
     base_m = read_manifest(storage, base_key)
-    if base_m is None or base_m["sha256"] != enc.base_sha256:
-        raise CheckpointError(f"{label}: its base {storage.display(base_key)} is gone or was replaced (sha256 differs): "
+    if base_m is None or base_m["digest"] != enc.base_digest:
+        raise CheckpointError(f"{label}: its base {storage.display(base_key)} is gone or was replaced (digest differs): "
                               "the delta cannot be decoded")
     base = load_weights(storage, base_key, depth=depth + 1)
     out = {}

@@ -7,14 +7,14 @@ How the bytes move (memory does not grow with K, nor with the size of the model)
 - The work is cut into segments: slices of at most `chunk` elements of one tensor, in the output's
   order (whole tensors for methods that are not element-wise, such as `ties`).
 - Every input has a reader thread that fills a couple of reusable buffers with its next segments:
-  positional reads straight into the buffer, sha256 on the way when the file has a manifest,
+  positional reads straight into the buffer, digest on the way when the file has a manifest,
   bf16/f16 widened to float32, a cheap finiteness check (one sum; the exact check only when it is
   not finite). File I/O, hashing, numpy and torch all release the GIL, so the K readers, the maths
   and the writer run in parallel.
 - The main thread hands each segment's K slices to the registered method (merge.methods) and
   queues the result for the writer thread, which streams it into the output file(s) under a
   temporary name (merge.writer).
-- At the end every input's sha256 is checked against its manifest (every byte has streamed past,
+- At the end every input's digest is checked against its manifest (every byte has streamed past,
   so this costs nothing more), and only then are the outputs published. Any error on the way
   deletes the temporaries: nothing half-merged is ever visible.
 
@@ -256,7 +256,7 @@ def run_merge(
     Takes ownership of the models: they are closed on return. An unusable input raises InputError
     naming it (`ident`); the merged result's problems raise CheckpointError.
     """
-    with _torch_threads(1):  # the maths are memory-bound: leave the cores to the readers (I/O, sha256)
+    with _torch_threads(1):  # the maths are memory-bound: leave the cores to the readers (I/O, digest)
         return _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth)
 
 

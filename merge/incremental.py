@@ -14,7 +14,7 @@ checkpoint (the last contribution, then base and optimizer state for the outer s
   replay, `round.stream_merge: false`) is this same code fed the list in its order, so the same
   inputs in the same order give the same bytes.
 - Only validated contributions count: names, shapes and dtypes are checked before anything is
-  added; values are checked finite and the sha256 checked as they stream; a contribution that
+  added; values are checked finite and the digest checked as they stream; a contribution that
   fails after part of it was added makes S be rebuilt from the accepted ones (rare; exact).
 - Memory: S is one fp32 copy of the model, plus a few tensors in flight. Nothing of S is
   persisted: after a crash it is rebuilt from the contributions on storage.
@@ -80,7 +80,7 @@ class _Folded:
     worker: int
     key: str
     weight: float
-    sha256: str
+    digest: str
     """Of the file as summed: a contribution replaced since is summed again."""
     nbytes: int
 
@@ -96,14 +96,14 @@ class RunningSum:
     folded: list[_Folded] = field(default_factory=list)
     """What S sums, in summation order."""
     rejected: dict[int, tuple[str, str]] = field(default_factory=dict)
-    """worker -> (sha256@written_at of the refused file's manifest, why): a republished file is tried again."""
+    """worker -> (digest@written_at of the refused file's manifest, why): a republished file is tried again."""
 
     def __post_init__(self) -> None:
         base = open_file_model(self.storage, self.base_key, f"global weights {self.storage.display(self.base_key)}",
                                "base", require_manifest=True)
         try:
             self.ref = model_specs(base)
-            self.base_sha = base.files[0].manifest["sha256"]
+            self.base_sha = base.files[0].manifest["digest"]
             self.sum = MemoryFile("running sum", [(n, "F32" if s.dtype in FLOATS else s.dtype, s.shape)
                                                   for n, s in self.ref.items()])
             for n, s in self.ref.items():  # non-float tensors are not summed: every input must equal the base's
@@ -119,7 +119,7 @@ class RunningSum:
     def add(self, c: Contribution) -> bool:
         """Fold `c` in; False (and the reason in `rejected`) if it cannot be merged."""
         m = self._manifest(c.key)
-        ident = f"{m.get('sha256')}@{m.get('written_at')}"  # a republished file is tried again
+        ident = f"{m.get('digest')}@{m.get('written_at')}"  # a republished file is tried again
         if c.worker in self.rejected and self.rejected[c.worker][0] == ident:
             return False
         if any(f.worker == c.worker for f in self.folded):
@@ -167,7 +167,7 @@ class RunningSum:
         try:
             f = m.files[0]
             enc = codec.encoding_of(f.metadata, label)
-            if enc is not None and enc.base_sha256 != self.base_sha:
+            if enc is not None and enc.base_digest != self.base_sha:
                 return self._fold_whole(c, label, m)  # a delta against another base
             if self.space is None:
                 self.space = "weights" if enc is None else "delta"
@@ -180,7 +180,7 @@ class RunningSum:
             if problems:
                 raise ContributionRejected(c.worker, problems[0])
             self._stream(c, label, f, enc)
-            return f.manifest["sha256"], f.size
+            return f.manifest["digest"], f.size
         except CheckpointError as exc:
             if isinstance(exc, ContributionRejected):
                 raise
@@ -200,7 +200,7 @@ class RunningSum:
         reader.start()
         pending: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         try:
-            with _torch_threads(1):  # memory-bound maths: leave the other cores to the reader (I/O, sha256)
+            with _torch_threads(1):  # memory-bound maths: leave the other cores to the reader (I/O, digest)
                 for _ in range(len(f.specs)):
                     item = q.get()
                     if isinstance(item, BaseException):
@@ -242,7 +242,7 @@ class RunningSum:
 
     def _fold_whole(self, c: Contribution, label: str, m: Model) -> tuple[str, int]:
         """An input in the other space: decode it whole (codec.load_weights), convert per tensor."""
-        sha = m.files[0].manifest["sha256"]
+        sha = m.files[0].manifest["digest"]
         try:
             weights = codec.load_weights(self.storage, c.key, label)
         except CheckpointError as exc:
@@ -278,7 +278,7 @@ class RunningSum:
         for f in self.folded:  # still wanted, with the same file and weight?
             c = want.get(f.worker)
             if c is None or c.key != f.key or c.weight != f.weight or \
-                    self._manifest(f.key).get("sha256") != f.sha256:
+                    self._manifest(f.key).get("digest") != f.digest:
                 break
             keep.append(f)
         if len(keep) != len(self.folded) or self._dirty:
@@ -339,7 +339,7 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 def _read_all(f: Any, q: queue.Queue, free: queue.Queue, stop: threading.Event) -> None:
-    """Reader thread: every entry of `f` in file order (so the sha256 is computed on the way),
+    """Reader thread: every entry of `f` in file order (so the digest is computed on the way),
     each into a recycled buffer when one is big enough (fresh pages cost more than the copy)."""
     spare: list[torch.Tensor] = []
     try:

@@ -12,11 +12,11 @@ their weighted mean; tensors no contribution carries (buffers) are copied from t
 optimizer: the update is applied as is.
 
 Contributions are small (heads are r x (in + out) per layer), so they are read whole and checked
-first: manifest and sha256, names (the set the service expects, or the first one's), shapes against
+first: manifest and digest, names (the set the service expects, or the first one's), shapes against
 the base and the rank, floating point, finite. A bad one is rejected with the reason, the rest are
 merged; fewer than `min_inputs` left raises QuorumError, as merge.engine.merge_round does. The base
 streams tensor by tensor into the new global checkpoint (written atomically, manifest last, by
-core.checkpoint.write_checkpoint); its sha256 is checked before anything is published.
+core.checkpoint.write_checkpoint); its digest is checked before anything is published.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Inputs are `.safetensors` files or Hugging Face model directories (`model.safetensors`, or shards
 + `model.safetensors.index.json`) at any fsspec URL. A file with a manifest beside it (our
-checkpoints) is checked against the manifest's sha256; plain files from elsewhere are taken as
+checkpoints) is checked against the manifest's digest; plain files from elsewhere are taken as
 they are. The output follows the first input's layout: a `.safetensors` OUT is one file (with a
 manifest, so it is a checkpoint of ours); any other OUT is a model directory with the first
 input's shard names and grouping, its safetensors metadata, its index (written last) and its

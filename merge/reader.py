@@ -4,7 +4,7 @@
 before any maths), then reads byte ranges straight into caller-owned buffers: positional reads
 (`os.preadv`) on local files, seek + readinto on any other fsspec file. No per-tensor bytes
 objects, no copies. When the file has a manifest (our checkpoints do), ranges read in file order
-are hashed on the way (hashlib releases the GIL, so reader threads hash in parallel) and
+are hashed on the way (BLAKE3, core.checkpoint.HASH) and
 `verify()` compares with the manifest at the end; files without one (safetensors from elsewhere)
 are not hashed.
 
@@ -13,7 +13,6 @@ are not hashed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -25,7 +24,7 @@ from typing import Any
 
 import fsspec
 
-from core.checkpoint import TORCH_DTYPES, TensorSpec, check_manifest
+from core.checkpoint import TORCH_DTYPES, TensorSpec, check_manifest, new_hasher
 from core.errors import CheckpointError, StorageError
 from core.layout import manifest_key
 from core.storage import Storage
@@ -52,7 +51,7 @@ class InputError(CheckpointError):
 def load_manifest(storage: Storage, key: str, required: bool, label: str) -> dict[str, Any] | None:
     """The manifest beside `key`: required for checkpoints of a run, optional for plain files.
 
-    A plain file's neighbour `X.json` that is not a manifest (no sha256) is ignored.
+    A plain file's neighbour `X.json` that is not a manifest (no digest) is ignored.
     """
     try:
         m = storage.read_json(manifest_key(key))
@@ -65,16 +64,16 @@ def load_manifest(storage: Storage, key: str, required: bool, label: str) -> dic
         if required:
             raise CheckpointError(f"{label}: no manifest, so the checkpoint is incomplete or absent")
         return None
-    if not isinstance(m, dict) or "sha256" not in m:
+    if not isinstance(m, dict) or ("digest" not in m and "sha256" not in m):  # sha256: from before BLAKE3
         if required:
-            raise CheckpointError(f"manifest of {label} lacks a sha256; delete it so the checkpoint is rewritten")
-        log.warning("%s: ignoring %s, which is not a manifest (no sha256)", label, manifest_key(key))
+            raise CheckpointError(f"manifest of {label} lacks a digest; delete it so the checkpoint is rewritten")
+        log.warning("%s: ignoring %s, which is not a manifest (no digest)", label, manifest_key(key))
         return None
     return check_manifest(m, label, key)  # every field validated before use (core.checkpoint)
 
 
 class TensorFile:
-    """One safetensors file: parsed header, positional reads into buffers, optional sha256 check."""
+    """One safetensors file: parsed header, positional reads into buffers, optional digest check."""
 
     def __init__(self, storage: Storage, key: str, label: str, manifest: dict[str, Any] | None) -> None:
         self.storage, self.key, self.label, self.manifest = storage, key, label, manifest
@@ -94,7 +93,7 @@ class TensorFile:
         except OSError as exc:
             self.close()
             raise CheckpointError(f"{label}: cannot be opened ({exc}); check the path and its permissions") from None
-        self._sha = hashlib.sha256() if manifest is not None else None
+        self._sha = new_hasher(manifest) if manifest is not None else None
         self._pos = 0  # bytes hashed so far: always a prefix of the file
         try:
             self.metadata, self.specs, self.data_start = self._read_header(actual)
@@ -180,7 +179,7 @@ class TensorFile:
             self._pos += want
 
     def verify(self) -> None:
-        """Raise unless the whole file hashes to its manifest's sha256 (files without one: no check)."""
+        """Raise unless the whole file hashes to its manifest's digest (files without one: no check)."""
         if self.manifest is None or self._sha is None:
             return
         if self._pos < self.size:  # some ranges were read out of file order: hash the rest in one pass
@@ -190,8 +189,8 @@ class TensorFile:
         if self.manifest.get("bytes") not in (None, self.size):
             raise CheckpointError(f"{self.label}: size {self.size} differs from the manifest's {self.manifest['bytes']}: "
                                   "truncated or replaced")
-        if self._sha.hexdigest() != self.manifest["sha256"]:
-            raise CheckpointError(f"{self.label}: sha256 does not match the manifest: the file is corrupt; "
+        if self._sha.hexdigest() != self.manifest["digest"]:
+            raise CheckpointError(f"{self.label}: checksum does not match the manifest: the file is corrupt; "
                                   "delete it and its .json so it is written again")
 
 

@@ -9,7 +9,6 @@ whole merge has succeeded.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import posixpath
 import queue
 import threading
@@ -21,7 +20,7 @@ from typing import IO, Any
 
 import torch
 
-from core.checkpoint import DTYPES, TensorSpec, build_header, tensor_bytes
+from core.checkpoint import DTYPES, HASH, TensorSpec, build_header, new_hasher, tensor_bytes
 from core.errors import CheckpointError
 from core.layout import manifest_key
 from core.storage import TMP_PREFIX, Storage
@@ -88,7 +87,7 @@ class StreamWriter:
         except OSError as exc:
             raise out.storage.error(f"create {out.key}", exc) from exc
         self._tmp.append((out, tmp))
-        sha = hashlib.sha256() if out.manifest is not None else None
+        sha = new_hasher() if out.manifest is not None else None
         nbytes = 0
         with f:
             for data in self._file_chunks(header, layout):
@@ -100,7 +99,8 @@ class StreamWriter:
                     sha.update(data)
                 nbytes += len(data)
         out.entry = {} if sha is None else {
-            **(out.manifest or {}), "file": out.key.rsplit("/", 1)[-1], "sha256": sha.hexdigest(), "bytes": nbytes,
+            **(out.manifest or {}), "file": out.key.rsplit("/", 1)[-1], "hash": HASH, "digest": sha.hexdigest(),
+            "bytes": nbytes,
             "tensors": len(layout)}
 
     def _file_chunks(self, header: bytes, layout: list[TensorSpec]):

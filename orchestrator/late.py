@@ -7,7 +7,7 @@ computes the outer gradient as G_r - weighted_mean(inputs), so the late contribu
 virtual input V = G_r + (W - B), whose own term G_r - V is exactly delta, with weight
 w * staleness_decay ** (r - q). V is written to rounds/r/folded/ (kept: a replay of the run's
 merges reads it, or rebuilds it from W, B and G_r bit for bit) and checked here before the merge
-(names, shapes, dtypes, finite values, sha256 of all three files), so the engine does not reject it.
+(names, shapes, dtypes, finite values, digest of all three files), so the engine does not reject it.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ class Folded:
     """W: the late contribution itself."""
     base: str
     """B: the checkpoint the late contribution was trained from."""
-    source_sha256: str
-    """sha256 of W as merged: a replay checks it finds the same bytes."""
+    source_digest: str
+    """digest of W as merged: a replay checks it finds the same bytes."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,19 +89,19 @@ def _fold_one(storage: Storage, cfg: Config, r: int, f: Fold) -> Folded:
     except CheckpointError as exc:
         raise ContributionRejected(f.worker, str(exc)) from None
     entry = jobs_of_round(storage, f.from_round)["workers"].get(str(f.worker), {})
-    base, want = entry.get("base"), entry.get("base_sha256")
-    if m.get("round") != f.from_round or m.get("worker") != f.worker or not base or m.get("base_sha256") != want:
+    base, want = entry.get("base"), entry.get("base_digest")
+    if m.get("round") != f.from_round or m.get("worker") != f.worker or not base or m.get("base_digest") != want:
         raise ContributionRejected(f.worker, f"stale late contribution: manifest says round {m.get('round')} worker "
-                                             f"{m.get('worker')} base {str(m.get('base_sha256'))[:12]}, expected round "
+                                             f"{m.get('worker')} base {str(m.get('base_digest'))[:12]}, expected round "
                                              f"{f.from_round} worker {f.worker} base {str(want)[:12]}")
     weight = float(m.get("tokens", 1)) if cfg.outer.weighting == "tokens" else 1.0
     out = L.folded_contribution(r, f.worker, f.from_round)
     try:
         rebase(storage, L.global_weights(r), src, base, out,
-               manifest={"round": r, "worker": f.worker, "from_round": f.from_round, "source_sha256": m["sha256"]})
+               manifest={"round": r, "worker": f.worker, "from_round": f.from_round, "source_digest": m["digest"]})
     except CheckpointError as exc:
         raise ContributionRejected(f.worker, str(exc)) from None
-    return Folded(f.worker, f.from_round, f.staleness, weight * f.factor, out, src, base, m["sha256"])
+    return Folded(f.worker, f.from_round, f.staleness, weight * f.factor, out, src, base, m["digest"])
 
 
 def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, out_key: str,

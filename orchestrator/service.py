@@ -98,7 +98,7 @@ class RoundService:
         shas = self._base_shas({bases[w] for w in adopted})
         for w in adopted:
             jobs["workers"][str(w)] = {"attempts": 1, "job_ids": [latest[w]], "base": bases[w], "persistent": True,
-                                       "base_sha256": shas[bases[w]], "submitted_at": now}
+                                       "base_digest": shas[bases[w]], "submitted_at": now}
         jobs.setdefault("submitted_at", now)
         return adopted
 
@@ -164,7 +164,7 @@ class RoundService:
         tasks = []
         for w in workers:
             entry = jobs["workers"].setdefault(str(w), {"attempts": 0, "job_ids": []})
-            entry.update(base=bases[w], base_sha256=shas[bases[w]])
+            entry.update(base=bases[w], base_digest=shas[bases[w]])
             persistent = self.cfg.round.worker_mode == "persistent"
             entry["persistent"] = persistent
             tasks.append(WorkerTask(self.storage.url, r, w, bases[w], attempt=entry["attempts"], threads=threads,
@@ -182,8 +182,8 @@ class RoundService:
         log.info("round %d: submitted workers %s as jobs %s", r, workers, ids)
 
     def _base_shas(self, keys: set[str]) -> dict[str, str]:
-        """sha256 of each distinct base checkpoint: K workers mostly share one, read its manifest once."""
-        return {k: read_manifest(self.storage, k)["sha256"] for k in keys}
+        """digest of each distinct base checkpoint: K workers mostly share one, read its manifest once."""
+        return {k: read_manifest(self.storage, k)["digest"] for k in keys}
 
     def _threads(self) -> int:
         if self.cfg.inner.threads:
@@ -299,8 +299,8 @@ class RoundService:
             "merge_seconds": round(result.seconds, 3), "bytes_read": result.bytes_read,
             "outer_grad_norm": result.outer_grad_norm, "weights": {str(c.worker): c.weight for c in contribs},
             "submitted_at": jobs["submitted_at"], "merge_started_at": t0, "committed_at": time.time(),
-            "global_sha256": result.manifest["sha256"], "merge_order": result.order,
-            "contrib_sha256": {str(w): self._shas[w] for w in merged}, "folded": merged_folds, "fold_rejected": fold_refused + refused,
+            "global_digest": result.manifest["digest"], "merge_order": result.order,
+            "contrib_digest": {str(w): self._shas[w] for w in merged}, "folded": merged_folds, "fold_rejected": fold_refused + refused,
             "worker_idle_s": {str(w): s for w, s in self._idle.items()},  # persistent workers waiting for this round
             "jobs": {w: {**final[j].as_dict(), "attempts": jobs["workers"][w]["attempts"]} for w, j in latest.items()},
         }
@@ -337,7 +337,7 @@ class RoundService:
                 stale[w] = why
                 continue
             out.append(c)
-            self._shas[w] = m.get("sha256")
+            self._shas[w] = m.get("digest")
             if m.get("waited_s") is not None:
                 self._idle[w] = m["waited_s"]
         return stale, out
@@ -349,10 +349,10 @@ class RoundService:
             m = read_manifest(self.storage, key) or {}
         except CheckpointError as exc:  # an invalid manifest (core.checkpoint.check_manifest): refused
             return None, str(exc), {}
-        want = jobs["workers"].get(str(w), {}).get("base_sha256")
-        if m.get("round") != r or m.get("worker") != w or (want and m.get("base_sha256") != want):
+        want = jobs["workers"].get(str(w), {}).get("base_digest")
+        if m.get("round") != r or m.get("worker") != w or (want and m.get("base_digest") != want):
             return None, (f"stale contribution: manifest says round {m.get('round')} worker {m.get('worker')} base "
-                          f"{str(m.get('base_sha256'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}"), m
+                          f"{str(m.get('base_digest'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}"), m
         weight = float(m.get("tokens", 1)) if self.cfg.outer.weighting == "tokens" else 1.0
         return Contribution(w, key, weight), "", m
 

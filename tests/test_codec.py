@@ -91,7 +91,7 @@ def _setup(mem, k=3, seed=0):
     g = {"a.w": torch.randn(8, 33), "a.b": torch.randn(33), "c": torch.randn(())}
     write_checkpoint(mem, "g0.safetensors", g, manifest={"round": 0})
     workers = [{n: v + 0.05 * torch.randn(v.shape) for n, v in g.items()} for _ in range(k)]
-    return g, workers, read_manifest(mem, "g0.safetensors")["sha256"]
+    return g, workers, read_manifest(mem, "g0.safetensors")["digest"]
 
 
 def _publish(mem, key, g, w, sha, name=None, keep=1.0):
@@ -189,13 +189,13 @@ def test_a_contribution_found_corrupt_after_being_added_never_counts(mem):
     g, workers, sha = _setup(mem, seed=6)
     cs = [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha), 1.0) for i, w in enumerate(workers)]
     raw = bytearray(mem.read_bytes("w1.safetensors"))
-    raw[-3] ^= 0xFF  # in the last tensor: every other tensor of it is summed before the sha256 fails
+    raw[-3] ^= 0xFF  # in the last tensor: every other tensor of it is summed before the digest fails
     mem.fs.pipe_file(mem.path("w1.safetensors"), bytes(raw))
     acc = RunningSum(mem, "g0.safetensors")
     assert acc.add(cs[0]) and not acc.add(cs[1]) and acc.add(cs[2])
-    assert "sha256 does not match" in acc.rejected[1][1]
+    assert "checksum does not match" in acc.rejected[1][1]
     res = _merge(mem, cs, accumulator=acc)
-    assert res.merged == [0, 2] and "sha256 does not match" in res.rejected[1]
+    assert res.merged == [0, 2] and "checksum does not match" in res.rejected[1]
     _merge(mem, [cs[0], cs[2]], "h1.safetensors")
     assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
 
@@ -267,7 +267,7 @@ def test_a_delta_against_another_base_is_decoded_whole_and_rebased_on_the_global
     g, workers, sha = _setup(mem, k=2, seed=11)
     b = {n: t + 0.2 for n, t in g.items()}  # its own older weights
     write_checkpoint(mem, "b.safetensors", b, manifest={"round": 0})
-    b_sha = read_manifest(mem, "b.safetensors")["sha256"]
+    b_sha = read_manifest(mem, "b.safetensors")["digest"]
     c0 = Contribution(0, _publish(mem, "d0.safetensors", g, workers[0], sha, "fp32"), 1.0)
     tensors, meta = codec.encode(b, workers[1], "fp32", 1.0, b_sha)
     write_checkpoint(mem, "d1.safetensors", tensors, metadata=meta, manifest={"round": 0, "base": "b.safetensors"})

@@ -42,7 +42,7 @@ def publish(s: Storage, r: int, w: int, base_key: str, delta: float, **manifest)
     base = load_checkpoint(s, base_key)[0]
     write_checkpoint(s, L.contribution(r, w), {k: v + delta for k, v in base.items()},
                      manifest={"round": r, "worker": w, "tokens": 100,
-                               "base_sha256": read_manifest(s, base_key)["sha256"], **manifest})
+                               "base_digest": read_manifest(s, base_key)["digest"], **manifest})
 
 
 def _run(tmp_path, ex: ThreadExecutor, rounds: int = 1, policy: str = "continue") -> Storage:
@@ -88,7 +88,7 @@ def test_duplicate_published_after_the_merge_is_not_merged_again(tmp_path):
 @pytest.mark.parametrize("wrong, why", [
     ({"round": 7}, "manifest says round 7 worker 1"),
     ({"worker": 0}, "manifest says round 0 worker 0"),
-    ({"base_sha256": "f" * 64}, "base ffffffffffff, expected round 0 worker 1 base"),
+    ({"base_digest": "f" * 64}, "base ffffffffffff, expected round 0 worker 1 base"),
 ])
 def test_stale_contribution_is_rejected_with_the_reason_recorded(tmp_path, wrong, why):
     s = _run(tmp_path, Scripted({1: lambda s, t: publish(s, t.round, t.worker, t.base_key, -0.5, **wrong)}))

@@ -75,7 +75,7 @@ def test_same_seed_same_result(tmp_path, corpus_cache, capsys):
     for i in range(2):
         run = tmp_path / f"run{i}"
         assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "1", "--inner-steps", "3")) == 0
-        shas.append(Storage(str(run)).read_json("rounds/00000/record.json")["global_sha256"])
+        shas.append(Storage(str(run)).read_json("rounds/00000/record.json")["global_digest"])
     assert shas[0] == shas[1]
 
 
@@ -160,7 +160,7 @@ def test_int8_delta_contributions_two_workers_two_rounds(tmp_path, corpus_cache,
         key = f"rounds/00000/contrib/worker_{w:03d}.safetensors"
         with open_checkpoint(s, key) as ck:
             enc = codec.encoding_of(ck.metadata, key)
-            assert enc == codec.Encoding("int8", 1.0, g0_manifest["sha256"])
+            assert enc == codec.Encoding("int8", 1.0, g0_manifest["digest"])
             assert ck.specs["lm_head.weight"].dtype == "I8" and ck.specs["lm_head.weight::scale"].shape == (256,)
             # int8 + one fp32 scale per row (on this tiny model the header and scales weigh ~5%)
             assert ck.manifest["bytes"] < 0.32 * g0_manifest["bytes"]

@@ -27,8 +27,8 @@ POINTS = ["merge.while_reading", "merge.after_global", "service.before_record", 
 
 def _shas(run: Path) -> list[str]:
     s = Storage(str(run))
-    out = [s.read_json(f"rounds/{r:05d}/record.json")["global_sha256"] for r in range(3)]
-    out += [s.read_json(f"outer/state_{r:05d}.json")["sha256"] for r in range(1, 4)]
+    out = [s.read_json(f"rounds/{r:05d}/record.json")["global_digest"] for r in range(3)]
+    out += [s.read_json(f"outer/state_{r:05d}.json")["digest"] for r in range(1, 4)]
     return out
 
 

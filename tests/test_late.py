@@ -61,7 +61,7 @@ class ThreadExecutor:
         base, _, _ = load_checkpoint(s, t.base_key)
         write_checkpoint(s, L.contribution(t.round, t.worker), {k: v + DELTA[t.worker] for k, v in base.items()},
                          manifest={"round": t.round, "worker": t.worker, "tokens": 100,
-                                   "base_sha256": read_manifest(s, t.base_key)["sha256"]})
+                                   "base_digest": read_manifest(s, t.base_key)["digest"]})
 
     def status(self, ids):
         return {j: JobStatus(j, "RUNNING" if self.jobs[j].is_alive() else "COMPLETED") for j in ids}
@@ -148,12 +148,12 @@ def _late_round(s: Storage, base_sha: str | None = None) -> None:
     """Round 0 merged workers 0 and 1 at G1; worker 2's contribution (from G0) arrived after."""
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
     write_checkpoint(s, L.global_weights(1), {k: v - 0.375 for k, v in G0.items()}, manifest={"round": 1})
-    sha = read_manifest(s, L.global_weights(0))["sha256"]
-    s.write_json(L.round_jobs(0), {"round": 0, "workers": {"2": {"base": L.global_weights(0), "base_sha256": sha,
+    sha = read_manifest(s, L.global_weights(0))["digest"]
+    s.write_json(L.round_jobs(0), {"round": 0, "workers": {"2": {"base": L.global_weights(0), "base_digest": sha,
                                                                   "job_ids": ["7"], "attempts": 1}}})
     s.write_json(L.round_record(0), {"round": 0, "merged": [0, 1], "rejected": [], "dropped": [2]})
     write_checkpoint(s, L.contribution(0, 2), {k: v - 1.0 for k, v in G0.items()},
-                     manifest={"round": 0, "worker": 2, "tokens": 100, "base_sha256": base_sha or sha})
+                     manifest={"round": 0, "worker": 2, "tokens": 100, "base_digest": base_sha or sha})
 
 
 def test_late_contribution_from_the_wrong_base_is_not_folded(mem):
@@ -167,7 +167,7 @@ def test_late_contribution_with_nan_is_not_folded_and_nothing_is_published(mem):
     _late_round(mem)
     bad = {"w": torch.tensor([1.0, float("nan"), 3.0]), "b": torch.tensor([0.5])}
     write_checkpoint(mem, L.contribution(0, 2), bad, manifest={"round": 0, "worker": 2, "tokens": 100,
-                     "base_sha256": read_manifest(mem, L.global_weights(0))["sha256"]})
+                     "base_digest": read_manifest(mem, L.global_weights(0))["digest"]})
     folded, refused = prepare_folds(mem, load_config(None, {"workers": 3}, ["round.late_policy=fold"]), 1)
     assert folded == [] and "NaN or Inf" in refused[0]["reason"]
     assert read_manifest(mem, L.folded_contribution(1, 2, 0)) is None

@@ -160,7 +160,7 @@ def test_flipped_byte_is_caught_by_checksum(mem):
     raw[-3] ^= 0xFF
     mem.fs.pipe_file(mem.path("bad.safetensors"), bytes(raw))  # damage it behind the manifest's back
     res = _merge(mem, contribs, OuterConfig(optimizer="sgd", lr=1.0))
-    assert res.merged == [0] and "sha256 does not match" in res.rejected[1]
+    assert res.merged == [0] and "checksum does not match" in res.rejected[1]
 
 
 def test_missing_manifest_is_rejected(mem):

@@ -270,7 +270,7 @@ def test_memory_urls_in_and_out():
     got = st_load(s.read_bytes("out/merged.safetensors"))
     for k in got:
         assert torch.allclose(got[k], (3 * models[0][k] + models[1][k]) / 4, atol=1e-6)
-    assert s.read_json("out/merged.json")["sha256"]
+    assert s.read_json("out/merged.json")["digest"]
 
 
 # -- errors: each names file and tensor, and nothing is written ------------------------------
@@ -334,7 +334,7 @@ def test_manifest_checksum_is_verified(tmp_path):
     raw = bytearray((tmp_path / "b.safetensors").read_bytes())
     raw[-1] ^= 0x01  # flip a bit of the data behind the manifest's back (still finite)
     (tmp_path / "b.safetensors").write_bytes(bytes(raw))
-    with pytest.raises(MergeError, match=r"b\.safetensors: sha256 does not match the manifest"):
+    with pytest.raises(MergeError, match=r"b\.safetensors: checksum does not match the manifest"):
         manual_merge([a, b], str(tmp_path / "out.safetensors"))
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out.json").exists()
 

@@ -36,7 +36,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
 
 # -- manifests ---------------------------------------------------------------------------------
 def test_a_worker_manifest_passes():
-    m = {"round": 1, "worker": 2, "sha256": SHA, "base_sha256": SHA, "bytes": 10, "tensors": 1, "tokens": 4096,
+    m = {"round": 1, "worker": 2, "digest": SHA, "base_digest": SHA, "bytes": 10, "tensors": 1, "tokens": 4096,
          "file": "worker_002.safetensors", "base": "global/round_00001.safetensors", "waited_s": None,
          "losses": [1.0, 0.9], "job_id": "12_3", "written_at": 1.7e9}
     assert check_manifest(m, "x", KEY) is m
@@ -54,13 +54,13 @@ def test_a_worker_manifest_passes():
     ("worker", "2", "not an integer in"),
     ("worker", True, "not an integer in"),
     ("round", 10**12, "not an integer in"),
-    ("sha256", "A" * 64, "is not a sha256"),
-    ("base_sha256", "abc", "is not a sha256"),
+    ("digest", "A" * 64, "is not a digest"),
+    ("base_digest", "abc", "is not a digest"),
     ("bytes", -5, "not an integer in"),
     ("tokens", float("nan"), "not a finite number"),
 ])
 def test_every_manifest_field_is_validated(field, value, why):
-    m = {"round": 1, "worker": 2, "sha256": SHA, "file": "worker_002.safetensors", field: value}
+    m = {"round": 1, "worker": 2, "digest": SHA, "file": "worker_002.safetensors", field: value}
     with pytest.raises(CheckpointError, match=why) as info:
         check_manifest(m, "worker 2's manifest", KEY)
     assert "worker 2's manifest is invalid" in str(info.value) and "delete it" in str(info.value)
@@ -71,7 +71,7 @@ def test_oversized_and_deeply_nested_manifests_are_refused(mem):
     mem.write_bytes(manifest_key(KEY), b"[" * 100_000 + b"]" * 100_000)  # RecursionError inside json
     with pytest.raises(CheckpointError, match="not valid JSON"):
         read_manifest(mem, KEY)
-    mem.write_bytes(manifest_key(KEY), json.dumps({"sha256": SHA, "pad": "x" * (17 << 20)}).encode())
+    mem.write_bytes(manifest_key(KEY), json.dumps({"digest": SHA, "pad": "x" * (17 << 20)}).encode())
     with pytest.raises(CheckpointError, match="over the limit"):
         read_manifest(mem, KEY)
 
@@ -87,15 +87,15 @@ def test_fuzzed_manifests_give_a_clear_checkpoint_error(value):
     except CheckpointError as exc:
         assert "manifest of" in str(exc)
         return
-    assert isinstance(m, dict) and "sha256" in m
+    assert isinstance(m, dict) and "digest" in m
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["round", "worker", "sha256", "file", "base", "bytes", "tokens", "attempt"]),
+@given(st.dictionaries(st.sampled_from(["round", "worker", "digest", "file", "base", "bytes", "tokens", "attempt"]),
                        JSON, min_size=1))
 def test_fuzzed_manifest_fields_give_a_clear_checkpoint_error(fields):
     try:
-        check_manifest({"sha256": SHA, **fields}, "fuzz", KEY)
+        check_manifest({"digest": SHA, **fields}, "fuzz", KEY)
     except CheckpointError as exc:
         assert str(exc).startswith("manifest of fuzz")
 
@@ -119,7 +119,7 @@ def _raw_file(header: object, data: bytes = b"\0" * 16) -> bytes:
 def test_bad_headers_are_refused_before_reading_data(mem, header, why):
     mem.write_bytes("x.safetensors", _raw_file(header))
     with pytest.raises(CheckpointError, match=why):
-        LazyCheckpoint(mem, "x.safetensors", {"sha256": SHA})
+        LazyCheckpoint(mem, "x.safetensors", {"digest": SHA})
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -127,8 +127,8 @@ def test_bad_headers_are_refused_before_reading_data(mem, header, why):
 def test_fuzzed_headers_give_a_clear_checkpoint_error(header, data):
     s = Storage("memory://fuzz-header")
     s.write_bytes("x.safetensors", _raw_file(header, data))
-    for opener in (lambda: LazyCheckpoint(s, "x.safetensors", {"sha256": SHA}),
-                   lambda: TensorFile(s, "x.safetensors", "x", {"sha256": SHA})):
+    for opener in (lambda: LazyCheckpoint(s, "x.safetensors", {"digest": SHA}),
+                   lambda: TensorFile(s, "x.safetensors", "x", {"digest": SHA})):
         try:
             opener().close()
         except CheckpointError:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load as st_load
@@ -64,7 +66,7 @@ class TestCheckpointContract:
         m = write_checkpoint(storage, "ck/w.safetensors", TENSORS, metadata={"k": "v"}, manifest={"round": 3})
         assert m["round"] == 3 and m["tensors"] == 5 and m["bytes"] == storage.size("ck/w.safetensors")
         tensors, meta, manifest = load_checkpoint(storage, "ck/w.safetensors")
-        assert meta == {"k": "v"} and manifest["sha256"] == m["sha256"]
+        assert meta == {"k": "v"} and manifest["digest"] == m["digest"]
         for k, v in TENSORS.items():
             assert torch.equal(tensors[k], v) and tensors[k].dtype == v.dtype
 
@@ -92,8 +94,28 @@ class TestCheckpointContract:
         raw = bytearray(storage.read_bytes("w.safetensors"))
         raw[-20] ^= 0x01  # inside the data section
         storage.fs.pipe_file(storage.path("w.safetensors"), bytes(raw))
-        with pytest.raises(CheckpointError, match="sha256 does not match"):
+        with pytest.raises(CheckpointError, match="checksum does not match"):
             load_checkpoint(storage, "w.safetensors")
+
+    def test_digest_is_blake3_of_the_file(self, storage):
+        m = write_checkpoint(storage, "w.safetensors", TENSORS)
+        assert m["hash"] == "blake3" and m["digest"] == blake3.blake3(storage.read_bytes("w.safetensors")).hexdigest()
+
+    def test_manifest_from_before_blake3_is_checked_with_sha256(self, storage):
+        """Checkpoints whose manifests name a `sha256` (written before BLAKE3) still load, and are still checked."""
+        write_checkpoint(storage, "w.safetensors", TENSORS, manifest={"round": 1})
+        raw = storage.read_bytes("w.safetensors")
+        old = {k: v for k, v in storage.read_json("w.json").items() if k not in ("hash", "digest")}
+        storage.write_json("w.json", {**old, "sha256": hashlib.sha256(raw).hexdigest(), "base_sha256": "a" * 64})
+        m = read_manifest(storage, "w.safetensors")
+        assert m["hash"] == "sha256" and m["digest"] == hashlib.sha256(raw).hexdigest() and m["base_digest"] == "a" * 64
+        assert torch.equal(load_checkpoint(storage, "w.safetensors")[0]["a"], TENSORS["a"])
+        storage.write_json("w.json", {**old, "sha256": hashlib.sha256(raw + b"x").hexdigest()})
+        with pytest.raises(CheckpointError, match="checksum does not match"):
+            load_checkpoint(storage, "w.safetensors")
+        storage.write_json("w.json", {**old, "hash": "md5", "digest": "a" * 64})
+        with pytest.raises(CheckpointError, match="hash 'md5' is not a known hash"):
+            read_manifest(storage, "w.safetensors")
 
     def test_garbage_is_not_a_checkpoint(self, storage):
         storage.write_bytes("g.safetensors", b"\xff" * 64)

@@ -69,12 +69,12 @@ def test_sum_order_is_arrival_order_when_streaming_and_a_replay_gives_the_same_b
 
 
 def test_a_corrupt_contribution_folded_while_waiting_never_counts(tmp_path):
-    def corrupt(s, t):  # published with a manifest whose sha256 is that of the bytes before damage
+    def corrupt(s, t):  # published with a manifest whose digest is that of the bytes before damage
         tmp = Storage(str(tmp_path / "scratch"))
         key = L.contribution(t.round, t.worker)
         write_checkpoint(tmp, key, {k: v + 5.0 for k, v in load_checkpoint(s, t.base_key)[0].items()},
                          manifest={"round": t.round, "worker": t.worker, "tokens": 100,
-                                   "base_sha256": read_manifest(s, t.base_key)["sha256"]})
+                                   "base_digest": read_manifest(s, t.base_key)["digest"]})
         raw = bytearray(tmp.read_bytes(key))
         raw[-2] ^= 0x55
         s.write_bytes(key, bytes(raw))
@@ -83,5 +83,5 @@ def test_a_corrupt_contribution_folded_while_waiting_never_counts(tmp_path):
     s = _run(tmp_path, {1: corrupt, 0: _late(1.0, 0.3)}, stream=True, quorum=2)
     rec = s.read_json(L.round_record(0))
     assert rec["merged"] == [0, 2] and rec["rejected"] == [1]
-    assert "sha256 does not match" in rec["rejected_reasons"]["1"]
+    assert "checksum does not match" in rec["rejected_reasons"]["1"]
     assert _same_as_replay(s, rec["merge_order"])

@@ -157,7 +157,7 @@ def make_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, li
 
 
 def _cpu32(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", torch.float32).clone()
+    return t.detach().to("cpu", torch.float32, copy=True)
 
 
 def head_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

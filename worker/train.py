@@ -75,7 +75,8 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.Ada
     rest = [(n, p) for n, p in params if (n, p) not in decay]
     groups = [{"params": [p for _, p in decay], "weight_decay": cfg.inner.weight_decay},
               {"params": [p for _, p in rest], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2))
+    fused = all(p.is_cuda for _, p in params)  # one kernel per step instead of a launch per tensor group
+    opt = torch.optim.AdamW(groups, lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), fused=fused or None)
     return opt, [n for n, _ in decay] + [n for n, _ in rest]
 
 
@@ -83,7 +84,7 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str,
     out = {}
     for idx, slots in opt.state_dict()["state"].items():
         for slot, t in slots.items():
-            out[f"{names[idx]}{SEP}{slot}"] = torch.as_tensor(t).detach().to("cpu").clone()
+            out[f"{names[idx]}{SEP}{slot}"] = torch.as_tensor(t).detach().to("cpu", copy=True)  # one copy, GPU or CPU
     return out
 
 
@@ -140,7 +141,11 @@ class InnerTrainer:
         train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
         docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[task.worker % cfg.workers]
         self.sampler = BatchSampler(corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, task.worker)
-        self.model = build_model(cfg.model).to(self.device)
+        # Every weight is overwritten by the round's base (_load_base), so the model is built straight
+        # on its device and a Hugging Face model's own weights are not read: at 1B parameters a CPU
+        # init alone costs seconds per round.
+        with torch.device(self.device):
+            self.model = build_model(cfg.model, pretrained=False)
         self.lte = cfg.algorithm == "lte"  # LoRA-the-Explorer: train own LoRA heads over a frozen base (worker/lora.py)
         if self.lte:
             lora.attach_heads(self.model, cfg.lte, seed=lora.head_seed(cfg.seed, task.worker))
@@ -167,14 +172,14 @@ class InnerTrainer:
         load = lora.load_tensors if self.lte else load_weights
         inflight = L.worker_inflight(t.worker, t.round)
         m = read_manifest(self.storage, inflight)
-        if m is not None and m.get("base_sha256") == base_manifest["sha256"]:
+        if m is not None and m.get("base_digest") == base_manifest["digest"]:
             tensors, _, _ = load_checkpoint(self.storage, inflight, label=f"worker {t.worker} in-flight checkpoint")
             load(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
             load_optimizer_tensors(self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k}, "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
-            return base_manifest["sha256"]
+            return base_manifest["digest"]
         if not self.lte:  # the base may be this worker's own coded contribution (late_policy continue)
             tensors = codec.load_weights(self.storage, t.base_key, f"base weights for worker {t.worker}")
             load_weights(self.model, tensors, self.storage.display(t.base_key))
@@ -188,7 +193,7 @@ class InnerTrainer:
                          and not (self.cfg.lte.reset_opt and lora.is_head_param(k.rpartition(SEP)[0]))}
                 lora.reset_heads(self.model, self.cfg.lte, seed=lora.head_seed(self.cfg.seed, t.worker, t.round))
             load_optimizer_tensors(self.opt, self.names, state, self.storage.display(state_key))
-        return base_manifest["sha256"]
+        return base_manifest["digest"]
 
     def train(self) -> None:
         cfg, model, opt = self.cfg, self.model, self.opt
@@ -242,7 +247,7 @@ class InnerTrainer:
                          manifest={"round": t.round, "worker": t.worker})
         manifest = {
             "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
-            "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_sha256": self.base_sha,
+            "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_digest": self.base_sha,
             "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
@@ -263,7 +268,7 @@ class InnerTrainer:
         tensors = {**self._weights(), **optimizer_tensors(self.opt, self.names)}
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
-                                   "base_sha256": self.base_sha, "losses": self.losses})
+                                   "base_digest": self.base_sha, "losses": self.losses})
         log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
 
     def _contribution(self, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
@@ -308,7 +313,7 @@ def run_worker(task: WorkerTask, waited_s: float | None = None) -> dict[str, Any
         _ACTIVE = None
     log.info("worker %d round %d: %d steps, loss %.4f -> %.4f, %.1fs", task.worker, task.round, trainer.done,
              manifest["loss_first"], manifest["loss_last"], time.perf_counter() - t0)
-    return {"round": task.round, "worker": task.worker, "sha256": manifest["sha256"], "loss_last": manifest["loss_last"]}
+    return {"round": task.round, "worker": task.worker, "digest": manifest["digest"], "loss_last": manifest["loss_last"]}
 
 
 def checkpoint_active() -> bool:

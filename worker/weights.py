@@ -63,7 +63,7 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """fp32 CPU copies of the parameters and buffers, keyed by state_dict name (tied ones once)."""
     aliases = tied_aliases(model)
-    return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
+    return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True)
             for k, v in model.state_dict().items() if k not in aliases}
 
 
