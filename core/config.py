@@ -175,7 +175,8 @@ class RoundConfig:
     below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
     stream_merge: bool = True
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
-    worker lands reads about one checkpoint instead of K. The sum is in arrival order (recorded
+    worker lands reads one contribution instead of K (then the outer step's global weights and
+    state, as always). The sum is in arrival order (recorded
     as the round record's `merge_order`; a resumed service rebuilds it from the contributions), so
     with 3+ workers two runs may differ in the last bit; `false` merges in worker order at the end
     (bitwise reproducible from run to run). Linear merges only: not `lte`."""
