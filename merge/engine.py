@@ -38,14 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.failpoints import failpoint
-from core.progress import track
 from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected, RunError
+from core.failpoints import failpoint
+from core.progress import track
 from core.storage import Storage
 from merge.methods import check_method_args, method_spec
-from merge.outer import state_in_specs, state_key, state_out_specs, state_slots  # noqa: F401 (re-exported)
+from merge.outer import state_in_specs, state_key, state_out_specs, state_slots
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, TensorFile, open_file_model
 from merge.writer import OutputFile, StreamWriter
 

@@ -39,7 +39,8 @@ from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
 from merge.engine import (Contribution, MergeResult, QuorumError, _finite, _torch_threads, compare_specs,
-                          model_specs, run_merge, state_out_specs)
+                          model_specs, run_merge)
+from merge.outer import state_out_specs
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
 from merge.writer import OutputFile
 

@@ -26,8 +26,9 @@ import fsspec
 from core.config import OuterConfig
 from core.errors import CheckpointError, IslandsError
 from core.storage import Storage
-from merge.engine import DEFAULT_BUFFER_BYTES, compare_specs, model_specs, run_merge, state_out_specs
+from merge.engine import DEFAULT_BUFFER_BYTES, compare_specs, model_specs, run_merge
 from merge.methods import check_method_args
+from merge.outer import state_out_specs
 from merge.reader import INDEX, ITEMSIZE, InputError, Model, open_file_model, open_model, split_url
 from merge.writer import OutputFile
 

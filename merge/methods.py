@@ -115,12 +115,7 @@ def outer(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: to
     accumulates the squared norm of the pseudo-gradient under "grad_sq".
     """
     merged = get_method(inner)(tensors, weights)
-    new, new_state, grad = outer_step(_f32(base), merged, dict(state), optimizer)
-    state.clear()
-    state.update(new_state)
-    if stats is not None:
-        stats["grad_sq"] = stats.get("grad_sq", 0.0) + float(grad.double().pow(2).sum())
-    return new
+    return _stepped(outer_step(_f32(base), merged, dict(state), optimizer), state, stats)
 
 
 def outer_delta(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
@@ -129,7 +124,14 @@ def outer_delta(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, ba
     """`outer` for inputs that are outer gradients already (base - worker weights, as delta
     contributions carry them): their weighted mean goes into `.grad` as it is."""
     grad = average(tensors, weights)
-    new, new_state, grad = outer_step_from_grad(_f32(base), grad, dict(state), optimizer)
+    return _stepped(outer_step_from_grad(_f32(base), grad, dict(state), optimizer), state, stats)
+
+
+def _stepped(step: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], state: dict[str, torch.Tensor],
+             stats: dict[str, float] | None) -> torch.Tensor:
+    """An outer step's result: `state` replaced in place by the new slots, the gradient's squared
+    norm added to `stats`, the new tensor returned."""
+    new, new_state, grad = step
     state.clear()
     state.update(new_state)
     if stats is not None:

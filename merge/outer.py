@@ -96,11 +96,11 @@ def state_in_specs(state_in: Model, order: list[tuple[str, str, tuple[int, ...]]
 
 def state_out_specs(order: Sequence[tuple[str, str, tuple[int, ...]]], cfg: OuterConfig) -> list[tuple[str, str, tuple[int, ...], int]]:
     """The outer-state file's entries for a model whose tensors are `order` (name, dtype, shape)."""
-    out = []
+    out, slots = [], state_slots(cfg)  # one probe step of the optimizer, not one per tensor
     for name, dtype, shape in order:
         if dtype not in FLOATS:
             continue
-        for slot, full in state_slots(cfg):
+        for slot, full in slots:
             s = tuple(shape) if full else ()
             out.append((state_key(name, slot), "F32", s, 4 * math.prod(s)))
     return out

@@ -85,11 +85,11 @@ def export_final(storage: Storage, cfg: Config) -> None:
     """The last global checkpoint, copied to final/model.safetensors (loads with worker.weights.load_model);
     with model.hf also written as a Hugging Face directory, final/hf (loads with from_pretrained)."""
     last = L.global_weights(cfg.rounds)
-    if read_manifest(storage, L.FINAL) != read_manifest(storage, last) or read_manifest(storage, last) is None:
+    last_m = read_manifest(storage, last)
+    final_m = read_manifest(storage, L.FINAL)
+    if last_m is None or final_m is None or final_m.get("digest") != last_m.get("digest"):  # not exported yet
         storage.copy(last, L.FINAL)
-        manifest = dict(read_manifest(storage, last) or {})
-        manifest["file"] = L.FINAL.rsplit("/", 1)[-1]
-        storage.write_json(manifest_key(L.FINAL), manifest)
+        storage.write_json(manifest_key(L.FINAL), {**(last_m or {}), "file": L.FINAL.rsplit("/", 1)[-1]})
     if cfg.model.hf is not None and not storage.exists(L.final_hf_file("config.json")):  # written last
         from worker.hf import save_pretrained_dir
         model = build_model(cfg.model)
@@ -147,7 +147,7 @@ def permission_warning(storage: Storage) -> str | None:
     path = storage.local_path("")
     if path is None or not os.path.isdir(path):
         return None
-    loose = [p for p in (path, os.path.join(path, L.JOBS)) if os.path.isdir(p) and os.stat(p).st_mode & 0o022]
+    loose = [p for p in (path, storage.local_path(L.JOBS)) if os.path.isdir(p) and os.stat(p).st_mode & 0o022]
     if not loose:
         return None
     modes = ", ".join(f"{p} is {oct(os.stat(p).st_mode & 0o777)}" for p in loose)

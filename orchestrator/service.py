@@ -95,10 +95,10 @@ class RoundService:
         states = self.executor.status(list(latest.values()))
         adopted = [w for w, j in latest.items() if states[j].alive]
         now = time.time()
-        shas = self._base_shas({bases[w] for w in adopted})
+        digests = self._base_digests({bases[w] for w in adopted})
         for w in adopted:
             jobs["workers"][str(w)] = {"attempts": 1, "job_ids": [latest[w]], "base": bases[w], "persistent": True,
-                                       "base_digest": shas[bases[w]], "submitted_at": now}
+                                       "base_digest": digests[bases[w]], "submitted_at": now}
         jobs.setdefault("submitted_at", now)
         return adopted
 
@@ -153,18 +153,18 @@ class RoundService:
         if r == 0:
             return {w: L.global_weights(0) for w in range(self.cfg.workers)}
         prev = self.storage.read_json(L.round_record(r - 1)) or {}
-        late = {int(w): L.contribution(r - 1, int(w)) for w in prev.get("late", [])}
+        late_keys = {int(w): L.contribution(r - 1, int(w)) for w in prev.get("late", [])}
         # lte: a contribution holds heads, not weights to continue from: every worker takes the new base
         policy = "restart" if self.cfg.algorithm == "lte" else self.cfg.round.late_policy
-        return next_bases(self.cfg.workers, prev.get("merged", []), late, policy, L.global_weights(r))
+        return next_bases(self.cfg.workers, prev.get("merged", []), late_keys, policy, L.global_weights(r))
 
     def _submit(self, r: int, jobs: dict[str, Any], workers: list[int], bases: dict[int, str]) -> None:
         threads = self._threads()
-        shas = self._base_shas({bases[w] for w in workers})
+        digests = self._base_digests({bases[w] for w in workers})
         tasks = []
         for w in workers:
             entry = jobs["workers"].setdefault(str(w), {"attempts": 0, "job_ids": []})
-            entry.update(base=bases[w], base_digest=shas[bases[w]])
+            entry.update(base=bases[w], base_digest=digests[bases[w]])
             persistent = self.cfg.round.worker_mode == "persistent"
             entry["persistent"] = persistent
             tasks.append(WorkerTask(self.storage.url, r, w, bases[w], attempt=entry["attempts"], threads=threads,
@@ -181,7 +181,7 @@ class RoundService:
         self.storage.write_json(L.round_jobs(r), jobs)
         log.info("round %d: submitted workers %s as jobs %s", r, workers, ids)
 
-    def _base_shas(self, keys: set[str]) -> dict[str, str]:
+    def _base_digests(self, keys: set[str]) -> dict[str, str]:
         """digest of each distinct base checkpoint: K workers mostly share one, read its manifest once."""
         return {k: read_manifest(self.storage, k)["digest"] for k in keys}
 
@@ -251,7 +251,7 @@ class RoundService:
     # -- merge + commit ---------------------------------------------------------------------
     def _merge(self, r: int, jobs: dict[str, Any], decision: Decision) -> dict[str, Any]:
         self._idle: dict[int, float] = {}
-        self._shas: dict[int, str] = {}  # of each contribution merged: what a replay must find (bench/chaos.py)
+        self._digests: dict[int, str] = {}  # of each contribution merged: what a replay must find (bench/chaos.py)
         stale, contribs = self._contributions(r, jobs, decision.workers)
         t0 = time.time()
         fold = self.cfg.round.late_policy == "fold" and self.cfg.algorithm != "lte"
@@ -294,13 +294,13 @@ class RoundService:
         record = {
             "round": r, "merged": merged, "dropped": dropped, "rejected": sorted(rejected),
             "rejected_reasons": {str(w): why for w, why in rejected.items()}, "dropped_reasons": why,
-            "late": [w for w in dropped if w in arrived_workers(self.storage, r)],
+            "late": sorted(set(dropped) & self._arrived(r)),
             "reason": decision.reason, "eval_loss": None,
             "merge_seconds": round(result.seconds, 3), "bytes_read": result.bytes_read,
             "outer_grad_norm": result.outer_grad_norm, "weights": {str(c.worker): c.weight for c in contribs},
             "submitted_at": jobs["submitted_at"], "merge_started_at": t0, "committed_at": time.time(),
             "global_digest": result.manifest["digest"], "merge_order": result.order,
-            "contrib_digest": {str(w): self._shas[w] for w in merged}, "folded": merged_folds, "fold_rejected": fold_refused + refused,
+            "contrib_digest": {str(w): self._digests[w] for w in merged}, "folded": merged_folds, "fold_rejected": fold_refused + refused,
             "worker_idle_s": {str(w): s for w, s in self._idle.items()},  # persistent workers waiting for this round
             "jobs": {w: {**final[j].as_dict(), "attempts": jobs["workers"][w]["attempts"]} for w, j in latest.items()},
         }
@@ -337,7 +337,7 @@ class RoundService:
                 stale[w] = why
                 continue
             out.append(c)
-            self._shas[w] = m.get("digest")
+            self._digests[w] = m.get("digest")
             if m.get("waited_s") is not None:
                 self._idle[w] = m["waited_s"]
         return stale, out

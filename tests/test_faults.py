@@ -469,3 +469,21 @@ def test_worker_killed_between_data_and_manifest_is_never_merged(tmp_path):
     assert result.merged == [0] and "no manifest" in result.rejected[1]
     merged = load_checkpoint(s, L.global_weights(1))[0]
     assert all(torch.equal(merged[k], base[k] + 1) for k in base)  # worker 0 alone, nothing of worker 1
+
+
+def test_export_final_copies_once_and_replaces_a_stale_final(tmp_path):
+    """A resumed finished run exports nothing again; a final/ left from other weights is replaced."""
+    from core.config import config_from_dict
+    from orchestrator.runstate import export_final
+    s, lay = Storage(str(tmp_path)), RunLayout()
+    cfg = config_from_dict({"workers": 1, "rounds": 2, "run_dir": str(tmp_path)})
+    write_checkpoint(s, lay.global_weights(2), {"w": torch.ones(3)})
+    export_final(s, cfg)
+    first = read_manifest(s, lay.FINAL)
+    assert first["file"] == "model.safetensors" and first["digest"] == read_manifest(s, lay.global_weights(2))["digest"]
+    mtime = os.stat(s.local_path(lay.FINAL)).st_mtime_ns
+    export_final(s, cfg)
+    assert os.stat(s.local_path(lay.FINAL)).st_mtime_ns == mtime  # already exported: not copied again
+    write_checkpoint(s, lay.FINAL, {"w": torch.zeros(3)})  # a final of other weights
+    export_final(s, cfg)
+    assert torch.equal(load_checkpoint(s, lay.FINAL)[0]["w"], torch.ones(3))

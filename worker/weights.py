@@ -33,7 +33,7 @@ ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout")
 def build_model(cfg: ModelConfig, *, pretrained: bool = True) -> torch.nn.Module:
     """The model `cfg` describes: the built-in GPT (initialised from torch's seed), or the Hugging
     Face model at cfg.hf with its own weights (pretrained=False: its architecture only, initialised
-    as transformers does, e.g. to build it on the meta device)."""
+    as transformers does: what a worker builds, since the round's base overwrites every weight)."""
     if cfg.hf is not None:
         from worker import hf  # transformers is imported only for a Hugging Face model
         return hf.build(cfg, pretrained=pretrained)
