@@ -4,16 +4,21 @@ Creates N checkpoints shaped like a small Llama (39 tensors, ~1.02 GiB each in f
 each a Hugging Face directory (model.safetensors + config.json) with our manifest beside the
 weights, in a temporary directory on local disk (deleted at the end). Then, for K inputs:
 
-- raw read: the same files read with 16 MiB `readinto` buffers, one after another and K at once
-  in threads; the faster is the physical limit the merges are compared with;
-- ours: `merge.manual.manual_merge` (average), digest of every input verified against its manifest;
+- raw read: the same files read K at once in threads, through the page cache (16 MiB `readinto`)
+  and around it (O_DIRECT, 16 and 64 MiB reads), and one after another through the cache; the
+  fastest is the physical limit the merges are compared with;
+- ours: `merge.manual.manual_merge` (average), digest of every input verified against its manifest
+  (the inputs are cold and large, so it reads them with O_DIRECT: merge.directio);
+- ours, buffered: the same forced through the page cache (`--io buffered`);
 - ours, plain files: the same with the manifests moved away (nothing to verify, as for files from
   elsewhere: that is what mergekit and the naive baseline do);
 - naive: `safetensors.torch.load_file` every checkpoint, then average, then `save_file`;
 - mergekit: `mergekit-yaml` with `merge_method: linear` (float32), when it is installed.
 
-Each merge runs in its own process; its wall time minus the start-up of the same tool on a tiny
-merge gives the merge time, its peak RSS (wait4's ru_maxrss) is reported raw and minus that tiny
+This disk's rate drifts by tens of percent from one minute to the next, so each repeat measures
+the raw reads and then every merge, and a merge's ratio is taken against the raw read of its own
+repeat; the table reports medians over the repeats. Each merge runs in its own process; its wall
+time minus the start-up of the same tool on a tiny merge gives the merge time, its peak RSS (wait4's ru_maxrss) is reported raw and minus that tiny
 merge's. The inputs are dropped from the page cache before every measurement (posix_fadvise
 DONTNEED on the input files; /proc/sys/vm/drop_caches once at the start when root),
 so inputs come from the disk while the tools' libraries stay cached; where eviction is impossible
@@ -29,6 +34,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +43,7 @@ import time
 from pathlib import Path
 
 BUF = 16 << 20
+TOOLS = {"ours": "ours", "ours-plain": "ours", "ours-buffered": "buffered", "naive": "naive", "mergekit": "mergekit"}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -129,11 +136,28 @@ def _read_file(p: Path) -> int:
     return n
 
 
-def raw_read(files: list[Path], parallel: bool) -> float:
-    """Seconds to read every byte of `files` (one after another, or all at once in threads)."""
+def _read_direct(p: Path, block: int) -> int:
+    import mmap
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
+    n = 0
+    try:
+        while k := os.preadv(fd, [buf], n):
+            n += k
+    finally:
+        os.close(fd)
+    return n
+
+
+RAW_MODES = {"sequential": None, "parallel": _read_file, "direct 16 MiB": lambda p: _read_direct(p, 16 << 20),
+             "direct 64 MiB": lambda p: _read_direct(p, 64 << 20)}
+
+
+def raw_read(files: list[Path], mode: str) -> float:
+    """Seconds to read every byte of `files`: one after another, or all at once in threads (RAW_MODES)."""
     t0 = time.perf_counter()
-    if parallel:
-        threads = [threading.Thread(target=_read_file, args=(p,)) for p in files]
+    if mode != "sequential":
+        threads = [threading.Thread(target=RAW_MODES[mode], args=(p,)) for p in files]
         for t in threads:
             t.start()
         for t in threads:
@@ -156,8 +180,8 @@ def child(argv: list[str]) -> None:
 
     from merge.manual import manual_merge
     t0 = time.perf_counter()
-    if kind == "ours":
-        manual_merge(inputs, out)
+    if kind in ("ours", "buffered"):
+        manual_merge(inputs, out, io="auto" if kind == "ours" else "buffered")
     elif kind == "naive":
         models = [load_file(str(Path(p) / "model.safetensors")) for p in inputs]
         merged = {}
@@ -221,7 +245,7 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="local disk for the temporary checkpoints")
     ap.add_argument("--dims", default="2048,5632,16384,4", help="hidden,intermediate,vocab,layers")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per throughput measurement; the best is kept")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per throughput measurement; medians are reported")
     ap.add_argument("--mergekit", default=shutil.which("mergekit-yaml"), help="mergekit-yaml executable")
     ap.add_argument("--naive-max-k", type=int, default=8, help="largest K for the naive baseline (it holds K models)")
     ap.add_argument("--keep", help="reuse/keep checkpoints in this folder instead of a temporary one")
@@ -265,7 +289,7 @@ def main() -> None:
             else:
                 warm(fs)
 
-        kinds = ["ours", "ours-plain", "naive"] + (["mergekit"] if args.mergekit else [])
+        kinds = ["ours", "ours-plain", "ours-buffered", "naive"] + (["mergekit"] if args.mergekit else [])
         if not args.mergekit:
             print("mergekit: not installed (pip install mergekit, then --mergekit PATH); skipped", flush=True)
 
@@ -279,12 +303,12 @@ def main() -> None:
             hide_manifests(ins, kind == "ours-plain")
             try:
                 prepare([d / "model.safetensors" for d in ins])
-                tool = "mergekit" if kind == "mergekit" else kind.split("-")[0]
+                tool = TOOLS[kind]
                 wall, rss, cpu, stdout = run_child(merge_cmd(tool, out, ins, args.mergekit))
             finally:
                 hide_manifests(ins, False)
                 shutil.rmtree(out, ignore_errors=True)
-            inner = json.loads(stdout.strip().splitlines()[-1])["inner_s"] if tool in ("ours", "naive") else None
+            inner = json.loads(stdout.strip().splitlines()[-1])["inner_s"] if tool != "mergekit" else None
             return wall, rss, cpu, inner
 
         for kind in kinds:  # start-up: the same tool merging 2 tiny checkpoints (median of 3)
@@ -296,43 +320,53 @@ def main() -> None:
 
         k = args.k
         in_bytes = size * k
-        raw = {}
-        for mode in ("sequential", "parallel"):
-            times = []
-            for _ in range(args.repeats):
+        raw: dict[str, list[float]] = {mode: [] for mode in RAW_MODES}
+        runs: dict[str, list[tuple[float, int, float, float | None]]] = {kind: [] for kind in kinds}
+        limits: list[float] = []
+        for rep in range(args.repeats):  # the disk drifts: each repeat is raw reads, then every merge
+            for mode in RAW_MODES:
                 prepare(files[:k])
-                times.append(raw_read(files[:k], parallel=mode == "parallel"))
-            raw[mode] = in_bytes / min(times) / 1e9
-        limit = max(raw.values())
-        results["raw_read_gbps"] = raw
-        print(f"raw read of {k} files: sequential {raw['sequential']:.3f} GB/s, parallel {raw['parallel']:.3f} GB/s",
-              flush=True)
+                raw[mode].append(in_bytes / raw_read(files[:k], mode) / 1e9)
+            limits.append(max(v[-1] for v in raw.values()))
+            print(f"repeat {rep + 1}: raw read of {k} files " + ", ".join(f"{m} {v[-1]:.3f}" for m, v in raw.items())
+                  + " GB/s", flush=True)
+            for kind in kinds:
+                if kind == "naive" and k > args.naive_max_k:
+                    continue
+                runs[kind].append(measure(kind, k))
+                net = runs[kind][-1][0] - startup[kind][0]
+                print(f"  {kind:>13}: {net:.1f}s, {in_bytes / net / 1e9:.3f} GB/s = "
+                      f"{in_bytes / net / 1e9 / limits[-1]:.2f} x this repeat's fastest raw read", flush=True)
+        results["raw_read_gbps"] = {m: [round(x, 3) for x in v] for m, v in raw.items()}
+        limit = statistics.median(limits)
 
         rows = []
-        for kind in kinds:
-            if kind == "naive" and k > args.naive_max_k:
+        for kind, got in runs.items():
+            if not got:
                 continue
-            runs = [measure(kind, k) for _ in range(args.repeats)]
-            best = min(runs, key=lambda r: r[0])
-            wall, rss, inner = best[0], max(r[1] for r in runs), best[3]
-            net = wall - startup[kind][0]
-            cpu_per_gb = (min(r[2] for r in runs) - startup[kind][2]) / (in_bytes / 1e9)
-            rate = in_bytes / net / 1e9
-            rows.append({"kind": kind, "k": k, "wall_s": round(wall, 2), "merge_s": round(net, 2), "gbps": round(rate, 3),
-                         "ratio_to_raw": round(rate / limit, 3), "inner_s": inner and round(inner, 2),
+            nets = [r[0] - startup[kind][0] for r in got]
+            rates = [in_bytes / n / 1e9 for n in nets]
+            ratios = [rate / lim for rate, lim in zip(rates, limits)]
+            rss = max(r[1] for r in got)
+            cpu_per_gb = (statistics.median(r[2] for r in got) - startup[kind][2]) / (in_bytes / 1e9)
+            inner = got[0][3] is not None and statistics.median(r[3] for r in got)
+            rate, net = statistics.median(rates), statistics.median(nets)
+            rows.append({"kind": kind, "k": k, "merge_s": [round(n, 2) for n in nets], "gbps": round(rate, 3),
+                         "ratio_to_raw": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
+                         "inner_s": inner and round(inner, 2),
                          "cpu_s_per_gb": round(cpu_per_gb, 2), "peak_rss": rss, "rss_x_ckpt": round(rss / size, 3),
                          "rss_minus_startup_x_ckpt": round((rss - startup[kind][1]) / size, 3),
                          "loadavg": round(os.getloadavg()[0], 2)})
-            print(f"{kind:>10} K={k}: {net:.1f}s (own timer: {inner and round(inner, 1)}s), {rate:.3f} GB/s = "
-                  f"{rate / limit:.2f} x raw read, {cpu_per_gb:.2f} CPU-s/GB; peak RSS {rss / 2**30:.2f} GiB = "
-                  f"{rss / size:.2f} x ckpt ({(rss - startup[kind][1]) / size:.2f} x above start-up); "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"{kind:>13} K={k}: median {net:.1f}s, {rate:.3f} GB/s = {statistics.median(ratios):.2f} x raw read "
+                  f"(per repeat {', '.join(f'{x:.2f}' for x in ratios)}), {cpu_per_gb:.2f} CPU-s/GB; peak RSS "
+                  f"{rss / 2**30:.2f} GiB = {rss / size:.2f} x ckpt ({(rss - startup[kind][1]) / size:.2f} x above "
+                  f"start-up)", flush=True)
         results["throughput"] = rows
 
         sweep = []
         for kk in rss_ks:
             for kind in kinds:
-                if kind == "ours-plain" or (kind == "naive" and kk > args.naive_max_k):
+                if kind in ("ours-plain", "ours-buffered") or (kind == "naive" and kk > args.naive_max_k):
                     continue
                 done = next((r for r in rows if r["kind"] == kind and r["k"] == kk), None)
                 if done is not None:

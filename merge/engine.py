@@ -46,6 +46,7 @@ from core.progress import track
 from core.storage import Storage
 from merge.methods import check_method_args, method_spec
 from merge.outer import state_in_specs, state_key, state_out_specs, state_slots
+from merge.directio import aligned_bytes, region_bytes
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, TensorFile, open_file_model
 from merge.writer import OutputFile, StreamWriter
 
@@ -139,30 +140,32 @@ def _align(n: int) -> int:
 
 
 class _Slot:
-    """A reusable pair of buffers: raw bytes as read, and float32 for widened bf16/f16."""
+    """A reusable pair of buffers: raw bytes as read (page-aligned, so O_DIRECT reads land in them
+    directly: merge.directio), and float32 for widened bf16/f16."""
 
     def __init__(self) -> None:
-        self.raw = torch.empty(0, dtype=torch.uint8)
+        self.raw = aligned_bytes(0)
         self.f32 = torch.empty(0, dtype=torch.float32)
 
     def fill(self, reads: list[_Read], check: bool) -> dict[str | None, torch.Tensor]:
-        raw_need = sum(_align(ITEMSIZE[r.spec.dtype] * (r.stop - r.start)) for r in reads)
+        raw_need = sum(region_bytes(ITEMSIZE[r.spec.dtype] * (r.stop - r.start)) for r in reads)
         f32_need = sum(_align(r.stop - r.start) for r in reads if r.spec.dtype in FLOATS and r.spec.dtype != "F32")
         if self.raw.numel() < raw_need:
-            self.raw = torch.empty(raw_need, dtype=torch.uint8)
+            self.raw = aligned_bytes(raw_need)
         if self.f32.numel() < f32_need:
             self.f32 = torch.empty(f32_need, dtype=torch.float32)
-        raw_np, f32_np = self.raw.numpy(), self.f32.numpy()
+        f32_np = self.f32.numpy()
         out: dict[str | None, torch.Tensor] = {}
         o = o32 = 0
         for r in reads:
             size = ITEMSIZE[r.spec.dtype]
             nb, numel = (r.stop - r.start) * size, r.stop - r.start
-            r.file.read_into(r.file.data_start + r.spec.start + r.start * size, memoryview(raw_np[o:o + nb]))
-            t = self.raw[o:o + nb].view(TORCH_DTYPES[r.spec.dtype])
+            region = region_bytes(nb)
+            data = r.file.read_tensor(r.file.data_start + r.spec.start + r.start * size, nb, self.raw[o:o + region], size)
+            t = data.view(TORCH_DTYPES[r.spec.dtype])
             if r.spec.dtype in FLOATS:
                 if r.spec.dtype == "BF16":  # bf16 is the top half of a float32: widen with one shift
-                    np.left_shift(raw_np[o:o + nb].view(np.uint16), 16, out=f32_np[o32:o32 + numel].view(np.uint32),
+                    np.left_shift(data.numpy().view(np.uint16), 16, out=f32_np[o32:o32 + numel].view(np.uint32),
                                   dtype=np.uint32)
                     t = self.f32[o32:o32 + numel]
                 elif r.spec.dtype != "F32":
@@ -171,7 +174,7 @@ class _Slot:
                 if check and not _finite(t):
                     raise CheckpointError(_nonfinite(r.file.label, r.spec.name))
             out[r.tag] = t.reshape(r.shape)
-            o += _align(nb)
+            o += region
         return out
 
 

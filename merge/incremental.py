@@ -40,41 +40,13 @@ from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
 from merge.engine import (Contribution, MergeResult, QuorumError, _finite, _torch_threads, compare_specs,
                           model_specs, run_merge)
+from merge.directio import aligned_bytes, region_bytes
+from merge.memory import MemoryFile, load_model
 from merge.outer import state_out_specs
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
 from merge.writer import OutputFile
 
 log = logging.getLogger(__name__)
-_ALIGN = 64
-
-
-class MemoryFile:
-    """Tensors in one aligned buffer, readable by the engine's reader threads like a TensorFile."""
-
-    def __init__(self, label: str, entries: Sequence[tuple[str, str, tuple[int, ...]]]) -> None:
-        self.label, self.key, self.manifest, self.data_start = label, label, None, 0
-        self.specs: dict[str, TensorSpec] = {}
-        off = 0
-        for name, dtype, shape in entries:
-            n = math.prod(shape) * ITEMSIZE[dtype]
-            self.specs[name] = TensorSpec(name, dtype, tuple(shape), off, off + n)
-            off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.size = off
-        self.data = torch.zeros(off, dtype=torch.uint8)
-
-    def view(self, name: str) -> torch.Tensor:
-        s = self.specs[name]
-        return self.data[s.start: s.end].view(TORCH_DTYPES[s.dtype]).reshape(s.shape)
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        out[:] = memoryview(self.data.numpy())[offset: offset + len(out)]
-
-    def verify(self) -> None:  # built here from verified inputs: nothing to check
-        pass
-
-    def close(self) -> None:
-        pass
-
 
 @dataclass(frozen=True)
 class _Folded:
@@ -98,23 +70,44 @@ class RunningSum:
     """What S sums, in summation order."""
     rejected: dict[int, tuple[str, str]] = field(default_factory=dict)
     """worker -> (digest@written_at of the refused file's manifest, why): a republished file is tried again."""
+    state_key: str | None = None
+    """The outer optimizer state the round's step reads, to hold in memory with `preload`."""
+    preload: bool = False
+    """Read the global weights and the outer state into memory now (the service does, while it
+    waits for the workers), so that the outer step after the last fold reads nothing from storage."""
 
     def __post_init__(self) -> None:
-        base = open_file_model(self.storage, self.base_key, f"global weights {self.storage.display(self.base_key)}",
-                               "base", require_manifest=True)
+        s, label = self.storage, f"global weights {self.storage.display(self.base_key)}"
+        base = load_model(s, self.base_key, label, "base") if self.preload else \
+            open_file_model(s, self.base_key, label, "base", require_manifest=True)
         try:
             self.ref = model_specs(base)
             self.base_sha = base.files[0].manifest["digest"]
-            self.sum = MemoryFile("running sum", [(n, "F32" if s.dtype in FLOATS else s.dtype, s.shape)
-                                                  for n, s in self.ref.items()])
-            for n, s in self.ref.items():  # non-float tensors are not summed: every input must equal the base's
-                if s.dtype not in FLOATS:
+            self.sum = MemoryFile("running sum", [(n, "F32" if sp.dtype in FLOATS else sp.dtype, sp.shape)
+                                                  for n, sp in self.ref.items()])
+            for n, sp in self.ref.items():  # non-float tensors are not summed: every input must equal the base's
+                if sp.dtype not in FLOATS:
                     f = base.tensors[n][0]
-                    f.read_into(f.data_start + s.start, memoryview(self.sum.view(n).view(torch.uint8).reshape(-1).numpy()))
+                    f.read_into(f.data_start + sp.start, memoryview(self.sum.view(n).view(torch.uint8).reshape(-1).numpy()))
         finally:
             base.close()
+        self._held: dict[str, Model] = {self.base_key: base} if self.preload else {}
+        if self.preload and self.state_key is not None:
+            try:
+                self._held[self.state_key] = load_model(s, self.state_key, f"outer optimizer state {s.display(self.state_key)}",
+                                                        "state")
+            except CheckpointError as exc:  # not held: the merge reads it, and reports it there if it is still bad
+                log.warning("merge: cannot hold the outer state in memory: %s", exc)
         self._dirty = False
         self._buffers: queue.Queue[torch.Tensor] = queue.Queue()
+
+    def _input(self, key: str, label: str, ident: str) -> Model:
+        """The checkpoint at `key` for the outer step: the copy held in memory if it is still the
+        file on storage (same digest), else the file itself."""
+        held = self._held.get(key)
+        if held is not None and self._manifest(key).get("digest") == held.files[0].manifest["digest"]:
+            return held
+        return open_file_model(self.storage, key, label, ident, require_manifest=True)
 
     # -- folding ------------------------------------------------------------------------
     def add(self, c: Contribution) -> bool:
@@ -310,13 +303,12 @@ class RunningSum:
                 self.sum.view(n).div_(total)
         self._dirty = True  # S is now the mean: a later add() or merge() rebuilds the sum
         s = self.storage
-        base = open_file_model(s, self.base_key, f"global weights {s.display(self.base_key)}", "base", require_manifest=True)
+        base = self._input(self.base_key, f"global weights {s.display(self.base_key)}", "base")
         mean = Model("mean of the contributions", "sum", [self.sum], {n: (self.sum, sp) for n, sp in self.sum.specs.items()})
         state_in = None
         try:
             if state_in_key is not None:
-                state_in = open_file_model(s, state_in_key, f"outer optimizer state {s.display(state_in_key)}",
-                                           "state", require_manifest=True)
+                state_in = self._input(state_in_key, f"outer optimizer state {s.display(state_in_key)}", "state")
         except BaseException:
             base.close()
             raise
@@ -341,7 +333,8 @@ def _dtype(t: torch.Tensor) -> str:
 
 def _read_all(f: Any, q: queue.Queue, free: queue.Queue, stop: threading.Event) -> None:
     """Reader thread: every entry of `f` in file order (so the digest is computed on the way),
-    each into a recycled buffer when one is big enough (fresh pages cost more than the copy)."""
+    each into a recycled page-aligned buffer when one is big enough (fresh pages cost more than
+    the copy; aligned, so a cold file is read with O_DIRECT: merge.directio)."""
     spare: list[torch.Tensor] = []
     try:
         for name, spec in f.specs.items():
@@ -350,13 +343,13 @@ def _read_all(f: Any, q: queue.Queue, free: queue.Queue, stop: threading.Event) 
             with contextlib.suppress(queue.Empty):
                 while True:
                     spare.append(free.get_nowait())
-            fit = [b for b in spare if b.numel() >= spec.nbytes]
-            buf = min(fit, key=torch.Tensor.numel) if fit else torch.empty(spec.nbytes, dtype=torch.uint8)
+            need = region_bytes(spec.nbytes)
+            fit = [b for b in spare if b.numel() >= need]
+            buf = min(fit, key=torch.Tensor.numel) if fit else aligned_bytes(need)
             spare = [b for b in spare if b is not buf][-2:]  # keep a couple: memory stays a few tensors
             if stop.is_set():
                 return
-            raw = buf[: spec.nbytes]
-            f.read_into(f.data_start + spec.start, memoryview(raw.numpy()))
+            raw = f.read_tensor(f.data_start + spec.start, spec.nbytes, buf, ITEMSIZE[spec.dtype])
             q.put((name, raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape), buf))
     except BaseException as exc:
         q.put(exc)

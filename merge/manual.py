@@ -26,6 +26,7 @@ import fsspec
 from core.config import OuterConfig
 from core.errors import CheckpointError, IslandsError
 from core.storage import Storage
+from merge.directio import IO_MODES
 from merge.engine import DEFAULT_BUFFER_BYTES, compare_specs, model_specs, run_merge
 from merge.methods import check_method_args
 from merge.outer import state_out_specs
@@ -71,8 +72,12 @@ def manual_merge(
     outer: OuterConfig | None = None,
     state: str | None = None,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    io: str = "auto",
 ) -> ManualResult:
-    """Merge the models at `inputs` into `out` (see the module docstring); return what was done."""
+    """Merge the models at `inputs` into `out` (see the module docstring); return what was done.
+
+    `io` (merge.directio.IO_MODES): how local input files are read; `auto` reads large files that
+    are not in the page cache with O_DIRECT."""
     params = dict(params or {})
     weights = [1.0] * len(inputs) if weights is None else [float(w) for w in weights]
     problems: list[str] = []
@@ -88,6 +93,8 @@ def manual_merge(
     for target in [out, *([state] if state else [])]:
         if _norm(target) in sources:
             problems.append(f"{target} is also an input: write the merge somewhere else")
+    if io not in IO_MODES:
+        problems.append(f"io mode {io!r} is not one of {', '.join(IO_MODES)}")
     if problems:
         raise MergeError(problems)
 
@@ -95,13 +102,13 @@ def manual_merge(
     try:
         for i, url in enumerate(inputs):
             try:
-                models.append(open_model(url, ident=i))
+                models.append(open_model(url, ident=i, io=io))
             except CheckpointError as exc:
                 problems.append(str(exc))
         base_model = None
         if base:
             try:
-                base_model = open_model(base, ident="base", label=f"{base} (base)")
+                base_model = open_model(base, ident="base", label=f"{base} (base)", io=io)
             except CheckpointError as exc:
                 problems.append(str(exc))
         if problems:
@@ -121,7 +128,8 @@ def manual_merge(
             sst = Storage(state_dir)
             if sst.exists(state_name):
                 try:
-                    state_in = open_file_model(sst, state_name, f"{state} (outer state)", "state", require_manifest=False)
+                    state_in = open_file_model(sst, state_name, f"{state} (outer state)", "state", require_manifest=False,
+                                               io=io)
                 except CheckpointError as exc:
                     raise MergeError([str(exc)]) from None
                 models.append(state_in)

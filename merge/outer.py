@@ -43,15 +43,19 @@ def outer_step(
 def outer_step_from_grad(
     global_t: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """The same step given the outer gradient itself (delta contributions carry it: core/codec.py)."""
-    param = global_t.detach().to(torch.float32).clone()
-    grad = grad.to(torch.float32)
+    """The same step given the outer gradient itself (delta contributions carry it: core/codec.py).
+
+    Neither input nor `state` is written to (they may be views of read buffers or of a model held
+    in memory): the step works on copies of the global tensor and of the state, which it returns.
+    """
+    param = global_t.detach().to(torch.float32, copy=True)
+    grad = grad.to(torch.float32)  # torch.optim reads .grad, never writes it
     param.grad = grad
     opt = make_optimizer([param], cfg)
     if state:
         opt.state[param] = {k: v.clone() for k, v in state.items()}
     opt.step()
-    new_state = {k: v.detach().clone() for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
+    new_state = {k: v.detach() for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
     return param.detach().to(global_t.dtype), new_state, grad
 
 

@@ -3,7 +3,9 @@
 `TensorFile` parses and checks a file's header (and its size, so a truncated file is refused
 before any maths), then reads byte ranges straight into caller-owned buffers: positional reads
 (`os.preadv`) on local files, seek + readinto on any other fsspec file. No per-tensor bytes
-objects, no copies. When the file has a manifest (our checkpoints do), ranges read in file order
+objects, no copies. Large local files that are not in the page cache are read with O_DIRECT
+(merge.directio: the kernel's copy and page handling cost more CPU than the merge's maths); the
+`io` argument forces either way. When the file has a manifest (our checkpoints do), ranges read in file order
 are hashed on the way (BLAKE3, core.checkpoint.HASH) and
 `verify()` compares with the manifest at the end; files without one (safetensors from elsewhere)
 are not hashed.
@@ -23,11 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import torch
 
 from core.checkpoint import TORCH_DTYPES, TensorSpec, check_manifest, new_hasher
 from core.errors import CheckpointError, StorageError
 from core.layout import manifest_key
 from core.storage import Storage
+from merge import directio
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +79,13 @@ def load_manifest(storage: Storage, key: str, required: bool, label: str) -> dic
 class TensorFile:
     """One safetensors file: parsed header, positional reads into buffers, optional digest check."""
 
-    def __init__(self, storage: Storage, key: str, label: str, manifest: dict[str, Any] | None) -> None:
+    def __init__(self, storage: Storage, key: str, label: str, manifest: dict[str, Any] | None,
+                 io: str = "auto") -> None:
+        if io not in directio.IO_MODES:
+            raise ValueError(f"io mode {io!r} is not one of {', '.join(directio.IO_MODES)}")
         self.storage, self.key, self.label, self.manifest = storage, key, label, manifest
         self._fd: int | None = None
+        self._dfd: int | None = None  # O_DIRECT descriptor for the data, when chosen (merge.directio)
         self._f: Any = None
         local = storage.local_path(key)
         try:
@@ -109,11 +117,18 @@ class TensorFile:
             self.close()
             raise CheckpointError(f"{label}: file has {actual - self.size} bytes after the last tensor: damaged or "
                                   "not a safetensors file; copy or download it again")
+        if self._fd is not None:
+            self._dfd = directio.choose(io, local, self._fd, self.data_start, self.size)
+
+    @property
+    def direct(self) -> bool:
+        return self._dfd is not None
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._dfd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._dfd = None
         if self._f is not None:
             self._f.close()
             self._f = None
@@ -153,16 +168,50 @@ class TensorFile:
         self.read_into(offset, memoryview(buf))
         return bytes(buf)
 
+    def read_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
+        """The n bytes at `offset`, read into `region` (a page-aligned uint8 tensor of at least
+        directio.region_bytes(n)); returns the slice of it that holds them (hashed like read_into),
+        starting at a multiple of `itemsize` so that it can be viewed as the tensor's dtype."""
+        if self._dfd is not None and offset % itemsize == 0 and n >= directio.PAGE and \
+                region.data_ptr() % directio.PAGE == 0:
+            start, end = directio.page_span(offset, n)
+            try:
+                self._pread(self._dfd, start, memoryview(region[: end - start].numpy()), offset + n - start)
+            except OSError as exc:  # alignment refused after all (an unusual device): buffered from now on
+                log.warning("%s: O_DIRECT read failed (%s); reading through the page cache", self.label, exc)
+                os.close(self._dfd)
+                self._dfd = None
+            else:
+                out = region[offset - start: offset - start + n]
+                self._hash(offset, out.numpy())
+                return out
+        out = region[:n]
+        self.read_into(offset, memoryview(out.numpy()))
+        return out
+
+    def _pread(self, fd: int, offset: int, out: memoryview, need: int) -> None:
+        """Read up to len(out) bytes at `offset` (O_DIRECT: whole pages); at least `need` must come."""
+        got = 0
+        while got < need:
+            k = os.preadv(fd, [out[got:]], offset + got)
+            if k <= 0:
+                break
+            got += k
+        if got < need:
+            raise CheckpointError(f"{self.label}: file is truncated (wanted {need} bytes at offset {offset}, got {got})")
+
+    def _hash(self, offset: int, data: Any) -> None:
+        if self._sha is not None and offset == self._pos:
+            self._sha.update(data)
+            self._pos += len(data)
+
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` with the file's bytes at `offset`; hash them if they continue the hashed prefix."""
         want, got = len(out), 0
         try:
             if self._fd is not None:
-                while got < want:
-                    n = os.preadv(self._fd, [out[got:]], offset + got)
-                    if n <= 0:
-                        break
-                    got += n
+                self._pread(self._fd, offset, out, want)
+                got = want
             else:
                 self._f.seek(offset)
                 while got < want:
@@ -174,9 +223,7 @@ class TensorFile:
             raise CheckpointError(f"{self.label}: read failed at offset {offset} ({exc}); check the storage and retry") from None
         if got != want:
             raise CheckpointError(f"{self.label}: file is truncated (wanted {want} bytes at offset {offset}, got {got})")
-        if self._sha is not None and offset == self._pos:
-            self._sha.update(out)
-            self._pos += want
+        self._hash(offset, out)
 
     def verify(self) -> None:
         """Raise unless the whole file hashes to its manifest's digest (files without one: no check)."""
@@ -232,14 +279,15 @@ def split_url(url: str) -> tuple[str, str]:
     return (f"{proto}://{parent}" if proto else parent), name
 
 
-def open_file_model(storage: Storage, key: str, label: str, ident: Any = None, *, require_manifest: bool) -> Model:
-    """A model stored as one safetensors file at `key` of `storage`."""
+def open_file_model(storage: Storage, key: str, label: str, ident: Any = None, *, require_manifest: bool,
+                    io: str = "auto") -> Model:
+    """A model stored as one safetensors file at `key` of `storage` (`io`: merge.directio.IO_MODES)."""
     manifest = load_manifest(storage, key, require_manifest, label)
-    f = TensorFile(storage, key, label, manifest)
+    f = TensorFile(storage, key, label, manifest, io)
     return Model(label, ident, [f], {n: (f, s) for n, s in f.specs.items()}, storage)
 
 
-def open_model(url: str, ident: Any = None, label: str | None = None) -> Model:
+def open_model(url: str, ident: Any = None, label: str | None = None, io: str = "auto") -> Model:
     """Open a merge input by URL: a `.safetensors` file or a Hugging Face model directory."""
     label = label or url
     proto, path = fsspec.core.split_protocol(url)
@@ -252,7 +300,7 @@ def open_model(url: str, ident: Any = None, label: str | None = None) -> Model:
         if not storage.fs.exists(storage.root):
             raise CheckpointError(f"{label}: no such file or directory")
         parent, name = split_url(url)
-        return open_file_model(Storage(parent), name, label, ident, require_manifest=False)
+        return open_file_model(Storage(parent), name, label, ident, require_manifest=False, io=io)
     names = storage.list("")
     if INDEX in names:
         index = storage.read_json(INDEX)
@@ -271,7 +319,7 @@ def open_model(url: str, ident: Any = None, label: str | None = None) -> Model:
     try:
         for s in shards:
             flabel = f"{label.rstrip('/')}/{s}"
-            files.append(TensorFile(storage, s, flabel, load_manifest(storage, s, False, flabel)))
+            files.append(TensorFile(storage, s, flabel, load_manifest(storage, s, False, flabel), io))
         tensors: dict[str, tuple[TensorFile, TensorSpec]] = {}
         for f in files:
             for n, spec in f.specs.items():

@@ -35,6 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--outer-state", metavar="STATE",
                    help="outer: optimizer state file, read if it exists and replaced by the new state")
     p.add_argument("--buffer-mib", type=int, default=256, help="read buffers of all inputs together, MiB (default 256)")
+    p.add_argument("--io", choices=["auto", "direct", "buffered"], default="auto",
+                   help="how local inputs are read: auto (default) reads large files that are not in the page "
+                        "cache with O_DIRECT, bypassing it; direct or buffered force one way")
     p.set_defaults(merge_handler=cmd_merge)
     return p
 
@@ -55,7 +58,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
                                     ("momentum", args.outer_momentum)) if v is not None}
     outer = OuterConfig(**outer_opts) if outer_opts else None
     res = manual_merge(args.inputs, args.out, method=args.method, weights=weights, base=args.base, params=params,
-                       outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20)
+                       outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20,
+                       io=args.io)
     rate = res.bytes_read / res.seconds / 1e9 if res.seconds else 0.0
     console.print(f"merged {res.inputs} input(s) with {res.method}: {res.bytes_read / 1e9:.2f} GB read in "
                   f"{res.seconds:.2f}s ({rate:.2f} GB/s)")

@@ -361,7 +361,10 @@ class RoundService:
         if not self.cfg.round.stream_merge or self.cfg.algorithm == "lte":
             return
         if self._sum_round != r:
-            self._sum, self._sum_round = RunningSum(self.storage, L.global_weights(r)), r
+            # held in memory while the workers train: the outer step after the last fold reads nothing
+            self._sum = RunningSum(self.storage, L.global_weights(r), state_key=L.outer_state(r) if r > 0 else None,
+                                   preload=True)
+            self._sum_round = r
         folded = {f.worker for f in self._sum.folded}
         for w in sorted(self._arrived(r) - folded):
             c, _, _ = self._contribution(r, jobs, w)

@@ -13,7 +13,7 @@ import torch
 from core import codec
 from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import OuterConfig, load_config
-from core.errors import ConfigError
+from core.errors import CheckpointError, ConfigError
 from merge.engine import Contribution, merge_round
 from merge.incremental import RunningSum
 
@@ -210,6 +210,59 @@ def test_a_contribution_replaced_after_folding_is_summed_as_it_is_now(mem):
     _merge(mem, cs, accumulator=acc)
     oracle = _oracle(g, workers, [1.0, 1.0], NESTEROV)
     assert all(torch.allclose(load_checkpoint(mem, "g1.safetensors")[0][n], oracle[n], atol=1e-6) for n in g)
+
+
+def _second_round(mem, seed):
+    """Round 0 merged (it writes the outer state), and round 1's contributions against its result."""
+    g, workers, sha = _setup(mem, k=3, seed=seed)
+    _merge(mem, [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha), 1.0) for i, w in enumerate(workers)])
+    g1 = load_checkpoint(mem, "g1.safetensors")[0]
+    sha1 = read_manifest(mem, "g1.safetensors")["digest"]
+    return [Contribution(i, _publish(mem, f"v{i}.safetensors", g1, {n: t + 0.03 * (i + 1) for n, t in g1.items()}, sha1),
+                         float(1 + i)) for i in range(3)]
+
+
+def _round1(mem, contribs, out, acc=None):
+    return merge_round(mem, "g1.safetensors", contribs, out, NESTEROV, state_in_key="state_g1.safetensors",
+                       state_out_key="state_" + out, accumulator=acc)
+
+
+def test_held_global_and_state_give_the_same_bytes_and_stay_unchanged(mem):
+    cs = _second_round(mem, seed=11)
+    acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
+    assert set(acc._held) == {"g1.safetensors", "state_g1.safetensors"}
+    for c in cs[:2]:
+        assert acc.add(c)
+    _round1(mem, cs, "g2.safetensors", acc)
+    _round1(mem, cs, "h2.safetensors")  # nothing held: both read from storage
+    assert _bytes(mem, "g2.safetensors") == _bytes(mem, "h2.safetensors")
+    assert _bytes(mem, "state_g2.safetensors") == _bytes(mem, "state_h2.safetensors")
+    for key, held in acc._held.items():  # the merge read them in place and wrote nothing into them
+        f = held.files[0]
+        assert bytes(f.data.numpy()) == _bytes(mem, key)[len(_bytes(mem, key)) - f.size:], key
+
+
+def test_a_held_state_replaced_on_storage_is_read_again(mem):
+    cs = _second_round(mem, seed=12)
+    acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
+    state = load_checkpoint(mem, "state_g1.safetensors")[0]
+    write_checkpoint(mem, "state_g1.safetensors", {n: t * 2 for n, t in state.items()}, manifest={"optimizer": "nesterov"})
+    _round1(mem, cs, "g2.safetensors", acc)
+    _round1(mem, cs, "h2.safetensors")
+    assert _bytes(mem, "g2.safetensors") == _bytes(mem, "h2.safetensors")
+
+
+def test_a_damaged_state_is_not_held_and_the_merge_names_it(mem, caplog):
+    cs = _second_round(mem, seed=13)
+    raw = bytearray(mem.read_bytes("state_g1.safetensors"))
+    raw[-2] ^= 0x01
+    mem.fs.pipe_file(mem.path("state_g1.safetensors"), bytes(raw))
+    acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
+    assert "state_g1.safetensors" not in acc._held
+    assert "cannot hold the outer state in memory" in caplog.text
+    with pytest.raises(CheckpointError, match=r"outer optimizer state .*state_g1\.safetensors.*checksum does not match"):
+        _round1(mem, cs, "g2.safetensors", acc)
+    assert not mem.exists("g2.safetensors")
 
 
 def test_a_coded_contribution_with_wrong_entries_is_rejected_with_the_tensor_named(mem):

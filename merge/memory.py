@@ -1,0 +1,79 @@
+"""Models held in memory that the merge engine reads like files, without copying.
+
+`MemoryFile` has the reading surface of merge.reader.TensorFile (specs, read_into, read_tensor,
+verify, close) over one aligned buffer: the round merge's running sum is one, and so are the
+round's global weights and outer optimizer state once `load_model` has read them, whole and
+digest-checked, while the service waited for the workers (merge.incremental), so that the outer
+step after the last contribution reads nothing from storage.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from core.checkpoint import TORCH_DTYPES, TensorSpec
+from core.storage import Storage
+from merge.directio import aligned_bytes, region_bytes
+from merge.reader import ITEMSIZE, Model, open_file_model
+
+_ALIGN = 64
+
+
+class MemoryFile:
+    """Tensors in one buffer, readable by the engine's reader threads like a TensorFile."""
+
+    def __init__(self, label: str, entries: Sequence[tuple[str, str, tuple[int, ...]]]) -> None:
+        self.label, self.key, self.manifest, self.data_start = label, label, None, 0
+        self.metadata: dict[str, str] = {}
+        self.specs: dict[str, TensorSpec] = {}
+        off = 0
+        for name, dtype, shape in entries:
+            n = math.prod(shape) * ITEMSIZE[dtype]
+            self.specs[name] = TensorSpec(name, dtype, tuple(shape), off, off + n)
+            off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.size = off
+        self.data = torch.zeros(off, dtype=torch.uint8)
+
+    @classmethod
+    def wrap(cls, label: str, specs: dict[str, TensorSpec], data: torch.Tensor, manifest: dict[str, Any] | None,
+             metadata: dict[str, str]) -> MemoryFile:
+        """A file's data section as read (tensor offsets relative to its start)."""
+        self = cls.__new__(cls)
+        self.label, self.key, self.manifest, self.metadata, self.data_start = label, label, manifest, metadata, 0
+        self.specs, self.data, self.size = dict(specs), data, data.numel()
+        return self
+
+    def view(self, name: str) -> torch.Tensor:
+        s = self.specs[name]
+        return self.data[s.start: s.end].view(TORCH_DTYPES[s.dtype]).reshape(s.shape)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out[:] = memoryview(self.data.numpy())[offset: offset + len(out)]
+
+    def read_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
+        """The bytes themselves, not a copy: the engine's methods never write into their inputs."""
+        return self.data[offset: offset + n]
+
+    def verify(self) -> None:  # checked when it was loaded, or built here from checked inputs
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def load_model(storage: Storage, key: str, label: str, ident: Any) -> Model:
+    """The checkpoint at `key` read whole into memory, its digest checked against its manifest
+    (CheckpointError if it does not match, or the file is unreadable)."""
+    m = open_file_model(storage, key, label, ident, require_manifest=True)
+    try:
+        f = m.files[0]
+        n = f.size - f.data_start
+        data = f.read_tensor(f.data_start, n, aligned_bytes(region_bytes(n)), 8)  # hashed on the way
+        f.verify()
+    finally:
+        m.close()
+    mf = MemoryFile.wrap(label, f.specs, data, f.manifest, f.metadata)
+    return Model(label, ident, [mf], {name: (mf, spec) for name, spec in mf.specs.items()}, storage)  # type: ignore[list-item]

@@ -1,0 +1,143 @@
+"""Reading merge inputs with O_DIRECT (merge.directio): same bytes, same digests, same merges.
+
+Real files on the test machine's disk, real O_DIRECT reads and a real page-cache probe: a file
+is dropped from the cache with posix_fadvise(DONTNEED) after fsync, which the kernel honours for
+clean pages. Where the filesystem under pytest's tmp_path offers no O_DIRECT the direct cases are
+skipped (the reader then reads through the page cache, which the other merge tests cover).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from core.checkpoint import write_checkpoint
+from core.errors import CheckpointError
+from core.storage import Storage
+from merge import directio
+from merge.manual import MergeError, manual_merge
+from merge.reader import ITEMSIZE, TensorFile
+
+
+def _evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _direct_or_skip(path) -> None:
+    fd = directio.open_direct(str(path))
+    if fd is None:
+        pytest.skip(f"no O_DIRECT on the filesystem of {path}")
+    os.close(fd)
+
+
+def _odd_model(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors whose offsets fall anywhere in a page, some smaller than a page, one of 3 bytes
+    (not floating point: equal in every input, as a merge requires)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(3001, generator=g), "b": torch.randn(7, 5, generator=g),
+            "c": torch.randn(5000, generator=g).to(torch.bfloat16), "d": torch.tensor([1, 2, 3], dtype=torch.uint8),
+            "e": torch.randn(4096 + 3, generator=g)}
+
+
+def test_direct_reads_give_the_files_bytes_and_digest(tmp_path):
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "m.safetensors", _odd_model(0))
+    _direct_or_skip(tmp_path / "m.safetensors")
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"), io="direct")
+    fds = []
+    pread = f._pread
+    f._pread = lambda fd, *a: (fds.append(fd), pread(fd, *a))[1]
+    try:
+        assert f.direct
+        for spec in f.specs.values():  # in file order: every byte hashed on the way
+            region = directio.aligned_bytes(directio.region_bytes(spec.nbytes))
+            got = f.read_tensor(f.data_start + spec.start, spec.nbytes, region, ITEMSIZE[spec.dtype])
+            assert bytes(got.numpy()) == raw[f.data_start + spec.start: f.data_start + spec.end], spec.name
+            assert got.data_ptr() % ITEMSIZE[spec.dtype] == 0
+        assert f._dfd in fds and f._fd in fds  # both ways were taken: big tensors direct, small ones not
+        f.verify()  # the digest of what was read equals the manifest's
+    finally:
+        f.close()
+
+
+def test_direct_and_buffered_merges_are_bitwise_equal(tmp_path):
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"in{i}.safetensors"))
+        write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", _odd_model(i))
+    _direct_or_skip(paths[0])
+    for io in ("direct", "buffered"):
+        manual_merge(paths, str(tmp_path / f"{io}.safetensors"), weights=[1, 2, 4], io=io)
+    assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+    got = load_file(str(tmp_path / "direct.safetensors"))
+    models = [_odd_model(i) for i in range(3)]
+    want = (models[0]["a"] + 2 * models[1]["a"] + 4 * models[2]["a"]) / 7  # plain torch, the whole tensor
+    assert torch.allclose(got["a"], want, atol=1e-6)
+
+
+def test_direct_read_of_a_damaged_file_is_refused(tmp_path):
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "m.safetensors", {"w": torch.ones(10000)})
+    _direct_or_skip(tmp_path / "m.safetensors")
+    other = str(tmp_path / "o.safetensors")
+    save_file({"w": torch.zeros(10000)}, other)
+    raw = bytearray((tmp_path / "m.safetensors").read_bytes())
+    raw[-5] ^= 0x01  # still finite: only the digest can tell
+    (tmp_path / "m.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(MergeError, match=r"m\.safetensors: checksum does not match the manifest"):
+        manual_merge([str(tmp_path / "m.safetensors"), other], str(tmp_path / "out.safetensors"), io="direct")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_auto_reads_cold_large_files_direct_and_cached_ones_through_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1 << 16)  # "large" for a test: 64 KiB
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "big.safetensors", {"w": torch.randn(1 << 16)})  # 256 KiB
+    write_checkpoint(s, "small.safetensors", {"w": torch.randn(100)})
+    _direct_or_skip(tmp_path / "big.safetensors")
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT: auto cannot tell cached files from cold ones and reads everything buffered")
+
+    def opened(key):
+        f = TensorFile(s, key, key, None)
+        try:
+            return f.direct
+        finally:
+            f.close()
+
+    assert not opened("big.safetensors")  # just written: in the page cache
+    _evict(tmp_path / "big.safetensors")
+    _evict(tmp_path / "small.safetensors")
+    assert opened("big.safetensors")  # cold and large: around the cache
+    assert not opened("small.safetensors")  # cold but small: not worth a disk round trip per read
+
+
+def test_unknown_io_mode_is_refused(tmp_path):
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "m.safetensors", {"w": torch.ones(3)})
+    with pytest.raises(ValueError, match="io mode 'fast' is not one of auto, direct, buffered"):
+        TensorFile(s, "m.safetensors", "m", None, io="fast")
+    with pytest.raises(MergeError, match="io mode 'fast'"):
+        manual_merge([str(tmp_path / "m.safetensors")], str(tmp_path / "o.safetensors"), io="fast")
+
+
+def test_truncated_file_read_direct_names_the_file(tmp_path):
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "m.safetensors", {"w": torch.ones(5000)})
+    _direct_or_skip(tmp_path / "m.safetensors")
+    f = TensorFile(s, "m.safetensors", "m", None, io="direct")
+    try:
+        os.truncate(tmp_path / "m.safetensors", f.data_start + 100)  # cut behind the reader's back
+        spec = f.specs["w"]
+        with pytest.raises(CheckpointError, match=r"m: file is truncated"):
+            f.read_tensor(f.data_start + spec.start, spec.nbytes, directio.aligned_bytes(directio.region_bytes(spec.nbytes)))
+    finally:
+        f.close()
