@@ -6,15 +6,18 @@ global weights and outer state are written to a run-like layout on local disk. O
 each with every file evicted from the page cache first (posix_fadvise DONTNEED), so every read
 comes from the disk:
 
-- streamed: contributions 0..K-2 are folded into the running sum before the clock starts (the
-  service does that while it waits for the last worker); timed: folding the last one, then the
-  outer step (base and state read, new global and state written): `RunningSum.add` + `merge_round`;
+- streamed: the round's global weights and outer state are read into memory and contributions
+  0..K-2 folded into the running sum before the clock starts (the service does that while it
+  waits for the last worker); timed: folding the last one, then the outer step (new global and
+  state written): `RunningSum.add` + `merge_round`;
 - at the end: `merge_round` with no running sum: all K folded after the last one landed;
 - all at once: the merge engine streaming the K inputs side by side (the round merge before the
   running sum; merge.engine._merge_once), for reference.
 
 The baseline is the raw read of one checkpoint (16 MiB `readinto`), measured in the same run: the
-streamed latency should be about one checkpoint read plus the outer step's own reads and writes.
+streamed latency should be about one checkpoint read plus the outer step's maths and writes.
+Every output is deleted before each merge, as in a run, where round r+1's files do not exist yet
+(replacing a file by rename makes ext4 flush the new one first, which a run never pays).
 
     python -m bench.stream_merge [--k 8] [--hidden 1024 --layers 4] [--repeats 2] [--dir /tmp]
 """
@@ -75,12 +78,20 @@ def merged(s: Storage, contribs: list[Contribution], out: str, acc: RunningSum |
     assert res.merged == [c.worker for c in contribs], res.rejected
 
 
+def fresh(root: Path, out: str) -> None:
+    """The merge's outputs not there yet, and nothing in the page cache."""
+    for name in (out, "s2.safetensors"):
+        (root / name).unlink(missing_ok=True)
+        (root / name).with_suffix(".json").unlink(missing_ok=True)
+    evict(files(root))
+
+
 def streamed(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float, float]:
     """(latency, of which folding the last contribution, CPU seconds of the process meanwhile)."""
     acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True)  # as the service does
     for c in contribs[:-1]:
         assert acc.add(c)
-    evict(files(root))
+    fresh(root, "streamed.safetensors")
     t0, c0 = time.perf_counter(), time.process_time()
     assert acc.add(contribs[-1])
     fold = time.perf_counter() - t0
@@ -89,14 +100,14 @@ def streamed(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[floa
 
 
 def at_the_end(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
-    evict(files(root))
+    fresh(root, "end.safetensors")
     t0, c0 = time.perf_counter(), time.process_time()
     merged(s, contribs, "end.safetensors")
     return time.perf_counter() - t0, time.process_time() - c0
 
 
 def all_at_once(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
-    evict(files(root))
+    fresh(root, "engine.safetensors")
     t0, c0 = time.perf_counter(), time.process_time()
     _merge_once(s, "g1.safetensors", contribs, "engine.safetensors", OUTER, "s1.safetensors", "s2.safetensors",
                 "average", None, None)
@@ -128,6 +139,8 @@ def main() -> None:
             for n, (t, c_) in zip(names, [(lat, c), (fold, float("nan")), end, once]):
                 times[n].append(t)
                 cpu[n].append(c_)
+            print(f"repeat: raw {times['raw'][-1]:.2f}s, streamed {lat:.2f}s (last fold {fold:.2f}s), at the end "
+                  f"{end[0]:.2f}s, all at once {once[0]:.2f}s", flush=True)
         same = (root / "streamed.safetensors").read_bytes() == (root / "end.safetensors").read_bytes()
         raw = statistics.median(times["raw"])
         end_t = statistics.median(times[names[2]])
