@@ -158,7 +158,9 @@ class RoundConfig:
     worker_mode: Literal["per_round", "persistent"] = "per_round"
     """`per_round`: a new job per worker per round (each pays the queue wait). `persistent`: a
     worker job stays alive across rounds, waiting on storage for the next global checkpoint, until
-    its time limit, when it checkpoints and is requeued: the queue is paid once per job lifetime."""
+    its time limit, when it checkpoints and is requeued: the queue is paid once per job lifetime.
+    It also keeps its model and AdamW state in memory between rounds, so a round reads only its
+    base weights; the state file is written after the contribution, in the background."""
     poll_s: float = 0.5
     """Seconds between polls of the run directory and the scheduler."""
     contribution: Literal["weights", "delta"] = "weights"

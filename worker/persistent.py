@@ -2,7 +2,11 @@
 
 After publishing its contribution to round r, the job waits on storage until the merge service
 assigns it round r+1 (an entry for this worker in rounds/r+1/jobs.json naming this job), then trains
-from the base it is given. It stops when the run is over, cancelled or failed, or when the service
+from the base it is given. Its model and AdamW state stay in memory (on the GPU) between rounds:
+a round reads only its base weights and writes its contribution on the critical path; the state
+file is written from a snapshot in the background after the contribution, while the merge runs
+(worker.train.serve_round). If the job dies hard in that second, a restarted job takes the
+worker's previous state file; preemption and time limits wait for the write. It stops when the run is over, cancelled or failed, or when the service
 has handed the worker to another job. At its time limit Slurm signals it; the job saves an
 in-flight checkpoint if it is training and is requeued to carry on at the round it was serving.
 """
@@ -17,7 +21,7 @@ from typing import Any
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from worker.train import load_run_config, run_worker
+from worker.train import InnerTrainer, load_run_config, serve_round
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -63,18 +67,24 @@ def run_persistent(task: WorkerTask) -> dict[str, Any]:
     cfg = load_run_config(storage)
     job_id = current_job_id()
     served = []
+    trainer: InnerTrainer | None = None  # kept between rounds: model and AdamW state stay on the device
     r = task.round
-    while r < cfg.rounds:
-        _CURRENT_ROUND = r
-        t_wait = time.monotonic()
-        entry = wait_for_assignment(storage, r, task.worker, job_id)
-        if entry is None:
-            break
-        if storage.exists(L.round_record(r)):  # round r was closed while this job was requeued
+    try:
+        while r < cfg.rounds:
+            _CURRENT_ROUND = r
+            t_wait = time.monotonic()
+            entry = wait_for_assignment(storage, r, task.worker, job_id)
+            if entry is None:
+                break
+            if storage.exists(L.round_record(r)):  # round r was closed while this job was requeued
+                r += 1
+                continue
+            sub = dataclasses.replace(task, round=r, base_key=entry["base"], attempt=entry["attempts"] - 1)
+            summary, trainer = serve_round(sub, round(time.monotonic() - t_wait, 3), trainer, persistent=True)
+            served.append(summary)
             r += 1
-            continue
-        sub = dataclasses.replace(task, round=r, base_key=entry["base"], attempt=entry["attempts"] - 1)
-        served.append(run_worker(sub, waited_s=round(time.monotonic() - t_wait, 3)))
-        r += 1
+    finally:
+        if trainer is not None:
+            trainer.settle()  # the last round's optimizer state reaches storage before the job ends
     _CURRENT_ROUND = None
     return {"worker": task.worker, "rounds": [s["round"] for s in served]}

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -43,8 +44,10 @@ L = RunLayout()
 SEP = "::"
 HEARTBEAT_S = 5.0
 
-# The trainer of the round running in this process, for the preemption handler (see checkpoint()).
+# The trainer of the round running in this process, for the preemption handler (see checkpoint()),
+# and a persistent worker's trainer kept between rounds (its state may still be being written).
 _ACTIVE: "InnerTrainer | None" = None
+_RESIDENT: "InnerTrainer | None" = None
 
 
 def load_run_config(storage: Storage) -> Config:
@@ -136,7 +139,6 @@ class InnerTrainer:
         if task.threads > 0:
             torch.set_num_threads(task.threads)
         self.device = pick_device(cfg)
-        torch.manual_seed(_seed(cfg.seed, task.worker, task.round))  # dropout, if any
         corpus = corpus_for(cfg)  # bytes, or the Hugging Face model's tokens (model.hf)
         train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
         docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[task.worker % cfg.workers]
@@ -150,16 +152,35 @@ class InnerTrainer:
         if self.lte:
             lora.attach_heads(self.model, cfg.lte, seed=lora.head_seed(cfg.seed, task.worker))
         self.opt, self.names = (lora.make_optimizer if self.lte else make_optimizer)(self.model, cfg)
-        self.step0 = task.round * cfg.inner.steps  # the global step this round starts at
+        self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
+        self._begin(task, own_state=False)
+
+    def _begin(self, task: WorkerTask, own_state: bool) -> None:
+        """Set up round task.round: base weights in the model, and the optimizer state from storage,
+        or (`own_state`) the one in memory, which is this worker's state after its previous round."""
+        self.task = task
+        torch.manual_seed(_seed(self.cfg.seed, task.worker, task.round))  # dropout, if any
+        self.step0 = task.round * self.cfg.inner.steps  # the global step this round starts at
         self.done = 0  # inner steps done in this round
         self.losses: list[float] = []
         self._next_beat = 0.0  # first heartbeat after the first step
         self.waited_s: float | None = None  # a persistent worker's idle wait before this round
         self.resumed_at: int | None = None  # step of the in-flight checkpoint this job resumed from
         self._base: dict[str, torch.Tensor] | None = None  # the base weights, kept to code a delta from
-        self.base_sha = self._load_base()
+        self.base_sha = self._load_base(own_state)
 
-    def _load_base(self) -> str:
+    def next_round(self, task: WorkerTask) -> bool:
+        """Carry this trainer into `task`, this worker's next round, keeping the model and its AdamW
+        state where they are (a persistent worker: no state read, no rebuild). False when it cannot
+        (LTE, a round skipped, an unfinished round, an in-flight checkpoint to resume): build a new one."""
+        t = self.task
+        if self.lte or task.worker != t.worker or task.round != t.round + 1 or self.done != self.cfg.inner.steps \
+                or read_manifest(self.storage, L.worker_inflight(task.worker, task.round)) is not None:
+            return False
+        self._begin(task, own_state=True)
+        return True
+
+    def _load_base(self, own_state: bool = False) -> str:
         """Load base weights + own optimizer state, or the in-flight checkpoint of a requeued job."""
         t = self.task
         base_manifest = read_manifest(self.storage, t.base_key)
@@ -184,7 +205,7 @@ class InnerTrainer:
             tensors = codec.load_weights(self.storage, t.base_key, f"base weights for worker {t.worker}")
             load_weights(self.model, tensors, self.storage.display(t.base_key))
             self._base = tensors if self.cfg.round.contribution == "delta" else None
-        state_key = latest_state_key(self.storage, t.worker, t.round)
+        state_key = None if own_state else latest_state_key(self.storage, t.worker, t.round)
         if state_key is not None:
             state, _, _ = load_checkpoint(self.storage, state_key, label=f"worker {t.worker} optimizer state")
             if self.lte:  # own A (and B) from the state file; after the merge B <- 0, A and AdamW state kept
@@ -237,14 +258,19 @@ class InnerTrainer:
             self.losses.extend(torch.stack(pending).float().cpu().tolist())
             pending.clear()
 
-    def publish(self, seconds: float) -> dict[str, Any]:
-        """Optimizer state first, then the weights and their manifest: the manifest is the commit."""
+    def publish(self, seconds: float, state_later: bool = False) -> dict[str, Any]:
+        """Optimizer state first, then the weights and their manifest: the manifest is the commit.
+
+        `state_later` (a persistent worker, which keeps its state in memory): the contribution
+        first, then the state is written from a snapshot in a background thread, off the merge's
+        critical path and overlapping the wait for the next round (`settle` waits for it)."""
         t, cfg = self.task, self.cfg
-        state = optimizer_tensors(self.opt, self.names)
+        self.settle()
+        state = optimizer_tensors(self.opt, self.names)  # a CPU snapshot: training may go on
         if self.lte:  # the worker's own heads (A, B) travel to its next round in its state file
             state.update(lora.head_tensors(self.model))
-        write_checkpoint(self.storage, L.worker_state(t.worker, t.round), state,
-                         manifest={"round": t.round, "worker": t.worker})
+        if not state_later:
+            self._write_state(state, t.round, t.worker)
         manifest = {
             "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
             "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_digest": self.base_sha,
@@ -259,11 +285,33 @@ class InnerTrainer:
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
                                manifest=manifest)
         self.storage.remove(L.worker_inflight(t.worker, t.round))
-        self._prune_states(keep_from=t.round - 1)
+        if state_later:
+            self._state_write = threading.Thread(target=self._write_state, args=(state, t.round, t.worker, True),
+                                                 name=f"state-{t.worker}-{t.round}", daemon=True)
+            self._state_write.start()
         return out
+
+    def _write_state(self, state: dict[str, torch.Tensor], r: int, worker: int, background: bool = False) -> None:
+        try:
+            write_checkpoint(self.storage, L.worker_state(worker, r), state, manifest={"round": r, "worker": worker})
+        except IslandsError as exc:
+            if not background:
+                raise
+            # the state stays in memory for the next round; only a job restarted from storage misses it
+            log.warning("worker %d round %d: optimizer state not saved (%s); a job restarted from storage "
+                        "would take an older one", worker, r, exc)
+            return
+        self._prune_states(keep_from=r - 1)
+
+    def settle(self) -> None:
+        """Wait for the optimizer state being written in the background, if any."""
+        if self._state_write is not None:
+            self._state_write.join()
+            self._state_write = None
 
     def checkpoint(self) -> None:
         """Save an in-flight checkpoint of this round (called when the job is being preempted)."""
+        self.settle()
         t = self.task
         tensors = {**self._weights(), **optimizer_tensors(self.opt, self.names)}
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
@@ -294,31 +342,47 @@ class InnerTrainer:
                 self.storage.remove(key)
 
 
-def run_worker(task: WorkerTask, waited_s: float | None = None) -> dict[str, Any]:
-    """Entry point of a worker job. Returns a small summary (the real output is in storage).
+def run_worker(task: WorkerTask) -> dict[str, Any]:
+    """Entry point of a per-round worker job. Returns a small summary (the real output is in storage)."""
+    return serve_round(task)[0]
 
-    `waited_s`: for a persistent worker, how long it sat idle waiting for this round (its
-    accelerator idle meanwhile); recorded in the manifest."""
-    global _ACTIVE
+
+def serve_round(task: WorkerTask, waited_s: float | None = None, carry: InnerTrainer | None = None,
+                persistent: bool = False) -> tuple[dict[str, Any], InnerTrainer]:
+    """Train and publish one round; returns the summary and the trainer.
+
+    A persistent worker passes `persistent` and, from its second round on, `carry`: the trainer of
+    its previous round, whose model and AdamW state are reused when they can be
+    (InnerTrainer.next_round); its state is written after its contribution, in the background.
+    `waited_s`: how long it sat idle waiting for this round (recorded in the manifest)."""
+    global _ACTIVE, _RESIDENT
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    trainer = InnerTrainer(task)
+    if carry is not None and not carry.next_round(task):
+        carry.settle()  # the new trainer reads the state from storage: it must be there first
+        carry = _RESIDENT = None
+    trainer = carry or InnerTrainer(task)
     trainer.waited_s = waited_s
     _ACTIVE = trainer
     try:
         trainer.train()
         slowpoint(f"worker_{task.worker:03d}.publish")  # fault injection only (bench/chaos.py): a straggler
-        manifest = trainer.publish(time.perf_counter() - t0)
+        manifest = trainer.publish(time.perf_counter() - t0, state_later=persistent)
     finally:
         _ACTIVE = None
+    _RESIDENT = trainer if persistent else None
     log.info("worker %d round %d: %d steps, loss %.4f -> %.4f, %.1fs", task.worker, task.round, trainer.done,
              manifest["loss_first"], manifest["loss_last"], time.perf_counter() - t0)
-    return {"round": task.round, "worker": task.worker, "digest": manifest["digest"], "loss_last": manifest["loss_last"]}
+    summary = {"round": task.round, "worker": task.worker, "digest": manifest["digest"], "loss_last": manifest["loss_last"]}
+    return summary, trainer
 
 
 def checkpoint_active() -> bool:
-    """Save the running round's in-flight checkpoint, if a round is running in this process."""
+    """Save the running round's in-flight checkpoint, if a round is running in this process; and
+    let a persistent worker's background state write finish, if one is under way."""
     if _ACTIVE is None:
+        if _RESIDENT is not None:
+            _RESIDENT.settle()
         return False
     _ACTIVE.checkpoint()
     return True

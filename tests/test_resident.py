@@ -1,0 +1,142 @@
+"""A persistent worker keeps its model and AdamW state in memory between rounds.
+
+The oracle is the per-round path: a fresh trainer per round that reads its base weights and its
+own state file. A resident worker (worker.train.serve_round with `carry`) must publish the same
+bytes round after round, write the same state files (in the background, after its contribution),
+and never lose a state write to preemption. Real files, the real merge (merge_round), a tiny model.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import worker.train as train
+from core.checkpoint import read_manifest
+from core.config import config_from_dict
+from core.errors import StorageError
+from core.layout import RunLayout
+from core.storage import Storage
+from core.task import WorkerTask
+from merge.engine import Contribution, merge_round
+from orchestrator.runstate import create_run
+
+L = RunLayout()
+ROUNDS = 3
+
+
+def _run(tmp_path, corpus_cache, name: str, **cfg) -> Storage:
+    c = config_from_dict({"workers": 2, "rounds": ROUNDS, "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
+                          "inner": {"steps": 3, "batch_size": 2, "warmup_steps": 1}, "data": {"cache_dir": corpus_cache},
+                          "run_dir": str(tmp_path / name), **cfg})
+    storage = Storage(c.run_dir)
+    create_run(storage, c)
+    return storage
+
+
+def _task(storage: Storage, r: int) -> WorkerTask:
+    return WorkerTask(storage.url, r, 0, L.global_weights(r), threads=1)
+
+
+def _merge(storage: Storage, r: int) -> None:
+    cfg = train.load_run_config(storage)
+    merge_round(storage, L.global_weights(r), [Contribution(0, L.contribution(r, 0), 1.0)], L.global_weights(r + 1),
+                cfg.outer, state_in_key=L.outer_state(r) if r else None, state_out_key=L.outer_state(r + 1))
+
+
+def _digest(storage: Storage, key: str) -> str:
+    return read_manifest(storage, key)["digest"]
+
+
+@pytest.mark.parametrize("contribution", ["weights", "delta"])
+def test_resident_worker_publishes_what_per_round_jobs_publish(tmp_path, corpus_cache, contribution):
+    fresh = _run(tmp_path, corpus_cache, "fresh", round={"contribution": contribution})
+    resident = _run(tmp_path, corpus_cache, "resident", round={"contribution": contribution})
+    carry = None
+    for r in range(ROUNDS):
+        train.run_worker(_task(fresh, r))
+        _, trainer = train.serve_round(_task(resident, r), 0.0, carry, persistent=True)
+        assert carry is None or trainer is carry  # the same model and optimizer, carried on
+        carry = trainer
+        trainer.settle()
+        assert _digest(resident, L.contribution(r, 0)) == _digest(fresh, L.contribution(r, 0)), r
+        assert _digest(resident, L.worker_state(0, r)) == _digest(fresh, L.worker_state(0, r)), r
+        _merge(fresh, r)
+        _merge(resident, r)
+        assert _digest(resident, L.global_weights(r + 1)) == _digest(fresh, L.global_weights(r + 1)), r
+
+
+def test_resident_round_reads_no_state_file(tmp_path, corpus_cache, monkeypatch):
+    s = _run(tmp_path, corpus_cache, "run")
+    _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
+    trainer.settle()
+    _merge(s, 0)
+    monkeypatch.setattr(train, "latest_state_key", lambda *a: pytest.fail("a resident round read a state file"))
+    _, again = train.serve_round(_task(s, 1), 0.0, trainer, persistent=True)
+    assert again is trainer
+    again.settle()
+
+
+def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_path, corpus_cache, monkeypatch):
+    """Round 0, then round 2 (round 1 went to another job): a fresh trainer, which reads state 0
+    from storage, so the background write of state 0 must be finished first."""
+    s = _run(tmp_path, corpus_cache, "run")
+    write, latest = train.write_checkpoint, train.latest_state_key
+    wrote = threading.Event()
+
+    def slow_state(storage, key, *a, **kw):  # the background state write takes a while
+        if "state" in key:
+            time.sleep(0.5)
+            wrote.set()
+        return write(storage, key, *a, **kw)
+
+    found = []
+    monkeypatch.setattr(train, "write_checkpoint", slow_state)
+    monkeypatch.setattr(train, "latest_state_key", lambda *a: found.append(latest(*a)) or found[-1])
+    _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
+    assert not wrote.is_set()  # the contribution is out while the state is still being written
+    _merge(s, 0)
+    skipped = WorkerTask(s.url, 2, 0, L.global_weights(1), threads=1)  # any published base will do
+    _, other = train.serve_round(skipped, 0.0, trainer, persistent=True)
+    assert other is not trainer
+    assert found == [None, L.worker_state(0, 0)]  # round 0: none yet; round 2: round 0's, on storage by then
+    other.settle()
+
+
+def test_preemption_while_idle_waits_for_the_background_state_write(tmp_path, corpus_cache, monkeypatch):
+    s = _run(tmp_path, corpus_cache, "run")
+    write = train.write_checkpoint
+
+    def slow_state(storage, key, *a, **kw):
+        if "state" in key:
+            time.sleep(0.5)
+        return write(storage, key, *a, **kw)
+
+    monkeypatch.setattr(train, "write_checkpoint", slow_state)
+    train.serve_round(_task(s, 0), 0.0, None, persistent=True)
+    assert read_manifest(s, L.worker_state(0, 0)) is None  # still being written
+    assert train.checkpoint_active() is False  # idle: nothing in flight to save, but...
+    assert read_manifest(s, L.worker_state(0, 0)) is not None  # ...the state reached storage first
+
+
+def test_a_failed_background_state_write_does_not_fail_the_round(tmp_path, corpus_cache, monkeypatch, caplog):
+    s = _run(tmp_path, corpus_cache, "run")
+    write = train.write_checkpoint
+
+    def no_space(storage, key, *a, **kw):
+        if "state" in key:
+            raise StorageError(f"write {key}: [Errno 28] No space left on device; free space and resume")
+        return write(storage, key, *a, **kw)
+
+    monkeypatch.setattr(train, "write_checkpoint", no_space)
+    summary, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
+    trainer.settle()
+    assert read_manifest(s, L.contribution(0, 0))["digest"] == summary["digest"]
+    assert "optimizer state not saved" in caplog.text and "No space left" in caplog.text
+    _merge(s, 0)
+    monkeypatch.setattr(train, "write_checkpoint", write)
+    _, again = train.serve_round(_task(s, 1), 0.0, trainer, persistent=True)  # carries on from memory
+    assert again is trainer
+    again.settle()
+    assert read_manifest(s, L.worker_state(0, 1)) is not None
