@@ -8,9 +8,11 @@ comes from the disk:
 
 - streamed: the round's global weights and outer state are read into memory and contributions
   0..K-2 folded into the running sum before the clock starts (the service does that while it
-  waits for the last worker); timed: folding the last one, then the outer step (new global and
-  state written): `RunningSum.add` + `merge_round`;
-- at the end: `merge_round` with no running sum: all K folded after the last one landed;
+  waits for the last worker); timed: `merge_round`, which folds the last one while the outer step
+  takes the mean tensor by tensor and writes the new global and state; for reference, folding
+  one contribution alone (`RunningSum.add`) is timed too;
+- at the end: `merge_round` with no running sum (`round.stream_merge: false`, or a resumed service):
+  K - 1 folded after the last one landed, the last beside the outer step;
 - all at once: the merge engine streaming the K inputs side by side (the round merge before the
   running sum; merge.engine._merge_once), for reference.
 
@@ -87,16 +89,19 @@ def fresh(root: Path, out: str) -> None:
 
 
 def streamed(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float, float]:
-    """(latency, of which folding the last contribution, CPU seconds of the process meanwhile)."""
+    """(latency, CPU seconds of the process meanwhile, seconds to fold one contribution alone)."""
     acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True)  # as the service does
     for c in contribs[:-1]:
         assert acc.add(c)
     fresh(root, "streamed.safetensors")
     t0, c0 = time.perf_counter(), time.process_time()
-    assert acc.add(contribs[-1])
-    fold = time.perf_counter() - t0
-    merged(s, contribs, "streamed.safetensors", acc)
-    return time.perf_counter() - t0, fold, time.process_time() - c0
+    merged(s, contribs, "streamed.safetensors", acc)  # the last contribution folds beside the outer step
+    lat, cpu = time.perf_counter() - t0, time.process_time() - c0
+    alone = RunningSum(s, "g1.safetensors")
+    evict(files(root))
+    t0 = time.perf_counter()
+    assert alone.add(contribs[-1])
+    return lat, cpu, time.perf_counter() - t0
 
 
 def at_the_end(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
@@ -127,19 +132,19 @@ def main() -> None:
     try:
         s, contribs = setup(root, args.k, dims)
         size = (root / "w0.safetensors").stat().st_size
-        names = ["streamed: last fold + outer step", "(of which: folding the last contribution)",
+        names = ["streamed: last fold beside the outer step", "(for reference: folding one contribution alone)",
                  "at the end: K folds + outer step", "all at once: engine, K lanes"]
         times: dict[str, list[float]] = {n: [] for n in ["raw", *names]}
         cpu: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(args.repeats):
             evict(files(root))
             times["raw"].append(raw_read(root / "w0.safetensors"))
-            (lat, fold, c), end, once = streamed(s, root, contribs), at_the_end(s, root, contribs), \
+            (lat, c, fold), end, once = streamed(s, root, contribs), at_the_end(s, root, contribs), \
                 all_at_once(s, root, contribs)
             for n, (t, c_) in zip(names, [(lat, c), (fold, float("nan")), end, once]):
                 times[n].append(t)
                 cpu[n].append(c_)
-            print(f"repeat: raw {times['raw'][-1]:.2f}s, streamed {lat:.2f}s (last fold {fold:.2f}s), at the end "
+            print(f"repeat: raw {times['raw'][-1]:.2f}s, streamed {lat:.2f}s (one fold alone {fold:.2f}s), at the end "
                   f"{end[0]:.2f}s, all at once {once[0]:.2f}s", flush=True)
         same = (root / "streamed.safetensors").read_bytes() == (root / "end.safetensors").read_bytes()
         raw = statistics.median(times["raw"])

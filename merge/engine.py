@@ -268,14 +268,29 @@ def run_merge(
         return _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth)
 
 
+_THREADS_LOCK = threading.Lock()
+_threads_users = 0
+_threads_saved = 0
+
+
 @contextlib.contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
+    """torch's intra-op threads set to n while any caller is inside: the setting is process-wide,
+    and a round's last fold runs beside the outer step (merge.incremental), so the first caller in
+    saves it and the last one out restores it."""
+    global _threads_users, _threads_saved
+    with _THREADS_LOCK:
+        if _threads_users == 0:
+            _threads_saved = torch.get_num_threads()
+            torch.set_num_threads(n)
+        _threads_users += 1
     try:
         yield
     finally:
-        torch.set_num_threads(old)
+        with _THREADS_LOCK:
+            _threads_users -= 1
+            if _threads_users == 0:
+                torch.set_num_threads(_threads_saved)
 
 
 def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth) -> MergeStats:

@@ -27,7 +27,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +40,9 @@ from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
 from merge.engine import (Contribution, MergeResult, QuorumError, _finite, _torch_threads, compare_specs,
                           model_specs, run_merge)
-from merge.directio import aligned_bytes, region_bytes
-from merge.memory import MemoryFile, load_model
+from merge.memory import GatedFile, MemoryFile, load_model
 from merge.outer import state_out_specs
-from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
+from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model, read_in_file_order
 from merge.writer import OutputFile
 
 log = logging.getLogger(__name__)
@@ -100,6 +99,7 @@ class RunningSum:
                 log.warning("merge: cannot hold the outer state in memory: %s", exc)
         self._dirty = False
         self._buffers: queue.Queue[torch.Tensor] = queue.Queue()
+        self._on_tensor: Callable[[str], None] | None = None
 
     def _input(self, key: str, label: str, ident: str) -> Model:
         """The checkpoint at `key` for the outer step: the copy held in memory if it is still the
@@ -112,28 +112,41 @@ class RunningSum:
     # -- folding ------------------------------------------------------------------------
     def add(self, c: Contribution) -> bool:
         """Fold `c` in; False (and the reason in `rejected`) if it cannot be merged."""
-        m = self._manifest(c.key)
-        ident = f"{m.get('digest')}@{m.get('written_at')}"  # a republished file is tried again
-        if c.worker in self.rejected and self.rejected[c.worker][0] == ident:
+        ident = self._admit(c)
+        if ident is None:
             return False
-        if any(f.worker == c.worker for f in self.folded):
-            raise ValueError(f"worker {c.worker} is folded already: a contribution counts once")
-        if self._dirty:  # S was left partial or divided: bring it back to the sum over `folded`
-            self._rebuild(list(self.folded))
         t0 = time.perf_counter()
         try:
             sha, nbytes = self._fold(c)
         except ContributionRejected as exc:
-            log.warning("merge: rejected worker %d: %s", exc.worker, exc.reason)
-            self.rejected[c.worker] = (ident, exc.reason)
-            if self._dirty:  # part of it was added: rebuild S from the accepted ones, in order
-                self._rebuild(list(self.folded))
+            self._refuse(c, ident, exc)
             return False
+        self._accept(c, ident, sha, nbytes, t0)
+        return True
+
+    def _admit(self, c: Contribution) -> str | None:
+        """The identity of `c`'s file, S ready to take it; None if this very file was refused."""
+        m = self._manifest(c.key)
+        ident = f"{m.get('digest')}@{m.get('written_at')}"  # a republished file is tried again
+        if c.worker in self.rejected and self.rejected[c.worker][0] == ident:
+            return None
+        if any(f.worker == c.worker for f in self.folded):
+            raise ValueError(f"worker {c.worker} is folded already: a contribution counts once")
+        if self._dirty:  # S was left partial or divided: bring it back to the sum over `folded`
+            self._rebuild(list(self.folded))
+        return ident
+
+    def _refuse(self, c: Contribution, ident: str, exc: ContributionRejected) -> None:
+        log.warning("merge: rejected worker %d: %s", exc.worker, exc.reason)
+        self.rejected[c.worker] = (ident, exc.reason)
+        if self._dirty:  # part of it was added: rebuild S from the accepted ones, in order
+            self._rebuild(list(self.folded))
+
+    def _accept(self, c: Contribution, ident: str, sha: str, nbytes: int, t0: float) -> None:
         self._dirty = False
         self.rejected.pop(c.worker, None)
         self.folded.append(_Folded(c.worker, c.key, c.weight, sha, nbytes))
         log.info("merge: folded worker %d in %.2fs", c.worker, time.perf_counter() - t0)
-        return True
 
     def _manifest(self, key: str) -> dict[str, Any]:
         try:
@@ -190,7 +203,7 @@ class RunningSum:
         q: queue.Queue[Any] = queue.Queue(maxsize=2)
         free = self._buffers  # read buffers handed back for reuse, by this fold and the next ones
         stop = threading.Event()
-        reader = threading.Thread(target=_read_all, args=(f, q, free, stop), name=f"fold-{c.worker}", daemon=True)
+        reader = threading.Thread(target=read_in_file_order, args=(f, q, free, stop), name=f"fold-{c.worker}", daemon=True)
         reader.start()
         pending: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         try:
@@ -218,6 +231,12 @@ class RunningSum:
 
     def _add_tensor(self, c: Contribution, label: str, name: str, got: dict[str, torch.Tensor],
                     enc: codec.Encoding | None) -> None:
+        self._add_one(c, label, name, got, enc)
+        if self._on_tensor is not None:  # the last fold of a round: this tensor of S is final
+            self._on_tensor(name)
+
+    def _add_one(self, c: Contribution, label: str, name: str, got: dict[str, torch.Tensor],
+                 enc: codec.Encoding | None) -> None:
         spec = self.ref[name]
         if spec.dtype not in FLOATS:
             if not torch.equal(got[name], self.sum.view(name)):
@@ -278,33 +297,95 @@ class RunningSum:
         if len(keep) != len(self.folded) or self._dirty:
             self._rebuild(keep)
         done = {f.worker for f in self.folded}
-        for c in contributions:
-            if c.worker not in done:
-                self.add(c)
+        todo = [c for c in contributions if c.worker not in done]
+        for c in todo[:-1]:
+            self.add(c)
+
+        def step(mean: Any, order: list[int]) -> Any:
+            return self._outer_step(mean, out_key, outer, state_in_key, state_out_key, metadata,
+                                    {**(manifest or {}), "merge_order": order})
+
+        stats = None
+        if todo and self.folded and len(self.folded) + 1 >= min_inputs:  # the last one folds beside the step
+            stats = self._fold_during_step(todo[-1], step)
+        elif todo:
+            self.add(todo[-1])
         rejected = {w: why for w, (_, why) in self.rejected.items() if w in want}
         order = [f.worker for f in self.folded]
-        if len(order) < min_inputs:
-            raise QuorumError(f"only {len(order)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
-                              f"rejected: {rejected or 'none'}", rejected)
-        folded = list(self.folded)
-        stats = self._commit(out_key, outer, state_in_key, state_out_key, metadata,
-                             {**(manifest or {}), "merge_order": order})
-        nbytes = sum(f.nbytes for f in folded)
+        if stats is None:
+            if len(order) < min_inputs:
+                raise QuorumError(f"only {len(order)} valid contribution(s) for {out_key}, the quorum is "
+                                  f"{min_inputs}; rejected: {rejected or 'none'}", rejected)
+            stats = step(self._mean(), order)
+        nbytes = sum(f.nbytes for f in self.folded)
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=nbytes,
                            seconds=time.perf_counter() - t0, outer_grad_norm=stats.grad_sq ** 0.5,
                            manifest=stats.manifests[0], order=order)
 
-    def _commit(self, out_key, outer, state_in_key, state_out_key, metadata, manifest):
-        total = float(sum(f.weight for f in self.folded))
+    def _total(self, extra: float = 0.0) -> float:
+        total = float(sum(f.weight for f in self.folded) + extra)
         if not total > 0:
             raise ValueError(f"weights must sum to a positive number, got {[f.weight for f in self.folded]}")
-        for n, s in self.sum.specs.items():
-            if s.dtype == "F32":
+        return total
+
+    def _mean(self) -> MemoryFile:
+        """S divided by the total weight, in place."""
+        total = self._total()
+        for n, sp in self.sum.specs.items():
+            if sp.dtype == "F32":
                 self.sum.view(n).div_(total)
         self._dirty = True  # S is now the mean: a later add() or merge() rebuilds the sum
+        return self.sum
+
+    def _fold_during_step(self, c: Contribution, step: Callable[[Any, list[int]], Any]) -> Any:
+        """Fold `c`, the round's last contribution, while the outer step runs: each tensor of the
+        mean goes to the step the moment c's part of it is added (so the latency after the last
+        worker lands is about the longer of the two, not their sum). None if `c` is refused (S is
+        then rebuilt without it) or was refused before."""
+        ident = self._admit(c)
+        if ident is None:
+            return None
+        total, gate, got = self._total(c.weight), GatedFile(self.sum), {}
+
+        def divided(name: str) -> None:
+            if self.sum.specs[name].dtype == "F32":
+                self.sum.view(name).div_(total)
+            gate.open(name)
+
+        def fold() -> None:
+            try:
+                got["ok"] = self._fold(c)
+            except BaseException as exc:  # reported by the step's gate, raised below
+                got["error"] = exc
+            finally:
+                self._on_tensor = None  # before any rebuild of S, which must not divide
+                gate.finish("ok" in got)
+
+        t0 = time.perf_counter()
+        self._on_tensor = divided
+        thread = threading.Thread(target=fold, name=f"fold-last-{c.worker}", daemon=True)
+        thread.start()
+        try:
+            stats = step(gate, [f.worker for f in self.folded] + [c.worker])
+        except BaseException:
+            thread.join()
+            self._dirty = True
+            if isinstance(got.get("error"), ContributionRejected):  # nothing was published: merge without it
+                self._refuse(c, ident, got["error"])
+                return None
+            if got.get("error") is not None:
+                raise got["error"] from None
+            raise
+        finally:
+            thread.join()
+        self._accept(c, ident, *got["ok"], t0)
+        self._dirty = True  # S is the mean now
+        return stats
+
+    def _outer_step(self, mean_file: Any, out_key, outer, state_in_key, state_out_key, metadata, manifest):
         s = self.storage
         base = self._input(self.base_key, f"global weights {s.display(self.base_key)}", "base")
-        mean = Model("mean of the contributions", "sum", [self.sum], {n: (self.sum, sp) for n, sp in self.sum.specs.items()})
+        mean = Model("mean of the contributions", "sum", [mean_file], {n: (mean_file, sp) for n, sp in mean_file.specs.items()})
         state_in = None
         try:
             if state_in_key is not None:
@@ -329,33 +410,6 @@ class RunningSum:
 
 def _dtype(t: torch.Tensor) -> str:
     return DTYPES[t.dtype]
-
-
-def _read_all(f: Any, q: queue.Queue, free: queue.Queue, stop: threading.Event) -> None:
-    """Reader thread: every entry of `f` in file order (so the digest is computed on the way),
-    each into a recycled page-aligned buffer when one is big enough (fresh pages cost more than
-    the copy; aligned, so a cold file is read with O_DIRECT: merge.directio)."""
-    spare: list[torch.Tensor] = []
-    try:
-        for name, spec in f.specs.items():
-            if stop.is_set():
-                return
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    spare.append(free.get_nowait())
-            need = region_bytes(spec.nbytes)
-            fit = [b for b in spare if b.numel() >= need]
-            buf = min(fit, key=torch.Tensor.numel) if fit else aligned_bytes(need)
-            spare = [b for b in spare if b is not buf][-2:]  # keep a couple: memory stays a few tensors
-            if stop.is_set():
-                return
-            raw = f.read_tensor(f.data_start + spec.start, spec.nbytes, buf, ITEMSIZE[spec.dtype])
-            q.put((name, raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape), buf))
-    except BaseException as exc:
-        q.put(exc)
-    finally:
-        for b in spare:
-            free.put(b)
 
 
 def merge_summed(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,

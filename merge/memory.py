@@ -4,17 +4,21 @@
 verify, close) over one aligned buffer: the round merge's running sum is one, and so are the
 round's global weights and outer optimizer state once `load_model` has read them, whole and
 digest-checked, while the service waited for the workers (merge.incremental), so that the outer
-step after the last contribution reads nothing from storage.
+step after the last contribution reads nothing from storage. `GatedFile` is the running sum while
+the last contribution is still being added: the outer step reads each tensor once it is final.
 """
 from __future__ import annotations
 
+import bisect
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from core.checkpoint import TORCH_DTYPES, TensorSpec
+from core.errors import CheckpointError
 from core.storage import Storage
 from merge.directio import aligned_bytes, region_bytes
 from merge.reader import ITEMSIZE, Model, open_file_model
@@ -77,3 +81,52 @@ def load_model(storage: Storage, key: str, label: str, ident: Any) -> Model:
         m.close()
     mf = MemoryFile.wrap(label, f.specs, data, f.manifest, f.metadata)
     return Model(label, ident, [mf], {name: (mf, spec) for name, spec in mf.specs.items()}, storage)  # type: ignore[list-item]
+
+
+class GatedFile:
+    """A MemoryFile whose tensors become readable one by one, as `open(name)` says they are ready:
+    the round's running sum while its last contribution is still being folded in, so that the
+    outer step can take each tensor of the mean the moment it is final (merge.incremental).
+    `finish(ok=False)` wakes every reader with an error: the contribution was refused."""
+
+    def __init__(self, mem: MemoryFile) -> None:
+        self.mem, self.label, self.key, self.manifest, self.data_start = mem, mem.label, mem.key, None, 0
+        self.metadata, self.specs, self.size = mem.metadata, mem.specs, mem.size
+        self._ready = {name: threading.Event() for name in mem.specs}
+        # tensors by first byte; empty ones hold no bytes to wait for and share a start with the next
+        self._starts = sorted((s.start, name) for name, s in mem.specs.items() if s.end > s.start)
+        self._done = threading.Event()
+        self._ok = True
+
+    def open(self, name: str) -> None:
+        self._ready[name].set()
+
+    def finish(self, ok: bool) -> None:
+        self._ok = ok
+        for e in self._ready.values():
+            e.set()
+        self._done.set()
+
+    def _wait(self, offset: int, n: int) -> None:
+        if n:
+            i = bisect.bisect_right(self._starts, (offset, "\uffff")) - 1
+            self._ready[self._starts[i][1]].wait()
+        if not self._ok:
+            raise CheckpointError("the contribution being folded into the sum was refused")
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self._wait(offset, len(out))
+        self.mem.read_into(offset, out)
+
+    def read_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
+        self._wait(offset, n)
+        return self.mem.read_tensor(offset, n, region, itemsize)
+
+    def verify(self) -> None:
+        """Wait until the fold is over; raise if its contribution was refused."""
+        self._done.wait()
+        if not self._ok:
+            raise CheckpointError("the contribution being folded into the sum was refused")
+
+    def close(self) -> None:
+        pass

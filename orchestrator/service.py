@@ -129,8 +129,9 @@ class RoundService:
         jobs = self._ensure_submitted(r)
         while True:
             self._check_cancel(r, jobs)
-            self._stream(r, jobs)
             decision = self._decide(r, jobs)
+            if decision.action != "merge":  # fold what landed; what lands last is folded beside the outer step
+                self._stream(r, jobs)
             if decision.action == "merge":
                 try:
                     return self._merge(r, jobs, decision)

@@ -200,6 +200,44 @@ def test_a_contribution_found_corrupt_after_being_added_never_counts(mem):
     assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
 
 
+def test_the_last_fold_beside_the_outer_step_gives_the_same_bytes(mem, monkeypatch):
+    """Folding the last contribution while the outer step consumes the mean tensor by tensor is
+    the same sum and the same step as folding everything first."""
+    beside_calls = []
+    real = RunningSum._fold_during_step
+    monkeypatch.setattr(RunningSum, "_fold_during_step", lambda self, c, step: beside_calls.append(c.worker) or real(self, c, step))
+    g, workers, sha = _setup(mem, k=3, seed=14)
+    cs = [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha), float(3 + i)) for i, w in enumerate(workers)]
+    threads = torch.get_num_threads()
+    first = RunningSum(mem, "g0.safetensors")
+    for c in cs:
+        assert first.add(c)
+    _merge(mem, cs, "g1.safetensors", accumulator=first)  # nothing left to fold: the step alone
+    beside = RunningSum(mem, "g0.safetensors")
+    assert beside.add(cs[0]) and beside.add(cs[1])
+    res = _merge(mem, cs, "h1.safetensors", accumulator=beside)  # worker 2 folds beside the step
+    assert res.order == [0, 1, 2] and res.merged == [0, 1, 2] and beside_calls == [2]
+    assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
+    assert _bytes(mem, "state_g1.safetensors") == _bytes(mem, "state_h1.safetensors")
+    assert torch.get_num_threads() == threads  # the two threads' torch settings did not leak
+
+
+def test_a_last_contribution_found_corrupt_beside_the_step_publishes_nothing_of_it(mem):
+    g, workers, sha = _setup(mem, seed=15)
+    cs = [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha), 1.0) for i, w in enumerate(workers)]
+    raw = bytearray(mem.read_bytes("w2.safetensors"))
+    raw[-3] ^= 0xFF  # the digest fails only after every tensor was added and handed to the step
+    mem.fs.pipe_file(mem.path("w2.safetensors"), bytes(raw))
+    acc = RunningSum(mem, "g0.safetensors")
+    assert acc.add(cs[0]) and acc.add(cs[1])
+    res = _merge(mem, cs, accumulator=acc)
+    assert res.merged == [0, 1] and "checksum does not match" in res.rejected[2]
+    assert read_manifest(mem, "g1.safetensors")["merge_order"] == [0, 1]
+    _merge(mem, cs[:2], "h1.safetensors")
+    assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
+    assert _bytes(mem, "state_g1.safetensors") == _bytes(mem, "state_h1.safetensors")
+
+
 def test_a_contribution_replaced_after_folding_is_summed_as_it_is_now(mem):
     g, workers, sha = _setup(mem, k=2, seed=7)
     cs = [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha), 1.0) for i, w in enumerate(workers)]
