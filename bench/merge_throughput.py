@@ -180,8 +180,9 @@ def child(argv: list[str]) -> None:
 
     from merge.manual import manual_merge
     t0 = time.perf_counter()
+    direct = None
     if kind in ("ours", "buffered"):
-        manual_merge(inputs, out, io="auto" if kind == "ours" else "buffered")
+        direct = manual_merge(inputs, out, io="auto" if kind == "ours" else "buffered").direct_files
     elif kind == "naive":
         models = [load_file(str(Path(p) / "model.safetensors")) for p in inputs]
         merged = {}
@@ -192,7 +193,7 @@ def child(argv: list[str]) -> None:
             merged[name] = (acc / len(models)).to(models[0][name].dtype)
         os.makedirs(out, exist_ok=True)
         save_file(merged, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-    print(json.dumps({"inner_s": time.perf_counter() - t0}))
+    print(json.dumps({"inner_s": time.perf_counter() - t0, "direct_files": direct}))
 
 
 def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, int, float, str]:
@@ -295,8 +296,9 @@ def main() -> None:
 
         startup: dict[str, tuple[float, int]] = {}
 
-        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int, float, float | None]:
-            """(wall s, peak RSS, CPU s, the merge's own time when it reports one) of one merge."""
+        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int, float, float | None, int | None]:
+            """(wall s, peak RSS, CPU s, the merge's own time and how many inputs it read with
+            O_DIRECT, when it reports them) of one merge."""
             ins = (dirs if big else tiny)[:k]
             out = folder / f"out-{kind}"
             shutil.rmtree(out, ignore_errors=True)
@@ -308,8 +310,8 @@ def main() -> None:
             finally:
                 hide_manifests(ins, False)
                 shutil.rmtree(out, ignore_errors=True)
-            inner = json.loads(stdout.strip().splitlines()[-1])["inner_s"] if tool != "mergekit" else None
-            return wall, rss, cpu, inner
+            report = json.loads(stdout.strip().splitlines()[-1]) if tool != "mergekit" else {}
+            return wall, rss, cpu, report.get("inner_s"), report.get("direct_files")
 
         for kind in kinds:  # start-up: the same tool merging 2 tiny checkpoints (median of 3)
             runs = [measure(kind, 2, big=False) for _ in range(3)]
@@ -321,7 +323,7 @@ def main() -> None:
         k = args.k
         in_bytes = size * k
         raw: dict[str, list[float]] = {mode: [] for mode in RAW_MODES}
-        runs: dict[str, list[tuple[float, int, float, float | None]]] = {kind: [] for kind in kinds}
+        runs: dict[str, list[tuple[float, int, float, float | None, int | None]]] = {kind: [] for kind in kinds}
         limits: list[float] = []
         for rep in range(args.repeats):  # the disk drifts: each repeat is raw reads, then every merge
             for mode in RAW_MODES:
@@ -335,8 +337,11 @@ def main() -> None:
                     continue
                 runs[kind].append(measure(kind, k))
                 net = runs[kind][-1][0] - startup[kind][0]
+                direct = runs[kind][-1][4]
                 print(f"  {kind:>13}: {net:.1f}s, {in_bytes / net / 1e9:.3f} GB/s = "
-                      f"{in_bytes / net / 1e9 / limits[-1]:.2f} x this repeat's fastest raw read", flush=True)
+                      f"{in_bytes / net / 1e9 / limits[-1]:.2f} x this repeat's fastest raw read, "
+                      f"{runs[kind][-1][2]:.1f} CPU-s" + ("" if direct is None else f", {direct} inputs read with O_DIRECT"),
+                      flush=True)
         results["raw_read_gbps"] = {m: [round(x, 3) for x in v] for m, v in raw.items()}
         limit = statistics.median(limits)
 
@@ -352,6 +357,7 @@ def main() -> None:
             inner = got[0][3] is not None and statistics.median(r[3] for r in got)
             rate, net = statistics.median(rates), statistics.median(nets)
             rows.append({"kind": kind, "k": k, "merge_s": [round(n, 2) for n in nets], "gbps": round(rate, 3),
+                         "cpu_s": [round(r[2], 2) for r in got], "direct_files": [r[4] for r in got],
                          "ratio_to_raw": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
                          "inner_s": inner and round(inner, 2),
                          "cpu_s_per_gb": round(cpu_per_gb, 2), "peak_rss": rss, "rss_x_ckpt": round(rss / size, 3),

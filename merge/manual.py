@@ -53,6 +53,8 @@ class ManualResult:
     seconds: float
     outputs: list[str]
     state: str | None
+    direct_files: int = 0
+    """Input files read around the page cache (O_DIRECT: merge.directio)."""
 
 
 def _norm(url: str) -> str:
@@ -135,6 +137,7 @@ def manual_merge(
                 models.append(state_in)
             state_out = OutputFile(sst, state_name, state_out_specs(order, params["optimizer"]), None,
                                    {"optimizer": params["optimizer"].optimizer})
+        direct = sum(f.direct for m in [*models, *([base_model] if base_model else [])] for f in m.files)
         try:
             stats = run_merge(models[: len(inputs)], weights, method, outputs, params=params, base=base_model,
                               state_in=state_in, state_out=state_out, buffer_bytes=buffer_bytes)
@@ -151,7 +154,7 @@ def manual_merge(
             index["weight_map"] = {n: o.key for o in outputs for n, *_ in o.specs}
             out_storage.write_json(index_key, index)  # last: the directory is whole from now on
         return ManualResult(method, len(inputs), stats.bytes_read, stats.seconds,
-                            [o.storage.display(o.key) for o in outputs], state)
+                            [o.storage.display(o.key) for o in outputs], state, direct)
     finally:
         for m in models:
             m.close()
