@@ -28,14 +28,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec
@@ -46,8 +44,8 @@ from core.progress import track
 from core.storage import Storage
 from merge.methods import check_method_args, method_spec
 from merge.outer import state_in_specs, state_key, state_out_specs, state_slots
-from merge.directio import aligned_bytes, region_bytes
-from merge.reader import FLOATS, ITEMSIZE, InputError, Model, TensorFile, open_file_model
+from merge.lanes import Lane, Read, finite, nonfinite
+from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
 from merge.writer import OutputFile, StreamWriter
 
 log = logging.getLogger(__name__)
@@ -57,7 +55,6 @@ DEFAULT_BUFFER_BYTES = 256 << 20
 # Elements per segment. At most 4 Mi (16 MiB of float32): results stay under glibc's mmap
 # threshold, so their memory is recycled instead of being faulted in afresh for every segment.
 _MIN_CHUNK, _MAX_CHUNK = 1 << 18, 1 << 22
-_ALIGN = 64
 
 
 class QuorumError(RunError):
@@ -107,17 +104,7 @@ def model_specs(model: Model) -> dict[str, TensorSpec]:
     return {n: spec for n, (_, spec) in model.tensors.items()}
 
 
-# -- reading: one thread per input ---------------------------------------------------------
-@dataclass(frozen=True)
-class _Read:
-    tag: str | None
-    file: TensorFile
-    spec: TensorSpec
-    start: int  # elements
-    stop: int
-    shape: tuple[int, ...]  # the view's shape: the tensor's for whole tensors, 1-D for slices
-
-
+# -- the plan: segments of the output -----------------------------------------------------
 @dataclass(frozen=True)
 class _Segment:
     name: str
@@ -133,101 +120,6 @@ class _Segment:
     @property
     def last(self) -> bool:
         return self.stop == self.numel
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class _Slot:
-    """A reusable pair of buffers: raw bytes as read (page-aligned, so O_DIRECT reads land in them
-    directly: merge.directio), and float32 for widened bf16/f16."""
-
-    def __init__(self) -> None:
-        self.raw = aligned_bytes(0)
-        self.f32 = torch.empty(0, dtype=torch.float32)
-
-    def fill(self, reads: list[_Read], check: bool) -> dict[str | None, torch.Tensor]:
-        raw_need = sum(region_bytes(ITEMSIZE[r.spec.dtype] * (r.stop - r.start)) for r in reads)
-        f32_need = sum(_align(r.stop - r.start) for r in reads if r.spec.dtype in FLOATS and r.spec.dtype != "F32")
-        if self.raw.numel() < raw_need:
-            self.raw = aligned_bytes(raw_need)
-        if self.f32.numel() < f32_need:
-            self.f32 = torch.empty(f32_need, dtype=torch.float32)
-        f32_np = self.f32.numpy()
-        out: dict[str | None, torch.Tensor] = {}
-        o = o32 = 0
-        for r in reads:
-            size = ITEMSIZE[r.spec.dtype]
-            nb, numel = (r.stop - r.start) * size, r.stop - r.start
-            region = region_bytes(nb)
-            data = r.file.read_tensor(r.file.data_start + r.spec.start + r.start * size, nb, self.raw[o:o + region], size)
-            t = data.view(TORCH_DTYPES[r.spec.dtype])
-            if r.spec.dtype in FLOATS:
-                if r.spec.dtype == "BF16":  # bf16 is the top half of a float32: widen with one shift
-                    np.left_shift(data.numpy().view(np.uint16), 16, out=f32_np[o32:o32 + numel].view(np.uint32),
-                                  dtype=np.uint32)
-                    t = self.f32[o32:o32 + numel]
-                elif r.spec.dtype != "F32":
-                    t = self.f32[o32:o32 + numel].copy_(t)
-                o32 += _align(numel)
-                if check and not _finite(t):
-                    raise CheckpointError(_nonfinite(r.file.label, r.spec.name))
-            out[r.tag] = t.reshape(r.shape)
-            o += region
-        return out
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """All values finite? One sum first (cheap; NaN and Inf propagate), the exact test only if it is not."""
-    a = t.detach().numpy().reshape(-1)
-    return not a.size or math.isfinite(float(np.add.reduce(a, dtype=np.float32))) or bool(np.isfinite(a).all())
-
-
-def _nonfinite(label: str, name: str) -> str:
-    return (f"{label}: tensor {name} has NaN or Inf values: the model diverged or the file is damaged; "
-            "leave it out of the merge")
-
-
-class _Lane:
-    """Reads one model's segments in order into `depth` reusable slots, in its own thread."""
-
-    def __init__(self, label: str, ident: Any, plan: list[list[_Read]], depth: int, check: bool = True) -> None:
-        self.label, self.ident, self.plan, self.check = label, ident, plan, check
-        self.free: queue.Queue[_Slot | None] = queue.Queue()
-        for _ in range(depth):
-            self.free.put(_Slot())
-        self.ready: queue.Queue[Any] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name=f"merge-read-{ident}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        for reads in self.plan:
-            slot = self.free.get()
-            if slot is None:
-                return
-            try:
-                payload = slot.fill(reads, self.check)
-            except InputError as exc:
-                self.ready.put(exc)
-                return
-            except CheckpointError as exc:
-                self.ready.put(InputError(self.ident, str(exc)))
-                return
-            except BaseException as exc:  # an unexpected failure still names the input
-                self.ready.put(InputError(self.ident, f"{self.label}: {type(exc).__name__}: {exc}"))
-                return
-            self.ready.put((slot, payload))
-
-    def take(self) -> tuple[_Slot, dict[str | None, torch.Tensor]]:
-        item = self.ready.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self.free.put(None)
-        self.thread.join()
 
 
 # -- the engine ----------------------------------------------------------------------------
@@ -259,10 +151,7 @@ def run_merge(
     Takes ownership of the models: they are closed on return. An unusable input raises InputError
     naming it (`ident`); the merged result's problems raise CheckpointError.
 
-    `depth`: read-ahead slots per input. The maths takes segment i from every input at once, so a
-    lane that is ahead has to wait for the slowest one; with 2 slots such a lane soon had no read
-    in flight, and the K = 8 merge read at 0.87 GB/s where 4 slots of half the size (the same
-    memory) read at 1.48 GB/s, the disk's O_DIRECT rate then (docs/benchmarks.md).
+    `depth`: read-ahead slots per input (merge.lanes says why 4).
     """
     with _torch_threads(1):  # the maths are memory-bound: leave the cores to the readers (I/O, digest)
         return _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth)
@@ -301,7 +190,7 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
     if problems:
         raise ValueError("; ".join(problems))
     models = [*inputs, *([base] if base else []), *([state_in] if state_in else [])]
-    lanes: list[_Lane] = []
+    lanes: list[Lane] = []
     writers: list[StreamWriter] = []
     try:
         order = [(name, dtype, shape) for out in outputs for name, dtype, shape, _ in out.specs]
@@ -318,15 +207,15 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
         slots = state_slots(params["optimizer"]) if spec.stateful else []
         state_specs = state_in_specs(state_in, order, slots) if state_in else {}
 
-        def model_plan(m: Model) -> list[list[_Read]]:
+        def model_plan(m: Model) -> list[list[Read]]:
             plan = []
             for seg in segments:
                 f, sp = m.tensors[seg.name]
                 shape = sp.shape if seg.whole else (seg.stop - seg.start,)
-                plan.append([_Read(None, f, sp, seg.start, seg.stop, shape)])
+                plan.append([Read(None, f, sp, seg.start, seg.stop, shape)])
             return plan
 
-        def state_plan(m: Model) -> list[list[_Read]]:
+        def state_plan(m: Model) -> list[list[Read]]:
             plan = []
             for seg in segments:
                 reads = []
@@ -334,9 +223,9 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
                     f, sp = m.tensors[state_key(seg.name, slot)]
                     if full:
                         shape = sp.shape if seg.whole else (seg.stop - seg.start,)
-                        reads.append(_Read(slot, f, sp, seg.start, seg.stop, shape))
+                        reads.append(Read(slot, f, sp, seg.start, seg.stop, shape))
                     else:
-                        reads.append(_Read(slot, f, sp, 0, 1, ()))
+                        reads.append(Read(slot, f, sp, 0, 1, ()))
                 plan.append(reads)
             return plan
 
@@ -348,9 +237,9 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
         inner = params.get("inner", "average") if spec.stateful else method
         check_each = not (spec.propagates_nonfinite and method_spec(inner).propagates_nonfinite)
         for i, m in enumerate(inputs):
-            lanes.append(_Lane(m.label, m.ident, model_plan(m), depth, check_each))
-        base_lane = _Lane(base.label, base.ident, model_plan(base), depth, check_each) if base else None
-        state_lane = _Lane(state_in.label, state_in.ident, state_plan(state_in), depth) if state_in else None
+            lanes.append(Lane(m.label, m.ident, model_plan(m), depth, check_each))
+        base_lane = Lane(base.label, base.ident, model_plan(base), depth, check_each) if base else None
+        state_lane = Lane(state_in.label, state_in.ident, state_plan(state_in), depth) if state_in else None
         lanes += [lane for lane in (base_lane, state_lane) if lane is not None]
 
         stats: dict[str, float] = {}
@@ -371,10 +260,10 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
                 if spec.stateful:
                     kwargs.update(state=state, stats=stats)
                 result = spec.fn(parts, list(weights), **kwargs)
-                if not _finite(result):
+                if not finite(result):
                     for m, p in [*zip(inputs, parts), *([(base, base_part)] if base else [])]:
                         if not bool(torch.isfinite(p).all()):
-                            raise InputError(m.ident, _nonfinite(m.tensors[seg.name][0].label, seg.name))
+                            raise InputError(m.ident, nonfinite(m.tensors[seg.name][0].label, seg.name))
                     raise CheckpointError(f"merged tensor {seg.name} has NaN or Inf values although every input is "
                                           f"finite: the {method} merge overflowed; check the weights and the scale")
                 out_t = result if dtypes[seg.name] == torch.float32 else result.to(dtypes[seg.name])

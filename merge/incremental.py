@@ -38,8 +38,8 @@ from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec, open_checkpoint, r
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
-from merge.engine import (Contribution, MergeResult, QuorumError, _finite, _torch_threads, compare_specs,
-                          model_specs, run_merge)
+from merge.engine import Contribution, MergeResult, QuorumError, _torch_threads, compare_specs, model_specs, run_merge
+from merge.lanes import finite
 from merge.memory import GatedFile, MemoryFile, load_model
 from merge.outer import state_out_specs
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model, read_in_file_order
@@ -245,7 +245,7 @@ class RunningSum:
                                                      "they must be identical in every input")
             return
         x = codec.decode_tensor(name, spec.shape, enc, got.__getitem__) if enc else got[name].to(torch.float32)
-        if not _finite(x):
+        if not finite(x):
             raise ContributionRejected(c.worker, f"{label}: tensor {name} has NaN or Inf values: the model diverged "
                                                  "or the file is damaged; leave it out of the merge")
         self._dirty = True
