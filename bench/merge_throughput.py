@@ -123,22 +123,12 @@ def evict(files: list[Path]) -> bool:
         return False
 
 
-def cached_pages(p: Path, probes: int = 64) -> int:
-    """How many of `probes` pages spread over the file are in the page cache (RWF_NOWAIT reads;
-    with FADV_RANDOM a miss reads just that page, not a read-ahead window)."""
-    if not hasattr(os, "RWF_NOWAIT"):
-        return 0
+def cached_pages(p: Path) -> float:
+    """The share of the file in the page cache (mincore: asking reads nothing), 0 where unknown."""
+    from merge.directio import cached_fraction
     fd = os.open(p, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        size, buf, hits = os.fstat(fd).st_size, bytearray(4096), 0
-        for i in range(probes):
-            try:
-                os.preadv(fd, [buf], size * i // probes // 4096 * 4096, os.RWF_NOWAIT)
-                hits += 1
-            except BlockingIOError:
-                pass
-        return hits
+        return cached_fraction(fd, 0, os.fstat(fd).st_size) or 0.0
     finally:
         os.close(fd)
 

@@ -6,8 +6,9 @@ development machine a cold buffered read of 8 GiB spent 4 to 21 CPU-seconds in t
 the same bytes read with O_DIRECT took under 1 CPU-second (docs/benchmarks.md). A file that is
 already in the cache (a contribution written on this node a moment ago) is the opposite case:
 copying it from memory beats reading the disk again. So `choose` goes direct only for a large
-local file that a non-blocking probe (RWF_NOWAIT) finds absent from the cache, and on anything
-else (a filesystem without O_DIRECT, NFS that cannot answer the probe) stays buffered.
+local file that is mostly absent from the cache (mincore(2) on a mapping of it, which neither
+reads nor caches anything: a probing read would start the very read-ahead it asks about), and
+on anything else (a filesystem without O_DIRECT, a platform without mincore) stays buffered.
 
 O_DIRECT wants the file offset, the length and the buffer's address aligned to the device's
 logical block; `PAGE` (4 KiB) covers every common device. Reads are widened to page boundaries
@@ -15,11 +16,13 @@ into page-aligned buffers (`aligned_bytes`); the caller is told where its bytes 
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
 import os
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -47,33 +50,46 @@ def page_span(offset: int, n: int) -> tuple[int, int]:
     return offset - offset % PAGE, -(-(offset + n) // PAGE) * PAGE
 
 
-def is_cached(fd: int, start: int, end: int) -> bool | None:
-    """Is [start, end) of the file in the page cache? Probed at four points without blocking, and
-    yes if three are (a few pages that outlived an eviction do not make a file cached); None when
-    the kernel or the filesystem cannot say."""
-    if not hasattr(os, "RWF_NOWAIT"):
+def cached_fraction(fd: int, start: int, end: int) -> float | None:
+    """The share of [start, end) of the file that is in the page cache, from mincore(2) on a
+    mapping of it (which reads nothing and caches nothing); None where that cannot be asked."""
+    if _LIBC is None or end <= start:
         return None
-    buf = bytearray(PAGE)
-    hits = 0
-    # A probe that misses still starts a read-ahead of the window around it (8 MiB here): with
-    # FADV_RANDOM the kernel reads just the page, and the file is left as it was found.
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        advise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    off = start - start % PAGE
+    length = end - off
+    addr = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, off)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
     try:
-        for frac in (1, 2, 3, 4):
-            off = start + (end - start) * frac // 5
-            try:
-                os.preadv(fd, [buf], off - off % PAGE, os.RWF_NOWAIT)
-                hits += 1
-            except BlockingIOError:
-                pass
-            except OSError:  # EOPNOTSUPP and friends: no answer
-                return None
+        pages = (length + PAGE - 1) // PAGE
+        vec = (ctypes.c_ubyte * pages)()
+        if _LIBC.mincore(addr, length, vec) != 0:
+            return None
+        return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / pages  # bit 0: resident
     finally:
-        if advise is not None:
-            advise(fd, 0, 0, os.POSIX_FADV_NORMAL)
-    return hits >= 3
+        _LIBC.munmap(addr, length)
+
+
+def is_cached(fd: int, start: int, end: int) -> bool | None:
+    """Is most of [start, end) of the file in the page cache (a few pages that outlived an
+    eviction do not make a file cached)? None when the kernel or the filesystem cannot say."""
+    share = cached_fraction(fd, start, end)
+    return None if share is None else share >= 0.5
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        return libc
+    except (OSError, AttributeError):  # not Linux/glibc-like: no residency check, reads stay buffered
+        return None
+
+
+_LIBC = _libc()
 
 
 def open_direct(path: str) -> int | None:
