@@ -211,24 +211,48 @@ def child(argv: list[str]) -> None:
     print(json.dumps({"inner_s": time.perf_counter() - t0, "direct_files": direct}))
 
 
-def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, int, float, str]:
-    """(wall seconds, peak RSS bytes, CPU seconds, stdout) of one process."""
+# Children are started by a small launcher process, not by this one: on Linux a child's peak RSS
+# (wait4's ru_maxrss) keeps the high-water mark of the address space it forked from, and this
+# process holds hundreds of MiB of read buffers by then, which every child would report as its own.
+_LAUNCHER = r"""
+import json, os, subprocess, sys, threading, time
+for line in sys.stdin:
+    req = json.loads(line)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
-    out_chunks: list[bytes] = []
-    err_chunks: list[bytes] = []
-    readers = [threading.Thread(target=lambda: out_chunks.append(proc.stdout.read())),
-               threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()))]
+    proc = subprocess.Popen(req["cmd"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=req["cwd"])
+    out, err = [], []
+    readers = [threading.Thread(target=lambda: out.append(proc.stdout.read())),
+               threading.Thread(target=lambda: err.append(proc.stderr.read()))]
     for r in readers:
         r.start()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     for r in readers:
         r.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n{b''.join(err_chunks).decode()[-3000:]}")
-    return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime, b"".join(out_chunks).decode()
+    print(json.dumps({"wall": wall, "rss": usage.ru_maxrss * 1024, "cpu": usage.ru_utime + usage.ru_stime,
+                      "rc": os.waitstatus_to_exitcode(status), "out": b"".join(out).decode(errors="replace"),
+                      "err": b"".join(err).decode(errors="replace")[-3000:]}), flush=True)
+"""
+_launcher: subprocess.Popen | None = None
+
+
+def start_launcher() -> None:
+    global _launcher
+    _launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+
+
+def run_child(cmd: list[str]) -> tuple[float, int, float, str]:
+    """(wall seconds, peak RSS bytes, CPU seconds, stdout) of one process, started by the launcher."""
+    if _launcher is None:
+        start_launcher()
+    assert _launcher is not None and _launcher.stdin is not None and _launcher.stdout is not None
+    _launcher.stdin.write(json.dumps({"cmd": cmd, "cwd": str(ROOT)}) + "\n")
+    _launcher.stdin.flush()
+    res = json.loads(_launcher.stdout.readline())
+    if res["rc"] != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])}... failed ({res['rc']}):\n{res['err']}")
+    return res["wall"], res["rss"], res["cpu"], res["out"]
 
 
 def merge_cmd(kind: str, out: Path, inputs: list[Path], mergekit: str | None) -> list[str]:
@@ -271,6 +295,7 @@ def main() -> None:
         child(args.child)
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still removes its files
+    start_launcher()  # while this process is still small (see run_child)
 
     dims = tuple(int(x) for x in args.dims.split(","))
     rss_ks = [int(x) for x in args.rss_k.split(",")]
