@@ -177,8 +177,9 @@ class RoundConfig:
     below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
     stream_merge: bool = True
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
-    worker lands reads one contribution instead of K (then the outer step's global weights and
-    state, as always). The sum is in arrival order (recorded
+    worker lands reads one contribution instead of K, folded while the outer step runs. The
+    service also holds the round's global weights and outer state in memory from the round's
+    start, so the step reads nothing from storage: about 3 fp32 copies of the model in all. The sum is in arrival order (recorded
     as the round record's `merge_order`; a resumed service rebuilds it from the contributions), so
     with 3+ workers two runs may differ in the last bit; `false` merges in worker order at the end
     (bitwise reproducible from run to run). Linear merges only: not `lte`."""

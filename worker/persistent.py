@@ -6,8 +6,8 @@ from the base it is given. Its model and AdamW state stay in memory (on the GPU)
 a round reads only its base weights and writes its contribution on the critical path; the state
 file is written from a snapshot in the background after the contribution, while the merge runs
 (worker.train.serve_round). If the job dies hard in that second, a restarted job takes the
-worker's previous state file; preemption and time limits wait for the write. It stops when the run is over, cancelled or failed, or when the service
-has handed the worker to another job. At its time limit Slurm signals it; the job saves an
+worker's previous state file; preemption and time limits wait for the write. It stops when the
+run is over, cancelled or failed, or when the service has handed the worker to another job. At its time limit Slurm signals it; the job saves an
 in-flight checkpoint if it is training and is requeued to carry on at the round it was serving.
 """
 from __future__ import annotations
