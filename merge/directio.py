@@ -105,10 +105,13 @@ def open_direct(path: str) -> int | None:
         return None
 
 
+def mode_problem(mode: str) -> str | None:
+    """Why `mode` is not an io mode (IO_MODES), or None if it is one."""
+    return None if mode in IO_MODES else f"io mode {mode!r} is not one of {', '.join(IO_MODES)}"
+
+
 def choose(mode: str, path: str, fd: int, data_start: int, size: int) -> int | None:
-    """The O_DIRECT descriptor to read `path` with under `mode` (see IO_MODES), or None: buffered."""
-    if mode not in IO_MODES:
-        raise ValueError(f"io mode {mode!r} is not one of {', '.join(IO_MODES)}")
+    """The O_DIRECT descriptor to read `path` with under `mode` (checked: mode_problem), or None: buffered."""
     if mode == "buffered" or size <= data_start:
         return None
     if mode == "auto" and (size < DIRECT_MIN_BYTES or is_cached(fd, data_start, size) is not False):

@@ -328,12 +328,16 @@ class RunningSum:
             raise ValueError(f"weights must sum to a positive number, got {[f.weight for f in self.folded]}")
         return total
 
+    def _divide(self, name: str, total: float) -> None:
+        """Tensor `name` of S divided by the total weight, in place (floats only: the rest are not sums)."""
+        if self.sum.specs[name].dtype == "F32":
+            self.sum.view(name).div_(total)
+
     def _mean(self) -> MemoryFile:
         """S divided by the total weight, in place."""
         total = self._total()
-        for n, sp in self.sum.specs.items():
-            if sp.dtype == "F32":
-                self.sum.view(n).div_(total)
+        for n in self.sum.specs:
+            self._divide(n, total)
         self._dirty = True  # S is now the mean: a later add() or merge() rebuilds the sum
         return self.sum
 
@@ -348,8 +352,7 @@ class RunningSum:
         total, gate, got = self._total(c.weight), GatedFile(self.sum), {}
 
         def divided(name: str) -> None:
-            if self.sum.specs[name].dtype == "F32":
-                self.sum.view(name).div_(total)
+            self._divide(name, total)
             gate.open(name)
 
         def fold() -> None:
@@ -376,8 +379,7 @@ class RunningSum:
             if got.get("error") is not None:
                 raise got["error"] from None
             raise
-        finally:
-            thread.join()
+        thread.join()
         self._accept(c, ident, *got["ok"], t0)
         self._dirty = True  # S is the mean now
         return stats

@@ -26,7 +26,7 @@ import fsspec
 from core.config import OuterConfig
 from core.errors import CheckpointError, IslandsError
 from core.storage import Storage
-from merge.directio import IO_MODES
+from merge.directio import mode_problem
 from merge.engine import DEFAULT_BUFFER_BYTES, compare_specs, model_specs, run_merge
 from merge.methods import check_method_args
 from merge.outer import state_out_specs
@@ -95,8 +95,8 @@ def manual_merge(
     for target in [out, *([state] if state else [])]:
         if _norm(target) in sources:
             problems.append(f"{target} is also an input: write the merge somewhere else")
-    if io not in IO_MODES:
-        problems.append(f"io mode {io!r} is not one of {', '.join(IO_MODES)}")
+    if (problem := mode_problem(io)) is not None:
+        problems.append(problem)
     if problems:
         raise MergeError(problems)
 

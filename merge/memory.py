@@ -24,6 +24,7 @@ from merge.directio import aligned_bytes, region_bytes
 from merge.reader import ITEMSIZE, Model, open_file_model
 
 _ALIGN = 64
+_REFUSED = "the contribution being folded into the sum was refused"
 
 
 class MemoryFile:
@@ -112,7 +113,7 @@ class GatedFile:
             i = bisect.bisect_right(self._starts, (offset, "\uffff")) - 1
             self._ready[self._starts[i][1]].wait()
         if not self._ok:
-            raise CheckpointError("the contribution being folded into the sum was refused")
+            raise CheckpointError(_REFUSED)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         self._wait(offset, len(out))
@@ -126,7 +127,7 @@ class GatedFile:
         """Wait until the fold is over; raise if its contribution was refused."""
         self._done.wait()
         if not self._ok:
-            raise CheckpointError("the contribution being folded into the sum was refused")
+            raise CheckpointError(_REFUSED)
 
     def close(self) -> None:
         pass

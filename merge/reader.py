@@ -84,8 +84,8 @@ class TensorFile:
 
     def __init__(self, storage: Storage, key: str, label: str, manifest: dict[str, Any] | None,
                  io: str = "auto") -> None:
-        if io not in directio.IO_MODES:
-            raise ValueError(f"io mode {io!r} is not one of {', '.join(directio.IO_MODES)}")
+        if (problem := directio.mode_problem(io)) is not None:
+            raise ValueError(problem)
         self.storage, self.key, self.label, self.manifest = storage, key, label, manifest
         self._fd: int | None = None
         self._dfd: int | None = None  # O_DIRECT descriptor for the data, when chosen (merge.directio)

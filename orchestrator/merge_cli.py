@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from merge.directio import IO_MODES
 from merge.methods import PUBLIC
 
 EXAMPLES = """examples:
@@ -35,7 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--outer-state", metavar="STATE",
                    help="outer: optimizer state file, read if it exists and replaced by the new state")
     p.add_argument("--buffer-mib", type=int, default=256, help="read buffers of all inputs together, MiB (default 256)")
-    p.add_argument("--io", choices=["auto", "direct", "buffered"], default="auto",
+    p.add_argument("--io", choices=IO_MODES, default="auto",
                    help="how local inputs are read: auto (default) reads large files that are not in the page "
                         "cache with O_DIRECT, bypassing it; direct or buffered force one way")
     p.set_defaults(merge_handler=cmd_merge)

@@ -74,8 +74,9 @@ def test_direct_and_buffered_merges_are_bitwise_equal(tmp_path):
         paths.append(str(tmp_path / f"in{i}.safetensors"))
         write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", _odd_model(i))
     _direct_or_skip(paths[0])
-    for io in ("direct", "buffered"):
-        manual_merge(paths, str(tmp_path / f"{io}.safetensors"), weights=[1, 2, 4], io=io)
+    for io, read_direct in (("direct", 3), ("buffered", 0)):
+        res = manual_merge(paths, str(tmp_path / f"{io}.safetensors"), weights=[1, 2, 4], io=io)
+        assert res.direct_files == read_direct
     assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
     got = load_file(str(tmp_path / "direct.safetensors"))
     models = [_odd_model(i) for i in range(3)]
@@ -139,5 +140,31 @@ def test_truncated_file_read_direct_names_the_file(tmp_path):
         spec = f.specs["w"]
         with pytest.raises(CheckpointError, match=r"m: file is truncated"):
             f.read_tensor(f.data_start + spec.start, spec.nbytes, directio.aligned_bytes(directio.region_bytes(spec.nbytes)))
+    finally:
+        f.close()
+
+
+def test_a_refused_direct_read_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
+    """A device that refuses an O_DIRECT read (EINVAL) after the open: the read is done buffered,
+    the file is read buffered from then on, and the bytes and digest are the same."""
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "m.safetensors", {"w": torch.randn(5000)})
+    _direct_or_skip(tmp_path / "m.safetensors")
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"), io="direct")
+    direct_fd, preadv = f._dfd, os.preadv
+
+    def refuse(fd, *a):
+        if fd == direct_fd:
+            raise OSError(22, "Invalid argument")
+        return preadv(fd, *a)
+
+    monkeypatch.setattr(os, "preadv", refuse)
+    try:
+        spec = f.specs["w"]
+        got = f.read_tensor(f.data_start + spec.start, spec.nbytes, directio.aligned_bytes(directio.region_bytes(spec.nbytes)), 4)
+        assert bytes(got.numpy()) == raw[f.data_start + spec.start: f.data_start + spec.end]
+        assert not f.direct and "O_DIRECT read failed" in caplog.text
+        f.verify()
     finally:
         f.close()

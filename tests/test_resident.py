@@ -140,3 +140,14 @@ def test_a_failed_background_state_write_does_not_fail_the_round(tmp_path, corpu
     assert again is trainer
     again.settle()
     assert read_manifest(s, L.worker_state(0, 1)) is not None
+
+
+def test_lte_workers_are_not_carried_they_read_their_heads_from_storage(tmp_path, corpus_cache):
+    """LTE resets B and may redraw A after each merge from its state file: a persistent LTE worker
+    builds its trainer anew each round (worker/lora.py), so next_round declines."""
+    s = _run(tmp_path, corpus_cache, "lte", algorithm="lte", lte={"rank": 4})
+    _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
+    _, other = train.serve_round(WorkerTask(s.url, 1, 0, L.global_weights(0), threads=1), 0.0, trainer, persistent=True)
+    assert other is not trainer
+    other.settle()
+    assert read_manifest(s, L.worker_state(0, 1)) is not None
