@@ -62,6 +62,12 @@ class MemoryFile:
         """The bytes themselves, not a copy: the engine's methods never write into their inputs."""
         return self.data[offset: offset + n]
 
+    fetch_tensor = read_tensor
+    positional = False  # one reader thread: nothing to wait for
+
+    def hash_range(self, offset: int, data: Any) -> None:  # checked when loaded (see verify)
+        pass
+
     def verify(self) -> None:  # checked when it was loaded, or built here from checked inputs
         pass
 
@@ -122,6 +128,12 @@ class GatedFile:
     def read_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
         self._wait(offset, n)
         return self.mem.read_tensor(offset, n, region, itemsize)
+
+    fetch_tensor = read_tensor
+    positional = False
+
+    def hash_range(self, offset: int, data: Any) -> None:
+        pass
 
     def verify(self) -> None:
         """Wait until the fold is over; raise if its contribution was refused."""

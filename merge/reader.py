@@ -89,6 +89,7 @@ class TensorFile:
         self.storage, self.key, self.label, self.manifest = storage, key, label, manifest
         self._fd: int | None = None
         self._dfd: int | None = None  # O_DIRECT descriptor for the data, when chosen (merge.directio)
+        self._dfd_open: int | None = None  # the same, still open after a failed O_DIRECT read (closed by close())
         self._f: Any = None
         local = storage.local_path(key)
         try:
@@ -121,17 +122,17 @@ class TensorFile:
             raise CheckpointError(f"{label}: file has {actual - self.size} bytes after the last tensor: damaged or "
                                   "not a safetensors file; copy or download it again")
         if self._fd is not None:
-            self._dfd = directio.choose(io, local, self._fd, self.data_start, self.size)
+            self._dfd = self._dfd_open = directio.choose(io, local, self._fd, self.data_start, self.size)
 
     @property
     def direct(self) -> bool:
         return self._dfd is not None
 
     def close(self) -> None:
-        for fd in (self._fd, self._dfd):
+        for fd in (self._fd, self._dfd_open):
             if fd is not None:
                 os.close(fd)
-        self._fd = self._dfd = None
+        self._fd = self._dfd = self._dfd_open = None
         if self._f is not None:
             self._f.close()
             self._f = None
@@ -175,21 +176,32 @@ class TensorFile:
         """The n bytes at `offset`, read into `region` (a page-aligned uint8 tensor of at least
         directio.region_bytes(n)); returns the slice of it that holds them (hashed like read_into),
         starting at a multiple of `itemsize` so that it can be viewed as the tensor's dtype."""
-        if self._dfd is not None and offset % itemsize == 0 and n >= directio.PAGE and \
-                region.data_ptr() % directio.PAGE == 0:
+        out = self.fetch_tensor(offset, n, region, itemsize)
+        self.hash_range(offset, out.numpy())
+        return out
+
+    @property
+    def positional(self) -> bool:
+        """Reads are positional (pread on a local file): several threads may read it at once."""
+        return self._fd is not None
+
+    def fetch_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
+        """read_tensor without the digest: the caller feeds hash_range in file order (merge.lanes
+        reads two segments at once and hashes them in turn)."""
+        dfd = self._dfd
+        if dfd is not None and offset % itemsize == 0 and n >= directio.PAGE and region.data_ptr() % directio.PAGE == 0:
             start, end = directio.page_span(offset, n)
             try:
-                self._pread(self._dfd, start, memoryview(region[: end - start].numpy()), offset + n - start)
+                self._pread(dfd, start, memoryview(region[: end - start].numpy()), offset + n - start)
             except OSError as exc:  # alignment refused after all (an unusual device): buffered from now on
-                log.warning("%s: O_DIRECT read failed (%s); reading through the page cache", self.label, exc)
-                os.close(self._dfd)
+                if self._dfd is not None:
+                    log.warning("%s: O_DIRECT read failed (%s); reading through the page cache", self.label, exc)
+                # not closed here: another reader thread may be using it (close() does)
                 self._dfd = None
             else:
-                out = region[offset - start: offset - start + n]
-                self._hash(offset, out.numpy())
-                return out
+                return region[offset - start: offset - start + n]
         out = region[:n]
-        self.read_into(offset, memoryview(out.numpy()))
+        self.read_into(offset, memoryview(out.numpy()), hash_it=False)
         return out
 
     def _pread(self, fd: int, offset: int, out: memoryview, need: int) -> None:
@@ -203,12 +215,14 @@ class TensorFile:
         if got < need:
             raise CheckpointError(f"{self.label}: file is truncated (wanted {need} bytes at offset {offset}, got {got})")
 
-    def _hash(self, offset: int, data: Any) -> None:
+    def hash_range(self, offset: int, data: Any) -> None:
+        """Feed the digest the bytes at `offset`, if they continue the hashed prefix (the rest is
+        hashed by verify())."""
         if self._sha is not None and offset == self._pos:
             self._sha.update(data)
             self._pos += len(data)
 
-    def read_into(self, offset: int, out: memoryview) -> None:
+    def read_into(self, offset: int, out: memoryview, hash_it: bool = True) -> None:
         """Fill `out` with the file's bytes at `offset`; hash them if they continue the hashed prefix."""
         want, got = len(out), 0
         try:
@@ -226,7 +240,8 @@ class TensorFile:
             raise CheckpointError(f"{self.label}: read failed at offset {offset} ({exc}); check the storage and retry") from None
         if got != want:
             raise CheckpointError(f"{self.label}: file is truncated (wanted {want} bytes at offset {offset}, got {got})")
-        self._hash(offset, out)
+        if hash_it:
+            self.hash_range(offset, out)
 
     def verify(self) -> None:
         """Raise unless the whole file hashes to its manifest's digest (files without one: no check)."""
