@@ -1,0 +1,137 @@
+"""The merge engine's readers (merge.lanes): two reader threads per local input, payloads handed
+over and hashed in segment order, errors in order, no hang on close.
+
+Real files on the test machine's disk read through merge.reader.TensorFile (positional reads);
+a `memory://` file for the single-thread case. Reads are slowed per segment where the test needs
+the second thread's read to finish before the first's (a real sleep in the read, not a mock).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from core.checkpoint import write_checkpoint
+from core.errors import CheckpointError
+from core.storage import Storage
+from merge.lanes import Lane, Read
+from merge.reader import InputError, TensorFile
+
+
+def _model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {f"t{i}": torch.randn(1000 + 37 * i, generator=g) for i in range(6)}
+
+
+def _plan(f: TensorFile, chunk: int = 300) -> tuple[list[list[Read]], list[torch.Tensor]]:
+    """Slices of at most `chunk` elements of every tensor in file order, and what each must hold."""
+    plan, want = [], []
+    for name, spec in f.specs.items():
+        n = spec.shape[0]
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            plan.append([Read(None, f, spec, s, e, (e - s,))])
+            want.append((name, s, e))
+    return plan, want
+
+
+def _drain(lane: Lane, n: int) -> list[torch.Tensor]:
+    got = []
+    for _ in range(n):
+        slot, payload = lane.take()
+        got.append(payload[None].clone())
+        lane.free.put(slot)
+    return got
+
+
+def _open(tmp_path, tensors) -> tuple[Storage, TensorFile]:
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "m.safetensors", tensors)
+    return s, TensorFile(s, "m.safetensors", "m", s.read_json("m.json"), io="buffered")
+
+
+def test_two_readers_hand_over_in_order_and_hash_the_file_in_one_pass(tmp_path):
+    tensors = _model()
+    _, f = _open(tmp_path, tensors)
+    assert f.positional
+    fetch = f.fetch_tensor
+    calls = iter(range(10**6))
+
+    def uneven(*a, **kw):  # every other read is slow: the other thread's next one finishes first
+        if next(calls) % 2 == 0:
+            time.sleep(0.01)
+        return fetch(*a, **kw)
+
+    f.fetch_tensor = uneven
+    plan, want = _plan(f)
+    lane = Lane("m", 0, plan, depth=4)
+    try:
+        assert len(lane.threads) == 2
+        got = _drain(lane, len(plan))
+    finally:
+        lane.close()
+    for t, (name, s, e) in zip(got, want):
+        assert torch.equal(t, tensors[name][s:e])
+    assert f._pos == f.size  # every byte hashed in order, as read: verify() reads nothing again
+    f.verify()
+    f.close()
+
+
+def test_a_bad_segment_is_reported_after_the_good_ones_before_it_and_close_does_not_hang(tmp_path):
+    tensors = _model()
+    tensors["t3"][500] = float("nan")
+    _, f = _open(tmp_path, tensors)
+    plan, want = _plan(f)
+    bad = next(i for i, (name, s, e) in enumerate(want) if name == "t3" and s <= 500 < e)
+    lane = Lane("m", 7, plan, depth=4)
+    got = _drain(lane, bad)
+    with pytest.raises(InputError) as e:
+        lane.take()
+    assert e.value.ident == 7 and "t3" in str(e.value) and "NaN" in str(e.value)
+    closer = threading.Thread(target=lane.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert all(torch.equal(t, tensors[n][s:e]) for t, (n, s, e) in zip(got, want))
+    f.close()
+
+
+def test_a_failed_read_names_the_input(tmp_path):
+    _, f = _open(tmp_path, _model())
+    plan, _ = _plan(f)
+    fetch, n = f.fetch_tensor, iter(range(10**6))
+
+    def failing(*a, **kw):
+        if next(n) == 4:
+            raise CheckpointError("m: read failed at offset 1234 (EIO); check the storage and retry")
+        return fetch(*a, **kw)
+
+    f.fetch_tensor = failing
+    lane = Lane("m", 2, plan, depth=4)
+    try:
+        _drain(lane, 4)
+        with pytest.raises(InputError, match="offset 1234"):
+            lane.take()
+    finally:
+        lane.close()
+        f.close()
+
+
+def test_a_file_without_positional_reads_gets_one_reader(tmp_path):
+    s = Storage("memory://lanes-test")
+    tensors = _model()
+    write_checkpoint(s, "m.safetensors", tensors)
+    f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"))
+    assert not f.positional
+    plan, want = _plan(f)
+    lane = Lane("m", 0, plan, depth=4)
+    try:
+        assert len(lane.threads) == 1
+        got = _drain(lane, len(plan))
+    finally:
+        lane.close()
+    assert all(torch.equal(t, tensors[n][s:e]) for t, (n, s, e) in zip(got, want))
+    f.verify()
+    f.close()
