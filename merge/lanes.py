@@ -77,9 +77,6 @@ class Slot:
         self.raw = aligned_bytes(0)
         self.f32 = torch.empty(0, dtype=torch.float32)
 
-    def fill(self, reads: list[Read], check: bool) -> dict[str | None, torch.Tensor]:
-        return self.finish(reads, self.fetch(reads), check)
-
     def fetch(self, reads: list[Read]) -> list[torch.Tensor]:
         """The reads' bytes in this slot's raw buffer, not yet hashed (finish does that, in file order)."""
         raw_need = sum(region_bytes(r.nbytes) for r in reads)
@@ -151,30 +148,30 @@ class Lane:
             try:
                 fetched: Any = slot.fetch(reads)
             except BaseException as exc:
-                fetched = exc
+                fetched = self._input_error(exc)
             with self._cv:  # in segment order from here: the digest must see the file's bytes in order
                 self._cv.wait_for(lambda: self._turn == i or self._stop)
                 if self._stop:
                     return
-            item = self._finish(slot, reads, fetched)
+            item = fetched
+            if not isinstance(fetched, InputError):
+                try:
+                    item = slot, slot.finish(reads, fetched, self.check)
+                except BaseException as exc:
+                    item = self._input_error(exc)
             with self._cv:
-                if isinstance(item, BaseException):
-                    self._stop = True
+                self._stop = isinstance(item, InputError)
                 self.ready.put(item)
                 self._turn += 1
                 self._cv.notify_all()
 
-    def _finish(self, slot: Slot, reads: list[Read], fetched: Any) -> Any:
-        try:
-            if isinstance(fetched, BaseException):
-                raise fetched
-            return slot, slot.finish(reads, fetched, self.check)
-        except InputError as exc:
+    def _input_error(self, exc: BaseException) -> InputError:
+        """Any failure reading this input, as an InputError that names it."""
+        if isinstance(exc, InputError):
             return exc
-        except CheckpointError as exc:
+        if isinstance(exc, CheckpointError):
             return InputError(self.ident, str(exc))
-        except BaseException as exc:  # an unexpected failure still names the input
-            return InputError(self.ident, f"{self.label}: {type(exc).__name__}: {exc}")
+        return InputError(self.ident, f"{self.label}: {type(exc).__name__}: {exc}")
 
     def take(self) -> tuple[Slot, dict[str | None, torch.Tensor]]:
         item = self.ready.get()

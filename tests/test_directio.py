@@ -168,3 +168,21 @@ def test_a_refused_direct_read_falls_back_to_the_page_cache(tmp_path, monkeypatc
         f.verify()
     finally:
         f.close()
+
+
+def test_after_a_refused_direct_read_its_descriptor_stays_open_until_close(tmp_path, monkeypatch):
+    """Another reader thread may be using it (merge.lanes): close(), not the fallback, closes it."""
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "m.safetensors", {"w": torch.randn(5000)})
+    _direct_or_skip(tmp_path / "m.safetensors")
+    f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"), io="direct")
+    direct_fd, preadv = f._dfd, os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, *a: (_ for _ in ()).throw(OSError(22, "Invalid argument"))
+                        if fd == direct_fd else preadv(fd, *a))
+    spec = f.specs["w"]
+    f.read_tensor(f.data_start + spec.start, spec.nbytes, directio.aligned_bytes(directio.region_bytes(spec.nbytes)), 4)
+    assert not f.direct
+    os.fstat(direct_fd)  # still open
+    f.close()
+    with pytest.raises(OSError):
+        os.fstat(direct_fd)

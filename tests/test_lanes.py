@@ -46,6 +46,15 @@ def _drain(lane: Lane, n: int) -> list[torch.Tensor]:
     return got
 
 
+def _read_all(plan: list[list[Read]], readers: int) -> list[torch.Tensor]:
+    lane = Lane("m", 0, plan, depth=4)
+    try:
+        assert len(lane.threads) == readers
+        return _drain(lane, len(plan))
+    finally:
+        lane.close()
+
+
 def _open(tmp_path, tensors) -> tuple[Storage, TensorFile]:
     s = Storage(str(tmp_path))
     write_checkpoint(s, "m.safetensors", tensors)
@@ -66,12 +75,7 @@ def test_two_readers_hand_over_in_order_and_hash_the_file_in_one_pass(tmp_path):
 
     f.fetch_tensor = uneven
     plan, want = _plan(f)
-    lane = Lane("m", 0, plan, depth=4)
-    try:
-        assert len(lane.threads) == 2
-        got = _drain(lane, len(plan))
-    finally:
-        lane.close()
+    got = _read_all(plan, readers=2)
     for t, (name, s, e) in zip(got, want):
         assert torch.equal(t, tensors[name][s:e])
     assert f._pos == f.size  # every byte hashed in order, as read: verify() reads nothing again
@@ -126,12 +130,7 @@ def test_a_file_without_positional_reads_gets_one_reader(tmp_path):
     f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"))
     assert not f.positional
     plan, want = _plan(f)
-    lane = Lane("m", 0, plan, depth=4)
-    try:
-        assert len(lane.threads) == 1
-        got = _drain(lane, len(plan))
-    finally:
-        lane.close()
+    got = _read_all(plan, readers=1)
     assert all(torch.equal(t, tensors[n][s:e]) for t, (n, s, e) in zip(got, want))
     f.verify()
     f.close()
