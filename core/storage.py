@@ -31,8 +31,8 @@ T = TypeVar("T")
 TMP_PREFIX = ".tmp-"
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes of what islands creates on a local/shared POSIX filesystem
 # Errors no retry can fix: report them at once, with what to do.
-_FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then `orchestrate resume` the run",
-                 errno.EDQUOT: "the disk quota is exceeded: free space, then `orchestrate resume` the run",
+_FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then try again (a run: `orchestrate resume` it)",
+                 errno.EDQUOT: "the disk quota is exceeded: free space, then try again (a run: `orchestrate resume` it)",
                  errno.EACCES: "permission denied: check the run directory's owner and mode",
                  errno.EROFS: "the filesystem is read-only"}
 # Object stores where a PUT is atomic (an object appears whole or not at all) and fsspec's file

@@ -21,10 +21,8 @@ checkpoint (the last contribution, then base and optimizer state for the outer s
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,13 +37,17 @@ from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
 from merge.engine import Contribution, MergeResult, QuorumError, _torch_threads, compare_specs, model_specs, run_merge
-from merge.lanes import finite
+from merge.lanes import Lane, Read, Slot, finite
 from merge.memory import GatedFile, MemoryFile, load_model
 from merge.outer import state_out_specs
-from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model, read_in_file_order
+from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
 from merge.writer import OutputFile
 
 log = logging.getLogger(__name__)
+
+FOLD_SLOTS = 4
+"""Read buffers of a fold, each one entry of the file: two being read, the rest with the maths
+(a coded tensor's entries are held until its last one is in)."""
 
 @dataclass(frozen=True)
 class _Folded:
@@ -98,7 +100,7 @@ class RunningSum:
             except CheckpointError as exc:  # not held: the merge reads it, and reports it there if it is still bad
                 log.warning("merge: cannot hold the outer state in memory: %s", exc)
         self._dirty = False
-        self._buffers: queue.Queue[torch.Tensor] = queue.Queue()
+        self._slots = [Slot() for _ in range(FOLD_SLOTS)]
         self._on_tensor: Callable[[str], None] | None = None
 
     def _input(self, key: str, label: str, ident: str) -> Model:
@@ -196,38 +198,31 @@ class RunningSum:
             m.close()
 
     def _stream(self, c: Contribution, label: str, f: Any, enc: codec.Encoding | None) -> None:
-        """Read `f` in file order (hashed on the way) in a reader thread; add each tensor once whole."""
+        """Read `f` entry by entry in file order in a merge.lanes lane (two reads in flight on a
+        local file, the digest fed in order on the way); add each tensor once all its entries are in."""
         groups = {n: [n] + ([n + codec.INDEX] if n + codec.INDEX in f.specs else [])
                   + ([n + codec.SCALE] if n + codec.SCALE in f.specs else []) for n in self.ref}
         owner = {e: n for n, es in groups.items() for e in es}
-        q: queue.Queue[Any] = queue.Queue(maxsize=2)
-        free = self._buffers  # read buffers handed back for reuse, by this fold and the next ones
-        stop = threading.Event()
-        reader = threading.Thread(target=read_in_file_order, args=(f, q, free, stop), name=f"fold-{c.worker}", daemon=True)
-        reader.start()
-        pending: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        plan = [[Read(e, f, sp, 0, math.prod(sp.shape), sp.shape)] for e, sp in f.specs.items()]
+        # the slots (read buffers) are this sum's, reused by every fold: fresh pages cost more than reads
+        lane = Lane(label, c.worker, plan, FOLD_SLOTS, check=False, slots=self._slots)
+        pending: dict[str, dict[str, tuple[Slot, torch.Tensor]]] = {}
         try:
-            with _torch_threads(1):  # memory-bound maths: leave the other cores to the reader (I/O, digest)
-                for _ in range(len(f.specs)):
-                    item = q.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    entry, t, buf = item
+            with _torch_threads(1):  # memory-bound maths: leave the other cores to the readers (I/O, digest)
+                for _ in plan:
+                    slot, got = lane.take()
+                    (entry, t), = got.items()
                     name = owner[entry]
-                    got = pending.setdefault(name, {})
-                    got[entry] = (t, buf)
-                    if len(got) == len(groups[name]):
+                    have = pending.setdefault(name, {})
+                    have[entry] = (slot, t)
+                    if len(have) == len(groups[name]):
                         done = pending.pop(name)
-                        self._add_tensor(c, label, name, {e: v for e, (v, _) in done.items()}, enc)
-                        for _, b in done.values():
-                            free.put(b)
+                        self._add_tensor(c, label, name, {e: t for e, (_, t) in done.items()}, enc)
+                        for sl, _ in done.values():
+                            lane.free.put(sl)
             f.verify()
         finally:
-            stop.set()
-            while reader.is_alive():  # unblock it (it may wait on a full queue) before the file closes
-                with contextlib.suppress(queue.Empty):
-                    q.get_nowait()
-                reader.join(0.01)
+            lane.close()
 
     def _add_tensor(self, c: Contribution, label: str, name: str, got: dict[str, torch.Tensor],
                     enc: codec.Encoding | None) -> None:

@@ -120,11 +120,13 @@ class Lane:
     local files (positional reads), each reading a segment while the other's is hashed and handed
     over in turn; one otherwise."""
 
-    def __init__(self, label: str, ident: Any, plan: list[list[Read]], depth: int, check: bool = True) -> None:
+    def __init__(self, label: str, ident: Any, plan: list[list[Read]], depth: int, check: bool = True,
+                 slots: list[Slot] | None = None) -> None:
+        """`slots`: the `depth` slots to use (a caller's, reused from lane to lane), else new ones."""
         self.label, self.ident, self.plan, self.check = label, ident, plan, check
         self.free: queue.Queue[Slot | None] = queue.Queue()
-        for _ in range(depth):
-            self.free.put(Slot())
+        for slot in slots if slots is not None else [Slot() for _ in range(depth)]:
+            self.free.put(slot)
         self.ready: queue.Queue[Any] = queue.Queue()
         positional = all(getattr(r.file, "positional", False) for reads in plan for r in reads)
         n_threads = min(READERS, depth) if positional else 1

@@ -24,7 +24,7 @@ from typing import Any
 import fsspec
 
 from core.config import OuterConfig
-from core.errors import CheckpointError, IslandsError
+from core.errors import CheckpointError, IslandsError, StorageError
 from core.storage import Storage
 from merge.directio import mode_problem
 from merge.engine import DEFAULT_BUFFER_BYTES, compare_specs, model_specs, run_merge
@@ -78,8 +78,8 @@ def manual_merge(
 ) -> ManualResult:
     """Merge the models at `inputs` into `out` (see the module docstring); return what was done.
 
-    `io` (merge.directio.IO_MODES): how local input files are read; `auto` reads large files that
-    are not in the page cache with O_DIRECT."""
+    `io` (merge.directio.IO_MODES): how local files are read and written; `auto` reads large
+    files that are not in the page cache, and writes large files, with O_DIRECT."""
     params = dict(params or {})
     weights = [1.0] * len(inputs) if weights is None else [float(w) for w in weights]
     problems: list[str] = []
@@ -123,6 +123,8 @@ def manual_merge(
             raise MergeError(problems + ["merge models of the same architecture and dtype (convert them first)"])
 
         outputs, index_key, out_storage = _output_layout(ref, out, method, inputs, weights, params)
+        for o in outputs:
+            o.io = io
         order = [(n, d, s) for o in outputs for n, d, s, _ in o.specs]
         state_in = state_out = None
         if method == "outer" and state:
@@ -136,14 +138,14 @@ def manual_merge(
                     raise MergeError([str(exc)]) from None
                 models.append(state_in)
             state_out = OutputFile(sst, state_name, state_out_specs(order, params["optimizer"]), None,
-                                   {"optimizer": params["optimizer"].optimizer})
+                                   {"optimizer": params["optimizer"].optimizer}, io=io)
         direct = sum(f.direct for m in [*models, *([base_model] if base_model else [])] for f in m.files)
         try:
             stats = run_merge(models[: len(inputs)], weights, method, outputs, params=params, base=base_model,
                               state_in=state_in, state_out=state_out, buffer_bytes=buffer_bytes)
         except InputError as exc:
             raise MergeError([exc.reason]) from None
-        except (CheckpointError, ValueError) as exc:
+        except (CheckpointError, StorageError, ValueError) as exc:
             raise MergeError([str(exc)]) from None
         if ref.directory and not out.endswith(".safetensors"):
             _copy_other_files(ref, out_storage)

@@ -15,15 +15,12 @@ are not hashed.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import posixpath
-import queue
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,30 +354,3 @@ def open_model(url: str, ident: Any = None, label: str | None = None, io: str = 
             f.close()
         raise
     return Model(label, ident, files, tensors, storage, directory=True, index=index)
-
-
-def read_in_file_order(f: Any, q: queue.Queue, free: queue.Queue, stop: threading.Event) -> None:
-    """Reader thread: every entry of `f` in file order (so the digest is computed on the way),
-    each into a recycled page-aligned buffer when one is big enough (fresh pages cost more than
-    the copy; aligned, so a cold file is read with O_DIRECT: merge.directio)."""
-    spare: list[torch.Tensor] = []
-    try:
-        for name, spec in f.specs.items():
-            if stop.is_set():
-                return
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    spare.append(free.get_nowait())
-            need = directio.region_bytes(spec.nbytes)
-            fit = [b for b in spare if b.numel() >= need]
-            buf = min(fit, key=torch.Tensor.numel) if fit else directio.aligned_bytes(need)
-            spare = [b for b in spare if b is not buf][-2:]  # keep a couple: memory stays a few tensors
-            if stop.is_set():
-                return
-            raw = f.read_tensor(f.data_start + spec.start, spec.nbytes, buf, ITEMSIZE[spec.dtype])
-            q.put((name, raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape), buf))
-    except BaseException as exc:
-        q.put(exc)
-    finally:
-        for b in spare:
-            free.put(b)

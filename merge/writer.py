@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -24,6 +24,7 @@ from core.checkpoint import DTYPES, HASH, TensorSpec, build_header, new_hasher, 
 from core.errors import CheckpointError
 from core.layout import manifest_key
 from core.storage import TMP_PREFIX, Storage
+from merge import directio
 
 _DONE = object()
 
@@ -37,6 +38,9 @@ class OutputFile:
     manifest: Mapping[str, Any] | None = None
     """Fields of the JSON manifest written beside the file on commit; None: no manifest (HF shards)."""
     entry: dict[str, Any] = field(default_factory=dict)  # the manifest as written, after commit
+    io: str = "auto"
+    """How a local file is written (merge.directio.IO_MODES): `auto` and `direct` write a large
+    one around the page cache (directio.DirectWriter), `buffered` through it."""
 
 
 class StreamWriter:
@@ -82,22 +86,25 @@ class StreamWriter:
         fs = out.storage.fs
         try:
             out.storage.makedirs_path(posixpath.dirname(final))  # private folders on POSIX (core.storage)
-            f: IO[bytes] = fs.open(tmp, "wb")
+            f: Any = None if not out.storage.is_local else directio.create_direct(
+                tmp, len(header) + sum(s.nbytes for s in layout), out.io)
+            if f is None:
+                f = fs.open(tmp, "wb")
             out.storage.make_private(tmp)
         except OSError as exc:
             raise out.storage.error(f"create {out.key}", exc) from exc
         self._tmp.append((out, tmp))
         sha = new_hasher() if out.manifest is not None else None
         nbytes = 0
-        with f:
-            for data in self._file_chunks(header, layout):
-                try:
+        try:
+            with f:  # closing writes what is still buffered: a full disk may show only then
+                for data in self._file_chunks(header, layout):
                     f.write(data)
-                except OSError as exc:
-                    raise out.storage.error(f"write {out.key}", exc) from exc
-                if sha is not None:
-                    sha.update(data)
-                nbytes += len(data)
+                    if sha is not None:
+                        sha.update(data)
+                    nbytes += len(data)
+        except OSError as exc:
+            raise out.storage.error(f"write {out.key}", exc) from exc
         out.entry = {} if sha is None else {
             **(out.manifest or {}), "file": out.key.rsplit("/", 1)[-1], "hash": HASH, "digest": sha.hexdigest(),
             "bytes": nbytes,

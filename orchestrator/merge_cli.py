@@ -37,8 +37,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="outer: optimizer state file, read if it exists and replaced by the new state")
     p.add_argument("--buffer-mib", type=int, default=256, help="read buffers of all inputs together, MiB (default 256)")
     p.add_argument("--io", choices=IO_MODES, default="auto",
-                   help="how local inputs are read: auto (default) reads large files that are not in the page "
-                        "cache with O_DIRECT, bypassing it; direct or buffered force one way")
+                   help="how local files are read and written: auto (default) reads large files that are not "
+                        "in the page cache, and writes large files, with O_DIRECT, bypassing it; direct or "
+                        "buffered force one way")
     p.set_defaults(merge_handler=cmd_merge)
     return p
 

@@ -7,6 +7,8 @@ skipped (the reader then reads through the page cache, which the other merge tes
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 
 import pytest
@@ -186,3 +188,83 @@ def test_after_a_refused_direct_read_its_descriptor_stays_open_until_close(tmp_p
     f.close()
     with pytest.raises(OSError):
         os.fstat(direct_fd)
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def _pieces(seed: int) -> list[bytes]:
+    """Writes of every awkward size: empty, under a page, across pages, across staging buffers."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [0, 1, 4095, 4097, 3 * 4096 + 5, 10, 2 * 4096, 7 * 4096 + 1]
+    return [bytes(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy()) for n in sizes]
+
+
+def test_direct_writer_gives_the_exact_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(directio.DirectWriter, "CHUNK", 3 * 4096)  # many staging flushes for a small file
+    path = tmp_path / "out.bin"
+    w = directio.create_direct(str(path), 1, "direct")
+    if w is None:
+        pytest.skip(f"no O_DIRECT on the filesystem of {tmp_path}")
+    assert fcntl.fcntl(w.fd, fcntl.F_GETFL) & os.O_DIRECT
+    pieces = _pieces(0)
+    with w:
+        for p in pieces:
+            assert w.write(memoryview(p)) == len(p)
+    assert path.read_bytes() == b"".join(pieces)  # the last page's padding cut off
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_refused_direct_write_is_done_through_the_page_cache(tmp_path, monkeypatch, caplog):
+    """A filesystem that opens with O_DIRECT but refuses the write (EINVAL; simulated: this
+    machine's disk accepts it): the descriptor is switched to buffered writes, nothing is lost."""
+    monkeypatch.setattr(directio.DirectWriter, "CHUNK", 2 * 4096)
+    path = tmp_path / "out.bin"
+    w = directio.create_direct(str(path), 1, "direct")
+    if w is None:
+        pytest.skip(f"no O_DIRECT on the filesystem of {tmp_path}")
+    write = os.write
+
+    def refuse_direct(fd, data):
+        if fd == w.fd and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", refuse_direct)
+    pieces = _pieces(1)
+    with w:
+        for p in pieces:
+            w.write(p)
+    assert path.read_bytes() == b"".join(pieces)
+    assert "O_DIRECT write refused" in caplog.text
+
+
+def test_which_writes_go_direct(tmp_path, monkeypatch):
+    monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1 << 16)
+    probe = directio.create_direct(str(tmp_path / "probe"), 1, "direct")
+    if probe is None:
+        pytest.skip(f"no O_DIRECT on the filesystem of {tmp_path}")
+    probe.close()
+    assert directio.create_direct(str(tmp_path / "a"), 1 << 20, "buffered") is None
+    assert directio.create_direct(str(tmp_path / "b"), 1 << 10, "auto") is None  # small: not worth a disk round trip
+    for name, size, mode in (("c", 1 << 20, "auto"), ("d", 1 << 10, "direct")):
+        w = directio.create_direct(str(tmp_path / name), size, mode)
+        assert w is not None
+        w.close()
+    with pytest.raises(FileExistsError):  # a new file only: never written over another's
+        directio.create_direct(str(tmp_path / "c"), 1 << 20, "auto")
+
+
+def test_merge_outputs_are_written_direct_unless_told_otherwise(tmp_path, monkeypatch):
+    made = []
+    create = directio.create_direct
+    monkeypatch.setattr(directio, "create_direct", lambda *a: made.append(create(*a)) or made[-1])
+    paths = []
+    for i in range(2):
+        write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", _odd_model(i))
+        paths.append(str(tmp_path / f"in{i}.safetensors"))
+    _direct_or_skip(paths[0])
+    manual_merge(paths, str(tmp_path / "direct.safetensors"), io="direct")
+    assert [type(w).__name__ for w in made] == ["DirectWriter"]
+    made.clear()
+    manual_merge(paths, str(tmp_path / "buffered.safetensors"), io="buffered")
+    assert made == [None]
+    assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()

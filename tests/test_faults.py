@@ -114,7 +114,7 @@ def test_checkpoint_bigger_than_the_disk(small_disk):
     t0 = time.monotonic()
     with pytest.raises(StorageError, match=r"could not write checkpoint rounds/00000/contrib/worker_001.safetensors "
                                            r"in .*: No space left on device; the disk is full: free space on it, "
-                                           r"then `orchestrate resume` the run"):
+                                           r"then try again \(a run: `orchestrate resume` it\)"):
         write_checkpoint(s, key, big, manifest={"round": 0, "worker": 1})
     assert time.monotonic() - t0 < 1.0  # reported at once: no retry can free space
     assert os.listdir(small_disk / "run" / "rounds" / "00000" / "contrib") == []  # no temporary, no manifest
@@ -143,6 +143,22 @@ def test_disk_full_at_the_manifest_publishes_nothing_and_resumes(small_disk):
     s.remove(key)
     write_checkpoint(s, key, {"w": torch.zeros(fill // 2, dtype=torch.uint8)}, manifest={"round": 0, "worker": 1})
     assert arrived_workers(s, 0) == [1]
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_merge_output_bigger_than_the_disk_leaves_nothing(tmp_path, small_disk, io):
+    """The merge's output is written around the page cache (O_DIRECT) or through it: either way a
+    full disk fails the merge naming the output, and gives every byte back."""
+    from merge.manual import MergeError, manual_merge  # noqa: PLC0415
+
+    inputs = []
+    for i in range(2):
+        write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", {"w": torch.full((512 * 1024,), float(i))})
+        inputs.append(str(tmp_path / f"in{i}.safetensors"))  # 2 MiB each, for a 1 MiB disk
+    with pytest.raises(MergeError, match=r"merged\.safetensors.*No space left on device"):
+        manual_merge(inputs, str(small_disk / "out" / "merged.safetensors"), io=io)
+    assert os.listdir(small_disk / "out") == []  # no temporary, no output
+    assert _free_bytes(small_disk) == 1 << 20
 
 
 # -- a slow shared filesystem ----------------------------------------------------------------------
