@@ -199,6 +199,10 @@ class RoundService:
         latest = {w: e["job_ids"][-1] for w, e in jobs["workers"].items()}
         waiting = [j for w, j in latest.items() if int(w) not in arrived]
         states = self._poll_scheduler(waiting, arrived)
+        if any(not states.get(j, _UNKNOWN).alive for j in waiting):
+            # a job that published and ended between the listing and the scheduler's answer is not
+            # a loss: list again, after the answer (storage first would miss it, storage after cannot)
+            arrived = self._arrived(r)
         views = [WorkerView(int(w), int(w) in arrived, int(w) not in arrived and states.get(j, _UNKNOWN).alive,
                             jobs["workers"][w]["attempts"]) for w, j in latest.items()]
         return decide(views, quorum=self.cfg.quorum, elapsed_s=time.time() - jobs["submitted_at"],

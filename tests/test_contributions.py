@@ -15,6 +15,7 @@ from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import load_config
 from core.layout import RunLayout
 from core.storage import Storage
+from orchestrator.jobstatus import JobStatus
 from orchestrator.service import RoundService
 from test_late import G0, ThreadExecutor
 
@@ -96,3 +97,31 @@ def test_stale_contribution_is_rejected_with_the_reason_recorded(tmp_path, wrong
     assert rec["merged"] == [0] and rec["rejected"] == [1]
     assert rec["rejected_reasons"]["1"].startswith("stale contribution") and why in rec["rejected_reasons"]["1"]
     assert torch.equal(load_checkpoint(s, L.global_weights(1))[0]["w"], G0["w"] - 0.5)  # worker 0 alone
+
+
+class FinishesWhileAsked(Scripted):
+    """Worker 1's job publishes and ends exactly while the service asks the scheduler about it:
+    after the service listed the round's contributions, before the scheduler answers."""
+
+    def __init__(self) -> None:
+        super().__init__({1: lambda s, t: None})  # worker 1's job thread itself does nothing
+        self.tasks = {}
+
+    def submit(self, tasks) -> list[str]:
+        ids = super().submit(tasks)
+        self.tasks.update(zip(ids, tasks))
+        return ids
+
+    def status(self, ids):
+        for j in ids:
+            t = self.tasks[j]
+            if t.worker == 1 and not read_manifest(Storage(t.run_url), L.contribution(t.round, 1)):
+                self.jobs[j].join()
+                publish(Storage(t.run_url), t.round, 1, t.base_key, -0.5)
+        return {j: JobStatus(j, "RUNNING" if self.jobs[j].is_alive() else "COMPLETED") for j in ids}
+
+
+def test_a_job_that_publishes_and_ends_while_the_scheduler_is_asked_is_merged(tmp_path):
+    s = _run(tmp_path, FinishesWhileAsked())
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0, 1] and rec["dropped"] == []
