@@ -13,7 +13,13 @@ clipping, and touches no storage. The harness is measured two ways:
 The ratio harness/bare is the harness's cost (goal >= 0.98); the harness's seconds beyond the bare
 loop are its fixed cost per round. Runs alternate and the median of each is reported.
 
-    python -m bench.worker_throughput [--steps 100] [--repeats 3] [--n-layer 2 --n-embd 128]
+On a small shared machine a whole round's time varies by +-10% from run to run, more than the
+harness costs, so the fixed cost is also measured directly: `--short-repeats` rounds of
+`SHORT_STEPS` steps, harness and bare alternating, the difference of their medians. Training
+steps are the same code in both (the harness adds a clock read and a list append per step), so
+the per-round job's ratio at H steps is also given as bare / (bare + fixed), from the same run.
+
+    python -m bench.worker_throughput [--steps 100] [--repeats 3] [--short-repeats 10] [--n-layer 2 --n-embd 128]
 """
 from __future__ import annotations
 
@@ -76,6 +82,19 @@ def resident(run_dir: str, round_: int, carry):
     return time.perf_counter() - t0, trainer
 
 
+SHORT_STEPS = 2
+
+
+def fixed_cost(cfg, run_dir: str, repeats: int) -> tuple[float, float]:
+    """(median seconds of a SHORT_STEPS-step harness round, of a SHORT_STEPS-step bare loop)."""
+    harness(cfg, run_dir, 0)  # warm-up
+    short, bare = [], []
+    for r in range(1, repeats + 1):
+        short.append(harness(cfg, run_dir, r))
+        bare.append(bare_loop(cfg, SHORT_STEPS))
+    return statistics.median(short), statistics.median(bare)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=100)
@@ -83,16 +102,20 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--short-repeats", type=int, default=10, help=f"{SHORT_STEPS}-step rounds for the fixed cost")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = []
-        for name in ("run", "resident"):
-            cfg = config_from_dict({"workers": 4, "rounds": args.repeats + 1,
-                                    "inner": {"steps": args.steps, "batch_size": args.batch},
+        runs, cfgs = [], []
+        for name, steps, rounds in (("run", args.steps, args.repeats), ("resident", args.steps, args.repeats),
+                                    ("short", SHORT_STEPS, args.short_repeats)):
+            cfg = config_from_dict({"workers": 4, "rounds": rounds + 1,
+                                    "inner": {"steps": steps, "batch_size": args.batch},
                                     "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": 4},
                                     "run_dir": f"{tmp}/{name}"})
             create_run(Storage(cfg.run_dir), cfg)
             runs.append(cfg.run_dir)
+            cfgs.append(cfg)
+        cfg = cfgs[0]
         harness(cfg, runs[0], 0)  # warm-up: corpus cache, allocator, kernels
         _, carry = resident(runs[1], 0, None)  # a persistent worker's first round builds its trainer
         bare_loop(cfg, min(args.steps, 10))
@@ -103,6 +126,7 @@ def main() -> None:
             t, carry = resident(runs[1], r, carry)
             kept.append(t)
         carry.settle()
+        short_h, short_b = fixed_cost(cfgs[2], runs[2], args.short_repeats)
     tokens = args.steps * cfg.worker_batch_size * cfg.model.block_size
     b, h, k = statistics.median(bare), statistics.median(full), statistics.median(kept)
     result = {"device": pick_device(cfg).type, "threads": torch.get_num_threads(),
@@ -111,6 +135,9 @@ def main() -> None:
               "harness_tokens_per_s": round(tokens / h), "ratio_harness_over_bare": round(b / h, 4),
               "resident_tokens_per_s": round(tokens / k), "ratio_resident_over_bare": round(b / k, 4),
               "fixed_s_per_round": {"per_round_job": round(h - b, 3), "resident": round(k - b, 3)},
+              f"short_rounds_{SHORT_STEPS}_steps": {"harness_s": round(short_h, 4), "bare_s": round(short_b, 4),
+                                                    "fixed_s": round(short_h - short_b, 4)},
+              "ratio_harness_over_bare_from_fixed": round(b / (b + short_h - short_b), 4),
               "bare_s": [round(x, 3) for x in bare], "harness_s": [round(x, 3) for x in full],
               "resident_s": [round(x, 3) for x in kept]}
     print(json.dumps(result, indent=1))

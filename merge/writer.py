@@ -1,7 +1,8 @@
 """Streaming output of a merge: safetensors files written tensor by tensor, published only on commit.
 
 Each file's header is computed from shapes and dtypes before any data (core.checkpoint.build_header),
-so tensors are written as they are merged, by a writer thread that overlaps the disk with the maths.
+so tensors are written as they are merged, by a writer thread that overlaps the disk with the maths
+(a large local file around the page cache: merge.directio.DirectWriter).
 Files go to hidden temporary names; `commit()` renames them all into place and then writes the
 manifests (files that want one), in order; `abort()` deletes them. Nothing is visible until the
 whole merge has succeeded.
@@ -39,8 +40,8 @@ class OutputFile:
     """Fields of the JSON manifest written beside the file on commit; None: no manifest (HF shards)."""
     entry: dict[str, Any] = field(default_factory=dict)  # the manifest as written, after commit
     io: str = "auto"
-    """How a local file is written (merge.directio.IO_MODES): `auto` and `direct` write a large
-    one around the page cache (directio.DirectWriter), `buffered` through it."""
+    """How a local file is written (merge.directio.IO_MODES): around the page cache
+    (directio.DirectWriter) if it is large (`auto`) or always (`direct`), or through it (`buffered`)."""
 
 
 class StreamWriter:
