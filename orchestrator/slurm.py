@@ -88,13 +88,17 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
     return rows
 
 
-def parse_squeue(text: str) -> dict[str, str]:
-    """Lines of `squeue -h -r -o %i|%T` (arrays expanded), as {job id: state}."""
+SQUEUE_FORMAT = "%i|%T|%V|%S"
+"""Job id, state, submit time, start time (expected, for a pending job: not used)."""
+
+
+def parse_squeue(text: str) -> dict[str, tuple[str, str, str]]:
+    """Lines of `squeue -h -r -o SQUEUE_FORMAT` (arrays expanded), as {job id: (state, submit, start)}."""
     out = {}
     for line in text.splitlines():
-        job, sep, state = line.strip().partition("|")
-        if sep:
-            out[job] = state
+        parts = line.strip().split("|")
+        if len(parts) == 4:
+            out[parts[0]] = (parts[1], parts[2], parts[3])
     return out
 
 
@@ -102,8 +106,10 @@ class SlurmPoller:
     """States of many jobs from one sacct and one squeue call per poll, whatever their number.
 
     sacct is the record of ended jobs (submitit needs accounting for the same reason), squeue
-    of queued ones. An array task cancelled while pending shows in neither (sacct keeps only
-    the pending array's row), so a job missing from both for `grace_s` counts as gone.
+    of queued ones; squeue's submit and start times stand in while the accounting database has
+    no row for a job yet (it lags the controller by seconds). An array task cancelled while
+    pending shows in neither (sacct keeps only the pending array's row), so a job missing from
+    both for `grace_s` counts as gone.
     """
 
     def __init__(self, grace_s: float = 10.0) -> None:
@@ -113,18 +119,20 @@ class SlurmPoller:
     def poll(self, job_ids: list[str]) -> dict[str, JobStatus]:
         bases = ",".join(sorted({j.split("_")[0] for j in job_ids}))
         acct = parse_sacct(_run(["sacct", "-P", "-n", "-X", "-o", SACCT_FIELDS, "-j", bases]))
-        queue = parse_squeue(_run(["squeue", "-h", "-r", "-o", "%i|%T", "-j", bases]))
+        queue = parse_squeue(_run(["squeue", "-h", "-r", "-o", SQUEUE_FORMAT, "-j", bases]))
         now = time.monotonic()
         return {j: self._status(j, acct.get(j), queue.get(j), now) for j in job_ids}
 
-    def _status(self, job: str, row: dict[str, str] | None, queued: str | None, now: float) -> JobStatus:
-        none = lambda v: None if v in ("", "Unknown", "None") else v  # noqa: E731
+    def _status(self, job: str, row: dict[str, str] | None, queued: tuple[str, str, str] | None,
+                now: float) -> JobStatus:
+        none = lambda v: None if v in ("", "Unknown", "None", "N/A") else v  # noqa: E731
         if row is not None and (queued is None or row["State"] not in ("PENDING",)):
             self._missing_since.pop(job, None)
             return JobStatus(job, row["State"], none(row["Submit"]), none(row["Start"]), none(row["End"]))
         if queued is not None:
             self._missing_since.pop(job, None)
-            return JobStatus(job, queued)
+            state, submit, start = queued
+            return JobStatus(job, state, none(submit), None if state == "PENDING" else none(start))
         first = self._missing_since.setdefault(job, now)
         return JobStatus(job, "PENDING" if now - first < self.grace_s else "GONE (not in squeue or sacct)")
 

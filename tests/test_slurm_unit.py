@@ -52,7 +52,9 @@ def test_parse_sacct_and_squeue():
     rows = parse_sacct("12_0|COMPLETED|2026-11-22T03:00:00|2026-11-22T03:00:05|2026-11-22T03:01:00|n1\n"
                        "12_0.batch|COMPLETED|x|x|x|n1\n12_[1-2]|PENDING|2026-11-22T03:00:00|Unknown|Unknown|None\n")
     assert set(rows) == {"12_0", "12_[1-2]"} and rows["12_0"]["Start"] == "2026-11-22T03:00:05"
-    assert parse_squeue("12_1|RUNNING\n12_2|PENDING\n") == {"12_1": "RUNNING", "12_2": "PENDING"}
+    assert parse_squeue("12_1|RUNNING|2026-11-22T03:00:00|2026-11-22T03:00:04\n12_2|PENDING|2026-11-22T03:00:00|N/A\n"
+                        "garbage\n") == {"12_1": ("RUNNING", "2026-11-22T03:00:00", "2026-11-22T03:00:04"),
+                                         "12_2": ("PENDING", "2026-11-22T03:00:00", "N/A")}
 
 
 def test_poller_gone_after_grace():
@@ -66,4 +68,11 @@ def test_poller_gone_after_grace():
     done = p._status("5_0", row, None, now=0)
     assert not done.alive and done.start is None
     # sacct lags squeue: a job squeue runs is alive even if sacct still says PENDING
-    assert p._status("5_2", {**row, "State": "PENDING"}, "RUNNING", now=0).state == "RUNNING"
+    queued = ("RUNNING", "2026-11-22T03:00:00", "2026-11-22T03:00:04")
+    assert p._status("5_2", {**row, "State": "PENDING"}, queued, now=0).state == "RUNNING"
+    # no sacct row yet (the accounting database lags): squeue's times give the queue wait
+    running = p._status("5_3", None, queued, now=0)
+    assert running.state == "RUNNING" and running.timing()["queue_wait_s"] == 4.0
+    # a pending job's squeue start is a forecast, not a start
+    pending = p._status("5_4", None, ("PENDING", "2026-11-22T03:00:00", "2026-11-22T04:00:00"), now=0)
+    assert pending.submit == "2026-11-22T03:00:00" and pending.start is None and pending.timing()["run_s"] is None
