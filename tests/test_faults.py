@@ -28,6 +28,7 @@ from core.errors import CheckpointError, RunError, StorageError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.engine import Contribution, merge_round
+from merge.manual import MergeError, manual_merge
 from orchestrator.runstate import acquire_lock, arrived_workers, release_lock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,8 +150,6 @@ def test_disk_full_at_the_manifest_publishes_nothing_and_resumes(small_disk):
 def test_merge_output_bigger_than_the_disk_leaves_nothing(tmp_path, small_disk, io):
     """The merge's output is written around the page cache (O_DIRECT) or through it: either way a
     full disk fails the merge naming the output, and gives every byte back."""
-    from merge.manual import MergeError, manual_merge  # noqa: PLC0415
-
     inputs = []
     for i in range(2):
         write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", {"w": torch.full((512 * 1024,), float(i))})
