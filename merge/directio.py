@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 DIRECT_MIN_BYTES = 64 << 20
-"""Files smaller than this are read through the page cache in `auto` mode (a header-sized read
-through O_DIRECT is a disk round trip; small files are cheap either way)."""
+"""Files smaller than this are read and written through the page cache in `auto` mode (a
+header-sized read through O_DIRECT is a disk round trip; small files are cheap either way)."""
 IO_MODES = ("auto", "direct", "buffered")
 
 

@@ -122,14 +122,16 @@ class Lane:
 
     def __init__(self, label: str, ident: Any, plan: list[list[Read]], depth: int, check: bool = True,
                  slots: list[Slot] | None = None) -> None:
-        """`slots`: the `depth` slots to use (a caller's, reused from lane to lane), else new ones."""
+        """`slots`: the slots to use (a caller's, reused from lane to lane; `depth` is then their
+        number), else `depth` new ones."""
         self.label, self.ident, self.plan, self.check = label, ident, plan, check
+        slots = slots if slots is not None else [Slot() for _ in range(depth)]
         self.free: queue.Queue[Slot | None] = queue.Queue()
-        for slot in slots if slots is not None else [Slot() for _ in range(depth)]:
+        for slot in slots:
             self.free.put(slot)
         self.ready: queue.Queue[Any] = queue.Queue()
         positional = all(getattr(r.file, "positional", False) for reads in plan for r in reads)
-        n_threads = min(READERS, depth) if positional else 1
+        n_threads = min(READERS, len(slots)) if positional else 1
         self._turn = self._next = 0  # the segment to hand over next; the next one to read
         self._cv = threading.Condition()
         self._stop = False
