@@ -105,12 +105,12 @@ def test_a_bad_segment_is_reported_after_the_good_ones_before_it_and_close_does_
 def test_a_failed_read_names_the_input(tmp_path):
     _, f = _open(tmp_path, _model())
     plan, _ = _plan(f)
-    fetch, n = f.fetch_tensor, iter(range(10**6))
+    fetch, bad = f.fetch_tensor, plan[4][0].offset  # the fifth segment's read fails (whichever thread reads it)
 
-    def failing(*a, **kw):
-        if next(n) == 4:
+    def failing(offset, *a, **kw):
+        if offset == bad:
             raise CheckpointError("m: read failed at offset 1234 (EIO); check the storage and retry")
-        return fetch(*a, **kw)
+        return fetch(offset, *a, **kw)
 
     f.fetch_tensor = failing
     lane = Lane("m", 2, plan, depth=4)
