@@ -18,8 +18,9 @@ from core.checkpoint import load_checkpoint, read_manifest
 from core.config import Config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from merge.engine import Contribution, merge_round
+from merge.engine import merge_round
 from orchestrator.late import rebase
+from orchestrator.outer_state import recorded_inputs
 from worker.weights import model_metadata
 
 L = RunLayout()
@@ -32,6 +33,10 @@ def _g(r: int) -> str:
 
 def _s(r: int) -> str:
     return f"{PREFIX}/{L.outer_state(r)}"
+
+
+def _folded(r: int, fold: dict[str, Any]) -> str:
+    return f"{PREFIX}/{L.folded_contribution(r, fold['worker'], fold['from_round'])}"
 
 
 def invalid_merges(storage: Storage, rounds: int) -> list[str]:
@@ -65,26 +70,19 @@ def replay(storage: Storage, cfg: Config, rounds: int) -> dict[str, Any]:
     out, problems = [], []
     for r in range(rounds):
         rec = storage.read_json(L.round_record(r))
-        by_id = {}
         for w in rec["merged"]:
-            key = L.contribution(r, w)
-            if (read_manifest(storage, key) or {}).get("digest") != rec["contrib_digest"][str(w)]:
+            if (read_manifest(storage, L.contribution(r, w)) or {}).get("digest") != rec["contrib_digest"][str(w)]:
                 problems.append(f"round {r}: worker {w}'s contribution changed since it was merged")
-            by_id[w] = Contribution(w, key, rec["weights"][str(w)])
-        for i, f in enumerate(rec.get("folded", [])):
+        for f in rec.get("folded", []):
             if (read_manifest(storage, f["source"]) or {}).get("digest") != f["source_digest"]:
                 problems.append(f"round {r}: the late contribution {f['source']} changed since it was folded")
             if f["base"] != L.global_weights(f["from_round"]):
                 problems.append(f"round {r}: folded {f['source']} was trained from {f['base']}, not a global checkpoint")
-            key = f"{PREFIX}/{L.folded_contribution(r, f['worker'], f['from_round'])}"
-            rebase(storage, _g(r), f["source"], _g(f["from_round"]), key)
-            by_id[-(i + 1)] = Contribution(-(i + 1), key, f["weight"])  # the service's ids for folds
-        # the same order as the run: a float sum depends on it (merge/incremental.py sums in arrival order)
-        order = rec.get("merge_order") or list(by_id)
-        if sorted(order) != sorted(by_id):
-            problems.append(f"round {r}: merge_order {order} does not name the merged inputs {sorted(by_id)}")
-            order = list(by_id)
-        contribs = [by_id[i] for i in order]
+            rebase(storage, _g(r), f["source"], _g(f["from_round"]), _folded(r, f))
+        # the same inputs in the same order as the run: a float sum depends on it (merge/incremental.py)
+        contribs, problem = recorded_inputs(rec, fold_key=lambda f: _folded(r, f))
+        if problem:
+            problems.append(f"round {r}: {problem}")
         res = merge_round(storage, _g(r), contribs, _g(r + 1), cfg.outer, state_in_key=_s(r) if r > 0 else None,
                           state_out_key=_s(r + 1), min_inputs=len(contribs), metadata=metadata,
                           manifest={"round": r + 1})

@@ -14,6 +14,7 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     rounds/00003/record.json                      the round's commit record, written last
     rounds/00003/rejected/                        contributions refused by the merge, with why
     rounds/00003/folded/worker_001_from_00002...  a late contribution of round 2 folded into round 3
+    rounds/00003/rebuild/global.safetensors       round 3's merge redone to rebuild outer/state_00004 (removed after)
     workers/worker_001/state_00003.safetensors    worker 1's inner optimizer state after round 3
     workers/worker_001/inflight_00003.safetensors mid-round checkpoint of a preempted worker
     workers/worker_001/progress.json              heartbeat of the running worker (step, loss)
@@ -84,6 +85,15 @@ class RunLayout:
         merge input that folds it in (round.late_policy: fold); kept so the merge can be replayed."""
         return posixpath.join(self.round_dir(round_), "folded",
                               f"worker_{worker:03d}_from_{from_round:05d}{SAFETENSORS}")
+
+    def rebuild_dir(self, round_: int) -> str:
+        """Round `round_`'s merge redone to rebuild the outer state it wrote (orchestrator.outer_state);
+        removed after."""
+        return posixpath.join(self.round_dir(round_), "rebuild")
+
+    def rebuilt_global(self, round_: int) -> str:
+        """The redone merge's global output, compared with the published one."""
+        return posixpath.join(self.rebuild_dir(round_), f"global{SAFETENSORS}")
 
     def worker_dir(self, worker: int) -> str:
         return f"workers/worker_{worker:03d}"

@@ -47,7 +47,7 @@ from merge.methods import check_method_args, method_spec
 from merge.outer import state_in_specs, state_key, state_out_specs, state_slots
 from merge.lanes import Lane, Read, finite, nonfinite
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
-from merge.writer import OutputFile, StreamWriter
+from merge.writer import OutputFile, PendingWrite, StreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class MergeResult:
     manifest: dict[str, Any] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)
     """The order the inputs were summed in (merge/incremental.py), when it matters to the bytes."""
+    pending_state: PendingWrite | None = None
+    """With `defer_state`: the new outer state, not written yet (PendingWrite.start / wait)."""
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -131,6 +133,8 @@ class MergeStats:
     grad_sq: float
     manifests: list[dict[str, Any]]
     state_manifest: dict[str, Any] | None
+    pending_state: PendingWrite | None = None
+    """With `defer_state`: the outer state, still to be written (start() it, then wait())."""
 
 
 def run_merge(
@@ -145,6 +149,7 @@ def run_merge(
     state_out: OutputFile | None = None,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     depth: int = 4,
+    defer_state: bool = False,
 ) -> MergeStats:
     """Merge `inputs` (headers already checked against each other) into `outputs`, whose specs give
     the tensors' order, dtypes and shapes; publish them (and `state_out`) only if all went well.
@@ -152,10 +157,13 @@ def run_merge(
     Takes ownership of the models: they are closed on return. An unusable input raises InputError
     naming it (`ident`); the merged result's problems raise CheckpointError.
 
-    `depth`: read-ahead slots per input (merge.lanes says why 4).
+    `depth`: read-ahead slots per input (merge.lanes says why 4). `defer_state`: `state_out` is not
+    written here: its tensors are held in memory and returned as `pending_state`, to be written
+    after the outputs are published (the round merge's new global is what the next round waits for).
     """
     with _torch_threads(1):  # the maths are memory-bound: leave the cores to the readers (I/O, digest)
-        return _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth)
+        return _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth,
+                          defer_state)
 
 
 _THREADS_LOCK = threading.Lock()
@@ -183,7 +191,8 @@ def _torch_threads(n: int) -> Iterator[None]:
                 torch.set_num_threads(_threads_saved)
 
 
-def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth) -> MergeStats:
+def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth,
+               defer_state) -> MergeStats:
     t0 = time.perf_counter()
     spec = method_spec(method)
     params = dict(params or {})
@@ -231,8 +240,9 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
             return plan
 
         writers.append(StreamWriter(list(outputs)))
-        if state_out is not None:
-            writers.append(StreamWriter([state_out]))
+        defer = defer_state and state_out is not None
+        if state_out is not None:  # deferred: held whole in the queue, written by PendingWrite
+            writers.append(StreamWriter([state_out], depth=0, start=False) if defer else StreamWriter([state_out]))
         # Methods that propagate NaN/Inf (sums) get the cheap check on their result only; the
         # inputs are then checked one by one only to name the culprit. The state is always checked.
         inner = params.get("inner", "average") if spec.stateful else method
@@ -282,7 +292,7 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
             failpoint("merge.while_reading")  # crash tests: half the inputs read, temporaries on disk
             if state_out is not None and seg.floating:
                 _put_state(writers[1], seg, state, slots, shapes[seg.name], pending, stream_state)
-        for w in writers:
+        for w in writers[:1] if defer else writers:
             w.finish()
         for m in models:  # every byte has streamed past: compare the hashes before publishing anything
             try:
@@ -293,9 +303,10 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
                 raise InputError(m.ident, str(exc)) from None
         manifests = writers[0].commit()
         failpoint("merge.after_global")  # crash tests: new global published, outer state not yet
-        state_manifest = writers[1].commit()[0] if state_out is not None else None
+        pending = PendingWrite(writers.pop()) if defer else None
+        state_manifest = writers[1].commit()[0] if state_out is not None and not defer else None
         return MergeStats(sum(m.bytes for m in inputs), time.perf_counter() - t0, stats.get("grad_sq", 0.0),
-                          manifests, state_manifest)
+                          manifests, state_manifest, pending)
     except BaseException:
         for w in writers:
             w.abort()
@@ -343,6 +354,7 @@ def merge_round(
     metadata: Mapping[str, str] | None = None,
     manifest: Mapping[str, Any] | None = None,
     accumulator: Any = None,
+    defer_state: bool = False,
 ) -> MergeResult:
     """Merge `contributions` into the weights at `base_key`; write `out_key` (and the outer state).
 
@@ -350,12 +362,14 @@ def merge_round(
     `min_inputs` valid ones remain. `average` is summed in the contributions' order, or through
     `accumulator` (a merge.incremental.RunningSum folded while they arrived), which decode delta
     contributions (core/codec.py); the other methods stream every input at once, here.
+    `defer_state`: the new outer state is returned unwritten, as the result's `pending_state`
+    (the service writes it after the round's record: the next round needs only the new global).
     """
     if method == "average":
         from merge.incremental import merge_summed  # it builds on this module
         return merge_summed(storage, base_key, contributions, out_key, outer, accumulator=accumulator,
                             state_in_key=state_in_key, state_out_key=state_out_key, min_inputs=min_inputs,
-                            metadata=metadata, manifest=manifest)
+                            metadata=metadata, manifest=manifest, defer_state=defer_state)
     t0 = time.perf_counter()
     rejected: dict[int, str] = {}
     live = list(contributions)
@@ -365,7 +379,7 @@ def merge_round(
                               f"rejected: {rejected or 'none'}", rejected)
         try:
             stats = _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key,
-                                method, metadata, manifest)
+                                method, metadata, manifest, defer_state)
         except ContributionRejected as exc:
             log.warning("merge: rejected worker %d: %s", exc.worker, exc.reason)
             rejected[exc.worker] = exc.reason
@@ -373,11 +387,11 @@ def merge_round(
             continue
         return MergeResult(merged=[c.worker for c in live], rejected=rejected, bytes_read=stats.bytes_read,
                            seconds=time.perf_counter() - t0, outer_grad_norm=stats.grad_sq ** 0.5,
-                           manifest=stats.manifests[0])
+                           manifest=stats.manifests[0], pending_state=stats.pending_state)
 
 
 def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key, method, metadata,
-                manifest) -> MergeStats:
+                manifest, defer_state=False) -> MergeStats:
     opened: list[Model] = []
     try:
         base = open_file_model(storage, base_key, f"global weights {storage.display(base_key)}", "base",
@@ -413,7 +427,7 @@ def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out
         state_out = OutputFile(storage, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
     try:
         return run_merge(inputs, [c.weight for c in live], "outer", [out], params={"optimizer": outer, "inner": method},
-                         base=base, state_in=state_in, state_out=state_out)
+                         base=base, state_in=state_in, state_out=state_out, defer_state=defer_state)
     except InputError as exc:
         if isinstance(exc.ident, int):
             raise ContributionRejected(exc.ident, exc.reason) from None

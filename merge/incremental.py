@@ -46,8 +46,13 @@ from merge.writer import OutputFile
 log = logging.getLogger(__name__)
 
 FOLD_SLOTS = 4
-"""Read buffers of a fold, each one entry of the file: two being read, the rest with the maths
-(a coded tensor's entries are held until its last one is in)."""
+"""Read buffers of a fold: two being read, the rest with the maths (a coded tensor's entries are
+held until its last one is in)."""
+FOLD_CHUNK = 1 << 22
+"""Elements per read of a large tensor stored plain (weights, fp32/bf16 deltas): the slots stay at
+16 MiB whatever the model (a coded tensor is read whole: its rows need their scales and indices),
+and the outer step beside the last fold takes the mean in these slices as soon as each is final,
+the engine's own slice size (merge.engine._MAX_CHUNK)."""
 
 @dataclass(frozen=True)
 class _Folded:
@@ -101,7 +106,8 @@ class RunningSum:
                 log.warning("merge: cannot hold the outer state in memory: %s", exc)
         self._dirty = False
         self._slots = [Slot() for _ in range(FOLD_SLOTS)]
-        self._on_tensor: Callable[[str], None] | None = None
+        self._on_tensor: Callable[[str, int, int], None] | None = None
+        """Told which elements of S are final, while the round's last contribution is folded."""
 
     def _input(self, key: str, label: str, ident: str) -> Model:
         """The checkpoint at `key` for the outer step: the copy held in memory if it is still the
@@ -198,23 +204,33 @@ class RunningSum:
             m.close()
 
     def _stream(self, c: Contribution, label: str, f: Any, enc: codec.Encoding | None) -> None:
-        """Read `f` entry by entry in file order in a merge.lanes lane (two reads in flight on a
-        local file, the digest fed in order on the way); add each tensor once all its entries are in."""
+        """Read `f` in file order in a merge.lanes lane (two reads in flight on a local file, the
+        digest fed in order on the way): a large plain tensor slice by slice, each added as it
+        comes; a coded tensor once all its entries are in."""
         groups = {n: [n] + ([n + codec.INDEX] if n + codec.INDEX in f.specs else [])
                   + ([n + codec.SCALE] if n + codec.SCALE in f.specs else []) for n in self.ref}
         owner = {e: n for n, es in groups.items() for e in es}
-        plan = [[Read(e, f, sp, 0, math.prod(sp.shape), sp.shape)] for e, sp in f.specs.items()]
+        plan = []
+        for e, sp in f.specs.items():
+            numel = math.prod(sp.shape)
+            # alone (no scales, no indices) and floating point: decoding is the cast, so slices add up as the whole
+            sliced = groups.get(e) == [e] and sp.dtype in FLOATS and self.ref[e].dtype in FLOATS and numel > FOLD_CHUNK
+            plan += [[Read(e, f, sp, a, min(a + FOLD_CHUNK, numel), (min(a + FOLD_CHUNK, numel) - a,))]
+                     for a in range(0, numel, FOLD_CHUNK)] if sliced else [[Read(e, f, sp, 0, numel, sp.shape)]]
         # the slots (read buffers) are this sum's, reused by every fold: fresh pages cost more than reads
         lane = Lane(label, c.worker, plan, FOLD_SLOTS, check=False, slots=self._slots)
         pending: dict[str, dict[str, tuple[Slot, torch.Tensor]]] = {}
         try:
             with _torch_threads(1):  # memory-bound maths: leave the other cores to the readers (I/O, digest)
-                for _ in plan:
+                for (read,) in plan:
                     slot, got = lane.take()
-                    (entry, t), = got.items()
-                    name = owner[entry]
+                    name, t = owner[read.tag], got[read.tag]
+                    if read.shape != read.spec.shape:  # a slice
+                        self._add_slice(c, label, name, read.start, read.stop, t)
+                        lane.free.put(slot)
+                        continue
                     have = pending.setdefault(name, {})
-                    have[entry] = (slot, t)
+                    have[read.tag] = (slot, t)
                     if len(have) == len(groups[name]):
                         done = pending.pop(name)
                         self._add_tensor(c, label, name, {e: t for e, (_, t) in done.items()}, enc)
@@ -224,11 +240,21 @@ class RunningSum:
         finally:
             lane.close()
 
+    def _add_slice(self, c: Contribution, label: str, name: str, start: int, stop: int, t: torch.Tensor) -> None:
+        """Elements [start, stop) of float tensor `name`, stored plain; `t` is ours (a read buffer)."""
+        x = t.to(torch.float32)
+        if not finite(x):
+            raise ContributionRejected(c.worker, _nonfinite(label, name))
+        self._dirty = True
+        self.sum.view(name).view(-1)[start:stop].add_(x.mul_(float(c.weight)))  # rounded as in _add_one
+        if self._on_tensor is not None:  # the last fold of a round: these elements of S are final
+            self._on_tensor(name, start, stop)
+
     def _add_tensor(self, c: Contribution, label: str, name: str, got: dict[str, torch.Tensor],
                     enc: codec.Encoding | None) -> None:
         self._add_one(c, label, name, got, enc)
         if self._on_tensor is not None:  # the last fold of a round: this tensor of S is final
-            self._on_tensor(name)
+            self._on_tensor(name, 0, math.prod(self.ref[name].shape))
 
     def _add_one(self, c: Contribution, label: str, name: str, got: dict[str, torch.Tensor],
                  enc: codec.Encoding | None) -> None:
@@ -241,8 +267,7 @@ class RunningSum:
             return
         x = codec.decode_tensor(name, spec.shape, enc, got.__getitem__) if enc else got[name].to(torch.float32)
         if not finite(x):
-            raise ContributionRejected(c.worker, f"{label}: tensor {name} has NaN or Inf values: the model diverged "
-                                                 "or the file is damaged; leave it out of the merge")
+            raise ContributionRejected(c.worker, _nonfinite(label, name))
         self._dirty = True
         # x is ours (a read buffer or a decoded copy). The product is rounded before the add, not
         # fused into it, so that a sum of two is the same in either order.
@@ -277,9 +302,11 @@ class RunningSum:
     # -- the merge ----------------------------------------------------------------------
     def merge(self, contributions: Sequence[Contribution], out_key: str, outer: OuterConfig, *,
               state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
-              metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None) -> MergeResult:
+              metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None,
+              defer_state: bool = False) -> MergeResult:
         """Make S the sum over exactly `contributions` (what is folded already, in its order, then
-        the rest in the given order), then one outer step into `out_key` (and the outer state)."""
+        the rest in the given order), then one outer step into `out_key` (and the outer state,
+        returned unwritten as `pending_state` with `defer_state`)."""
         t0 = time.perf_counter()
         want = {c.worker: c for c in contributions}
         keep = []
@@ -298,7 +325,7 @@ class RunningSum:
 
         def step(mean: Any, order: list[int]) -> Any:
             return self._outer_step(mean, out_key, outer, state_in_key, state_out_key, metadata,
-                                    {**(manifest or {}), "merge_order": order})
+                                    {**(manifest or {}), "merge_order": order}, defer_state)
 
         stats = None
         if todo and self.folded and len(self.folded) + 1 >= min_inputs:  # the last one folds beside the step
@@ -315,7 +342,7 @@ class RunningSum:
         nbytes = sum(f.nbytes for f in self.folded)
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=nbytes,
                            seconds=time.perf_counter() - t0, outer_grad_norm=stats.grad_sq ** 0.5,
-                           manifest=stats.manifests[0], order=order)
+                           manifest=stats.manifests[0], order=order, pending_state=stats.pending_state)
 
     def _total(self, extra: float = 0.0) -> float:
         total = float(sum(f.weight for f in self.folded) + extra)
@@ -323,10 +350,11 @@ class RunningSum:
             raise ValueError(f"weights must sum to a positive number, got {[f.weight for f in self.folded]}")
         return total
 
-    def _divide(self, name: str, total: float) -> None:
-        """Tensor `name` of S divided by the total weight, in place (floats only: the rest are not sums)."""
+    def _divide(self, name: str, total: float, start: int = 0, stop: int | None = None) -> None:
+        """Elements [start, stop) of tensor `name` of S divided by the total weight, in place (floats
+        only: the rest are not sums)."""
         if self.sum.specs[name].dtype == "F32":
-            self.sum.view(name).div_(total)
+            self.sum.view(name).view(-1)[start:stop].div_(total)
 
     def _mean(self) -> MemoryFile:
         """S divided by the total weight, in place."""
@@ -337,7 +365,7 @@ class RunningSum:
         return self.sum
 
     def _fold_during_step(self, c: Contribution, step: Callable[[Any, list[int]], Any]) -> Any:
-        """Fold `c`, the round's last contribution, while the outer step runs: each tensor of the
+        """Fold `c`, the round's last contribution, while the outer step runs: each slice of the
         mean goes to the step the moment c's part of it is added (so the latency after the last
         worker lands is about the longer of the two, not their sum). None if `c` is refused (S is
         then rebuilt without it) or was refused before."""
@@ -346,9 +374,9 @@ class RunningSum:
             return None
         total, gate, got = self._total(c.weight), GatedFile(self.sum), {}
 
-        def divided(name: str) -> None:
-            self._divide(name, total)
-            gate.open(name)
+        def divided(name: str, start: int, stop: int) -> None:
+            self._divide(name, total, start, stop)
+            gate.advance(name, stop * ITEMSIZE[self.sum.specs[name].dtype])
 
         def fold() -> None:
             try:
@@ -379,7 +407,7 @@ class RunningSum:
         self._dirty = True  # S is the mean now
         return stats
 
-    def _outer_step(self, mean_file: Any, out_key, outer, state_in_key, state_out_key, metadata, manifest):
+    def _outer_step(self, mean_file: Any, out_key, outer, state_in_key, state_out_key, metadata, manifest, defer_state):
         s = self.storage
         base = self._input(self.base_key, f"global weights {s.display(self.base_key)}", "base")
         mean = Model("mean of the contributions", "sum", [mean_file], {n: (mean_file, sp) for n, sp in mean_file.specs.items()})
@@ -399,10 +427,14 @@ class RunningSum:
             ("outer", {"optimizer": outer, "inner": "average"})
         try:
             return run_merge([mean], [1.0], method, [out], params=params, base=base, state_in=state_in,
-                             state_out=state_out)
+                             state_out=state_out, defer_state=defer_state)
         except InputError as exc:
             raise CheckpointError(exc.reason if exc.ident != "sum" else
                                   f"the weighted sum of the contributions overflowed: {exc.reason}") from None
+
+
+def _nonfinite(label: str, name: str) -> str:
+    return f"{label}: tensor {name} has NaN or Inf values: the model diverged or the file is damaged; leave it out of the merge"
 
 
 def _dtype(t: torch.Tensor) -> str:

@@ -5,7 +5,7 @@ verify, close) over one aligned buffer: the round merge's running sum is one, an
 round's global weights and outer optimizer state once `load_model` has read them, whole and
 digest-checked, while the service waited for the workers (merge.incremental), so that the outer
 step after the last contribution reads nothing from storage. `GatedFile` is the running sum while
-the last contribution is still being added: the outer step reads each tensor once it is final.
+the last contribution is still being added: the outer step reads each slice once it is final.
 """
 from __future__ import annotations
 
@@ -91,33 +91,39 @@ def load_model(storage: Storage, key: str, label: str, ident: Any) -> Model:
 
 
 class GatedFile:
-    """A MemoryFile whose tensors become readable one by one, as `open(name)` says they are ready:
-    the round's running sum while its last contribution is still being folded in, so that the
-    outer step can take each tensor of the mean the moment it is final (merge.incremental).
-    `finish(ok=False)` wakes every reader with an error: the contribution was refused."""
+    """A MemoryFile whose tensors become readable piece by piece, as `advance(name, nbytes)` says
+    how many of a tensor's first bytes are final: the round's running sum while its last
+    contribution is still being folded in (in file order, slice by slice), so that the outer step
+    can take each slice of the mean the moment it is final (merge.incremental). A read waits for
+    the bytes it covers. `finish(ok=False)` wakes every reader with an error: the contribution was
+    refused."""
 
     def __init__(self, mem: MemoryFile) -> None:
         self.mem, self.label, self.key, self.manifest, self.data_start = mem, mem.label, mem.key, None, 0
         self.metadata, self.specs, self.size = mem.metadata, mem.specs, mem.size
-        self._ready = {name: threading.Event() for name in mem.specs}
+        self._final = {name: 0 for name in mem.specs}  # bytes of each tensor that are final, from its start
         # tensors by first byte; empty ones hold no bytes to wait for and share a start with the next
         self._starts = sorted((s.start, name) for name, s in mem.specs.items() if s.end > s.start)
-        self._done = threading.Event()
+        self._cv = threading.Condition()
+        self._finished = False
         self._ok = True
 
-    def open(self, name: str) -> None:
-        self._ready[name].set()
+    def advance(self, name: str, nbytes: int) -> None:
+        with self._cv:
+            self._final[name] = nbytes
+            self._cv.notify_all()
 
     def finish(self, ok: bool) -> None:
-        self._ok = ok
-        for e in self._ready.values():
-            e.set()
-        self._done.set()
+        with self._cv:
+            self._ok, self._finished = ok, True
+            self._cv.notify_all()
 
     def _wait(self, offset: int, n: int) -> None:
         if n:
-            i = bisect.bisect_right(self._starts, (offset, "\uffff")) - 1
-            self._ready[self._starts[i][1]].wait()
+            start, name = self._starts[bisect.bisect_right(self._starts, (offset, "\uffff")) - 1]
+            need = offset + n - start
+            with self._cv:
+                self._cv.wait_for(lambda: self._finished or self._final[name] >= need)
         if not self._ok:
             raise CheckpointError(_REFUSED)
 
@@ -137,7 +143,8 @@ class GatedFile:
 
     def verify(self) -> None:
         """Wait until the fold is over; raise if its contribution was refused."""
-        self._done.wait()
+        with self._cv:
+            self._cv.wait_for(lambda: self._finished)
         if not self._ok:
             raise CheckpointError(_REFUSED)
 

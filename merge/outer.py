@@ -21,12 +21,16 @@ STATE_SEP = "::"
 
 
 def make_optimizer(params: list[torch.Tensor], cfg: OuterConfig) -> torch.optim.Optimizer:
+    """The outer optimizer over `params`. The SGD family runs fused (one pass, no temporaries): the
+    round merge's latency is bound by the step's maths, 0.28-0.32 s of a 0.38-0.41 s merge of
+    242 MiB with the default implementation, 0.24-0.26 s fused. It gives the default's numbers to
+    the last bit (tests/test_merge.py). Adam keeps the default implementation (not measured fused)."""
     if cfg.optimizer == "nesterov":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
     if cfg.optimizer == "sgdm":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, fused=True)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr)
+        return torch.optim.SGD(params, lr=cfg.lr, fused=True)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     raise ValueError(f"unknown outer optimizer {cfg.optimizer!r}; valid: nesterov, sgd, sgdm, adam")

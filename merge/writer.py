@@ -5,7 +5,9 @@ so tensors are written as they are merged, by a writer thread that overlaps the 
 (a large local file around the page cache: merge.directio.DirectWriter).
 Files go to hidden temporary names; `commit()` renames them all into place and then writes the
 manifests (files that want one), in order; `abort()` deletes them. Nothing is visible until the
-whole merge has succeeded.
+whole merge has succeeded. A `PendingWrite` is a writer whose files are written only after the
+merge returned: the round merge's outer state, written once the new global is published, so that
+the next round's workers do not wait for it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from core.checkpoint import DTYPES, HASH, TensorSpec, build_header, new_hasher, tensor_bytes
 from core.errors import CheckpointError
+from core.failpoints import failpoint
 from core.layout import manifest_key
 from core.storage import TMP_PREFIX, Storage
 from merge import directio
@@ -47,13 +50,18 @@ class OutputFile:
 class StreamWriter:
     """Writes `files` one after another from a thread, tensor by tensor, in their specs' order."""
 
-    def __init__(self, files: list[OutputFile], depth: int = 2) -> None:
+    def __init__(self, files: list[OutputFile], depth: int = 2, start: bool = True) -> None:
+        """`depth`: tensors queued before `put` blocks (0: never blocks, the queue holds them all).
+        `start=False`: nothing is written until `start()`; the queue fills meanwhile."""
         self.files = files
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._tmp: list[tuple[OutputFile, str]] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="merge-writer", daemon=True)
-        self.seconds_blocked = 0.0
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
         self._thread.start()
 
     def put(self, name: str, t: torch.Tensor) -> None:
@@ -166,8 +174,56 @@ class StreamWriter:
                 self._q.get_nowait()
         with contextlib.suppress(queue.Full):
             self._q.put_nowait(_DONE)
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=30)
         for out, tmp in self._tmp:
             with contextlib.suppress(Exception):
                 out.storage.fs.rm(tmp)
         self._tmp = []
+
+
+class PendingWrite:
+    """Files of a merge that are written after it returned, from their own thread, once `start()`
+    is called: their tensors wait in memory (the writer's queue) until then. The merge service
+    starts the round's outer state after the round's record, and `wait()`s for it before it needs
+    the file (the next merge) or leaves; a failed or interrupted write leaves only a temporary
+    file, and the state is rebuilt from the round's inputs (orchestrator.runstate)."""
+
+    def __init__(self, writer: StreamWriter) -> None:
+        self._writer = writer
+        self._thread = threading.Thread(target=self._run, name="merge-pending-writer", daemon=True)
+        self._error: BaseException | None = None
+        self.manifests: list[dict[str, Any]] = []
+
+    @property
+    def keys(self) -> list[str]:
+        return [out.key for out in self._writer.files]
+
+    def start(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            failpoint("merge.before_pending_write")  # crash tests: the round committed, its state not written
+            self._writer.start()
+            self._writer.finish()
+            self.manifests = self._writer.commit()
+        except BaseException as exc:  # raised by wait()
+            self._error = exc
+            self._writer.abort()
+
+    def wait(self) -> list[dict[str, Any]]:
+        """Write (if not started yet) and wait; the manifests written, or the write's error."""
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.manifests
+
+    def discard(self) -> None:
+        """Never write these files (the merge they belong to was not committed)."""
+        if self._thread.ident is None:
+            self._writer.abort()
+        else:
+            self._thread.join()

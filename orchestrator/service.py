@@ -5,7 +5,9 @@ For each round: submit the workers (one batch), poll the run directory and the s
 global model, and commit the round by writing its record last. Everything it knows is in the run
 directory, so a killed service is resumed by starting it again: a round with a record is never
 redone, a round without one is merged again from the same inputs (the outer-optimizer state of
-round r is read from state_r and written to state_r+1, so it is never applied twice).
+round r is read from state_r and written to state_r+1, so it is never applied twice). state_r+1
+is written after round r's record, in the background (the next round needs only the new global);
+a resumed service rebuilds it if it is missing (orchestrator.outer_state).
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from merge.outer import outer_step
 from merge.engine import Contribution, QuorumError, merge_round
 from merge.incremental import RunningSum
 from merge.lte import merge_lte_round
+from merge.writer import PendingWrite
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import Decision, WorkerView, decide, next_bases
 from orchestrator import late
 from orchestrator.metrics import write_round_metrics
+from orchestrator.outer_state import ensure_outer_state, rebuild_outer_state
 from orchestrator.runstate import Evaluator, arrived_workers, export_final, jobs_of_round
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ class RoundService:
         self._sched_interval = cfg.round.poll_s
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
+        self._state_write: tuple[int, PendingWrite] | None = None  # (round it was merged in, its outer state)
         # torch.optim's first step pays ~1.5 s of lazy imports: pay it now, not inside round 0's merge.
         outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)
 
@@ -65,14 +70,36 @@ class RoundService:
         self.storage.remove(L.FAILED)
         self.storage.remove(L.CANCEL)
         r = self.first_open_round()
+        ensure_outer_state(self.storage, self.cfg, r, self.evaluator.metadata)  # a service that died writing it
         self._evaluate_missing(r)
-        while r < self.cfg.rounds:
-            record = self.run_round(r)
-            if r + 1 < self.cfg.rounds:  # the next round's workers queue while we evaluate this one
-                self._ensure_submitted(r + 1)
-            self._evaluate(record)
-            r += 1
+        try:
+            while r < self.cfg.rounds:
+                record = self.run_round(r)
+                if r + 1 < self.cfg.rounds:  # the next round's workers queue while we evaluate this one
+                    self._ensure_submitted(r + 1)
+                self._evaluate(record)
+                r += 1
+        except BaseException:
+            try:  # finish writing the last state before leaving; a resumed service rebuilds it otherwise
+                self._settle_outer_state()
+            except Exception as exc:  # noqa: BLE001 - the error that stopped the run is the one to report
+                log.warning("the last outer optimizer state is not written (%s); `orchestrate resume` rebuilds it", exc)
+            raise
         export_final(self.storage, self.cfg)
+
+    def _settle_outer_state(self) -> None:
+        """Wait for the outer state the last merge writes in the background; if that write failed,
+        rebuild the state from its round's inputs (they are all on storage)."""
+        if self._state_write is None:
+            return
+        r, pending = self._state_write
+        self._state_write = None
+        try:
+            pending.wait()
+        except Exception as exc:  # noqa: BLE001 - any failure: the state can be made again from the inputs
+            log.warning("round %d: the outer optimizer state %s was not written (%s); rebuilding it", r,
+                        self.storage.display(L.outer_state(r + 1)), exc)
+            rebuild_outer_state(self.storage, self.cfg, r, self.evaluator.metadata)
 
     def _ensure_submitted(self, r: int) -> dict[str, Any]:
         jobs = jobs_of_round(self.storage, r)
@@ -106,6 +133,7 @@ class RoundService:
         """Add the new global model's eval loss to a committed round record (off the critical path)."""
         r = record["round"]
         record["eval_loss"] = self.evaluator.loss(self.storage, L.global_weights(r + 1))
+        self._settle_outer_state()  # the metrics count its bytes
         self.storage.write_json(L.round_record(r), record)
         write_round_metrics(self.storage, self.cfg, record)  # metrics/round_r.jsonl (docs/observability.md)
         self.on_round(record)
@@ -255,6 +283,7 @@ class RoundService:
 
     # -- merge + commit ---------------------------------------------------------------------
     def _merge(self, r: int, jobs: dict[str, Any], decision: Decision) -> dict[str, Any]:
+        self._settle_outer_state()  # state_r, which this merge reads
         self._idle: dict[int, float] = {}
         self._digests: dict[int, str] = {}  # of each contribution merged: what a replay must find (bench/chaos.py)
         stale, contribs = self._contributions(r, jobs, decision.workers)
@@ -275,7 +304,7 @@ class RoundService:
                     self.cfg.outer,
                     state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
                     min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1},
-                    accumulator=self._sum if self._sum_round == r else None)
+                    accumulator=self._sum if self._sum_round == r else None, defer_state=True)
         except QuorumError as exc:
             exc.rejected = {w: why for w, why in {**exc.rejected, **stale}.items() if w >= 0}  # < 0: folds
             raise
@@ -312,6 +341,9 @@ class RoundService:
         failpoint("service.before_record")
         self.storage.write_json(L.round_record(r), record)  # the commit point of the round
         failpoint("service.after_record")
+        if result.pending_state is not None:  # written while the next round starts; waited for before it is read
+            result.pending_state.start()  # (an uncommitted merge's is never started: it is redone, state included)
+            self._state_write = (r, result.pending_state)
         return record
 
     def _why_dropped(self, r: int, jobs: dict[str, Any], dropped: list[int]) -> dict[str, str]:
@@ -366,6 +398,7 @@ class RoundService:
         if not self.cfg.round.stream_merge or self.cfg.algorithm == "lte":
             return
         if self._sum_round != r:
+            self._settle_outer_state()  # state_r is read into memory now
             # held in memory while the workers train: the outer step after the last fold reads nothing
             self._sum = RunningSum(self.storage, L.global_weights(r), state_key=L.outer_state(r) if r > 0 else None,
                                    preload=True)

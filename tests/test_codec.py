@@ -15,6 +15,7 @@ from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.engine import Contribution, merge_round
+from merge import incremental
 from merge.incremental import RunningSum
 
 NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
@@ -366,3 +367,32 @@ def test_a_delta_against_another_base_is_decoded_whole_and_rebased_on_the_global
     assert res.merged == [0, 1] and res.order == [0, 1]
     oracle = _oracle(g, workers, [1.0, 1.0], NESTEROV)
     assert all(torch.allclose(load_checkpoint(mem, "g1.safetensors")[0][n], oracle[n], atol=1e-5) for n in g)
+
+
+@pytest.mark.parametrize("coding", [None, "fp32", "bf16", "int8"])
+def test_a_fold_in_slices_gives_the_bytes_of_whole_tensors(mem, monkeypatch, coding):
+    """Large plain tensors are folded (and handed to the step beside the last fold) in slices of
+    FOLD_CHUNK elements: made 100 here, a.w (8 x 33 = 264 elements) is cut unevenly (100, 100, 64),
+    the smaller ones are read whole, and int8 tensors (rows with their scales) always are. Same
+    bytes as whole tensors, same oracle."""
+    g, workers, sha = _setup(mem, k=3, seed=21)
+    cs = [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha, coding), float(2 + i)) for i, w in enumerate(workers)]
+    whole = RunningSum(mem, "g0.safetensors")
+    assert whole.add(cs[0]) and whole.add(cs[1])
+    _merge(mem, cs, "g1.safetensors", accumulator=whole)
+    monkeypatch.setattr(incremental, "FOLD_CHUNK", 100)
+    sliced = RunningSum(mem, "g0.safetensors")
+    assert sliced.add(cs[0]) and sliced.add(cs[1])
+    reads = []
+    real = incremental.RunningSum._add_slice
+    monkeypatch.setattr(incremental.RunningSum, "_add_slice", lambda self, c, l, n, a, b, t: reads.append((n, a, b)) or
+                        real(self, c, l, n, a, b, t))
+    res = _merge(mem, cs, "h1.safetensors", accumulator=sliced)  # worker 2 folds beside the step, in slices
+    assert res.merged == [0, 1, 2]
+    assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
+    assert _bytes(mem, "state_g1.safetensors") == _bytes(mem, "state_h1.safetensors")
+    want = [] if coding == "int8" else [("a.w", 0, 100), ("a.w", 100, 200), ("a.w", 200, 264)]  # a.b: 33 <= 100
+    assert reads == want
+    if coding is None:
+        oracle = _oracle(g, workers, [c.weight for c in cs], NESTEROV)
+        assert all(torch.allclose(load_checkpoint(mem, "h1.safetensors")[0][n], oracle[n], atol=1e-6) for n in g)

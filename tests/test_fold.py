@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from core.checkpoint import read_manifest, write_checkpoint
+from core.errors import CheckpointError
 from core.storage import Storage
 from merge import directio
 from merge.engine import Contribution
+from merge import incremental
 from merge.incremental import FOLD_SLOTS, RunningSum
 
 WEIGHTS = [1.0, 2.0, 0.5]
@@ -35,8 +37,12 @@ def _setup(tmp_path, monkeypatch, direct: bool) -> Storage:
     return s
 
 
+@pytest.mark.parametrize("chunk", [None, 1000])
 @pytest.mark.parametrize("direct", [False, True])
-def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, direct):
+def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, direct, chunk):
+    """chunk 1000: tensors a and c are read and added in slices of 1000 elements (c in 70)."""
+    if chunk:
+        monkeypatch.setattr(incremental, "FOLD_CHUNK", chunk)
     s = _setup(tmp_path, monkeypatch, direct)
     acc = RunningSum(s, "g.safetensors")
     buffers = []
@@ -55,6 +61,8 @@ def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, direct
     # the sum's own read buffers served every fold: grown by the first, the very same ones after
     assert len(acc._slots) == FOLD_SLOTS and all(sl.raw.numel() > 0 for sl in acc._slots)
     assert buffers[0] == buffers[1] == buffers[2]
+    # a slot holds one read: a slice of 1000 bf16, or all of c (70,000 bf16)
+    assert max(sl.raw.numel() for sl in acc._slots) == directio.region_bytes(2 * (chunk or 70_000))
 
 
 def test_a_nan_in_a_local_contribution_is_refused_and_the_sum_is_what_it_was(tmp_path, monkeypatch):
@@ -79,3 +87,38 @@ def test_a_truncated_local_contribution_is_refused_naming_the_worker(tmp_path, m
     acc = RunningSum(s, "g.safetensors")
     assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
     assert "worker 1" in acc.rejected[1][1] and "truncated" in acc.rejected[1][1]
+
+
+def test_a_gated_sum_hands_over_each_slice_once_it_is_final():
+    """The outer step reads the running sum through a GatedFile while the last fold adds to it: a
+    read returns once the bytes it covers are final, not before, and not only at the tensor's end."""
+    import threading
+    from merge.memory import GatedFile, MemoryFile
+    mem = MemoryFile("sum", [("a", "F32", (100,)), ("b", "F32", (10,))])
+    mem.view("a").copy_(torch.arange(100.0))
+    gate = GatedFile(mem)
+    start = mem.specs["a"].start
+    got: list[torch.Tensor] = []
+    reader = threading.Thread(target=lambda: got.append(gate.read_tensor(start + 160, 40, None).clone()))
+    gate.advance("a", 160)  # elements 0..39 final
+    assert torch.equal(gate.read_tensor(start, 160, None).view(torch.float32), torch.arange(40.0))
+    reader.start()  # wants elements 40..49
+    reader.join(0.2)
+    assert reader.is_alive() and got == []
+    gate.advance("a", 200)
+    reader.join(5)
+    assert torch.equal(got[0].view(torch.float32), torch.arange(40.0, 50.0))
+    errors: list[Exception] = []
+
+    def read_b() -> None:
+        try:
+            gate.read_tensor(mem.specs["b"].start, 40, None)
+        except CheckpointError as exc:
+            errors.append(exc)
+    late = threading.Thread(target=read_b)
+    late.start()
+    gate.finish(False)  # the fold was refused: a waiting reader is woken with the reason
+    late.join(5)
+    assert not late.is_alive() and "refused" in str(errors[0])
+    with pytest.raises(CheckpointError, match="refused"):
+        gate.verify()

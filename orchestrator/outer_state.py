@@ -1,0 +1,95 @@
+"""The outer optimizer state a round's merge writes after the round is committed.
+
+The next round's workers need only the new global weights, so the merge service publishes those,
+commits the round (its record) and only then writes `outer/state_{r+1}` in the background
+(merge.writer.PendingWrite); the merge of round r+1 is the first reader, many inner steps later.
+If that write fails (a full disk) or the service dies before it ends, the state is missing while
+the round is committed. It is then rebuilt here: round r's merge is done again from what its
+record names (the same contributions and late folds, with the same weights, summed in the
+recorded order, from global_r and state_r), which gives the same bytes; the redone global must
+hash to the published one, or nothing is written. Contributions and folds are never deleted from
+the run directory, so the inputs are there.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from core.checkpoint import read_manifest
+from core.config import Config
+from core.errors import CheckpointError, RunError
+from core.layout import RunLayout
+from core.storage import Storage
+from merge.engine import Contribution, merge_round
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+
+
+def recorded_inputs(record: Mapping[str, Any], fold_key: Callable[[Mapping[str, Any]], str] = lambda f: f["key"]
+                    ) -> tuple[list[Contribution], str | None]:
+    """The inputs a committed round merged, in the order its merge summed them (`merge_order`:
+    floating-point sums depend on it), and what is wrong with the record's order, if anything (the
+    inputs then come in the record's order of workers, then folds). Folds carry the service's
+    negative ids (orchestrator.late.fold_inputs); `fold_key` says where each fold's input is."""
+    r = record["round"]
+    by_id = {int(w): Contribution(int(w), L.contribution(r, int(w)), float(record["weights"][str(w)]))
+             for w in record["merged"]}
+    for i, f in enumerate(record.get("folded", [])):
+        by_id[-(i + 1)] = Contribution(-(i + 1), fold_key(f), float(f["weight"]))
+    order = record.get("merge_order") or list(by_id)
+    if sorted(order) != sorted(by_id):
+        return list(by_id.values()), f"merge_order {order} does not name the merged inputs {sorted(by_id)}"
+    return [by_id[i] for i in order], None
+
+
+def ensure_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping[str, str]) -> None:
+    """Make sure the outer state that round r's merge reads is on storage: rebuilt from round
+    r-1's record when that round is committed and its state is missing or damaged."""
+    if r == 0 or cfg.algorithm == "lte" or not storage.exists(L.round_record(r - 1)):
+        return  # lte has none; an uncommitted round's merge is redone whole, state included
+    try:
+        if read_manifest(storage, L.outer_state(r)) is not None:
+            return
+        why = "is missing"
+    except CheckpointError as exc:
+        why = f"is damaged ({exc})"
+    ensure_outer_state(storage, cfg, r - 1, metadata)
+    log.warning("outer optimizer state %s %s: rebuilding it from round %d's merge inputs",
+                storage.display(L.outer_state(r)), why, r - 1)
+    rebuild_outer_state(storage, cfg, r - 1, metadata)
+
+
+def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping[str, str]) -> None:
+    """Write outer/state_{r+1} by doing committed round r's merge again (see the module's doc)."""
+    target = storage.display(L.outer_state(r + 1))
+    record = storage.read_json(L.round_record(r)) or {}
+    fix = (f"restore the round's files from a backup, or delete {storage.display(L.round_record(r))} so that "
+           f"`orchestrate resume` merges round {r} again (its workers rerun if their contributions are gone)")
+    if not record:
+        raise RunError(f"cannot rebuild {target}: round {r} has no record")
+    contribs, problem = recorded_inputs(record)
+    changed = [w for w in record["merged"]
+               if (read_manifest(storage, L.contribution(r, w)) or {}).get("digest") != record["contrib_digest"][str(w)]]
+    if problem or changed:
+        raise RunError(f"cannot rebuild {target}: " + (problem or f"the contributions of workers {changed} "
+                       f"changed or disappeared since round {r} merged them") + f"; {fix}")
+    scratch = L.rebuilt_global(r)
+    try:
+        result = merge_round(storage, L.global_weights(r), contribs, scratch, cfg.outer,
+                             state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
+                             min_inputs=len(contribs), metadata=metadata, manifest={"round": r + 1}, defer_state=True)
+    except (RunError, CheckpointError) as exc:
+        raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
+    try:
+        pending = result.pending_state
+        if result.manifest["digest"] != record["global_digest"] or result.rejected:
+            pending.discard()
+            raise RunError(f"cannot rebuild {target}: round {r}'s merge done again does not give the published "
+                           f"{storage.display(L.global_weights(r + 1))} (digest {result.manifest['digest'][:12]}, "
+                           f"recorded {record['global_digest'][:12]}; refused {result.rejected or 'none'}); {fix}")
+        pending.wait()
+    finally:
+        storage.remove(L.rebuild_dir(r), recursive=True)
+    log.info("outer optimizer state %s rebuilt from round %d's inputs", target, r)

@@ -1,0 +1,188 @@
+"""The round merge's outer state, written after the round is committed, and rebuilt when missing.
+
+merge_round(defer_state=True) publishes the new global and hands back the outer state unwritten
+(merge.writer.PendingWrite); the service starts it after the round's record. These tests check
+that a deferred state is the same bytes as one written in the merge, that nothing of it is
+visible before it is whole (a real full disk: a small tmpfs, as root), and that a missing state of
+a committed round is rebuilt from the round's inputs, bit for bit, or refused with the reason when
+those inputs changed (orchestrator.outer_state).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.config import OuterConfig
+from core.errors import RunError, StorageError
+from core.layout import RunLayout
+from core.storage import Storage
+from merge.engine import Contribution, merge_round
+from merge.incremental import RunningSum
+from orchestrator.cli import main
+from orchestrator.outer_state import ensure_outer_state, recorded_inputs
+from orchestrator.runstate import load_run
+from worker.weights import model_metadata
+
+L = RunLayout()
+NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+ADAM = OuterConfig(optimizer="adam", lr=0.1)
+TINY = ["--executor", "local", "--workers", "3", "--rounds", "2", "--inner-steps", "2",
+        "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
+        "--set", "inner.batch_size=4", "--set", "data.eval_batches=1", "--set", "round.poll_s=0.1"]
+
+
+def _inputs(s: Storage, n: int = 3, size: int = 1000) -> list[Contribution]:
+    g = torch.Generator().manual_seed(1)
+    write_checkpoint(s, "g1.safetensors", {"a": torch.randn(size, generator=g), "b": torch.randn(7, 3, generator=g)},
+                     manifest={"round": 1})
+    write_checkpoint(s, "s1.safetensors", {"a::momentum_buffer": torch.randn(size, generator=g),
+                                           "b::momentum_buffer": torch.randn(7, 3, generator=g)}, manifest={})
+    out = []
+    for i in range(n):
+        write_checkpoint(s, f"w{i}.safetensors", {"a": torch.randn(size, generator=g), "b": torch.randn(7, 3, generator=g)},
+                         manifest={"round": 1, "worker": i})
+        out.append(Contribution(i, f"w{i}.safetensors", 1.0 + i))
+    return out
+
+
+def _merge(s: Storage, contribs, outer=NESTEROV, *, defer: bool, acc=None, state_in="s1.safetensors"):
+    return merge_round(s, "g1.safetensors", contribs, "g2.safetensors", outer, state_in_key=state_in,
+                       state_out_key="s2.safetensors", accumulator=acc, defer_state=defer)
+
+
+@pytest.mark.parametrize("outer, state_in", [(NESTEROV, "s1.safetensors"), (ADAM, None)])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_deferred_state_is_written_only_when_asked_and_is_the_same_bytes(tmp_path, outer, state_in, streamed):
+    now, later = Storage(str(tmp_path / "now")), Storage(str(tmp_path / "later"))
+    contribs = _inputs(now)
+    _inputs(later)
+    _merge(now, contribs, outer, defer=False, state_in=state_in)
+    acc = None
+    if streamed:  # as the service does: all but the last folded while it waits
+        acc = RunningSum(later, "g1.safetensors", state_key=state_in, preload=True)
+        for c in contribs[:-1]:
+            assert acc.add(c)
+    res = _merge(later, contribs, outer, defer=True, acc=acc, state_in=state_in)
+    assert (tmp_path / "later" / "g2.safetensors").read_bytes() == (tmp_path / "now" / "g2.safetensors").read_bytes()
+    assert read_manifest(later, "g2.safetensors") is not None
+    assert not any(p.name.startswith(("s2", ".")) for p in (tmp_path / "later").iterdir())  # not even a temporary
+    manifest = res.pending_state.wait()[0]
+    assert (tmp_path / "later" / "s2.safetensors").read_bytes() == (tmp_path / "now" / "s2.safetensors").read_bytes()
+    assert read_manifest(later, "s2.safetensors")["digest"] == manifest["digest"] == \
+        read_manifest(now, "s2.safetensors")["digest"]
+
+
+def test_a_discarded_state_writes_nothing(tmp_path):
+    s = Storage(str(tmp_path))
+    res = _merge(s, _inputs(s), defer=True)
+    res.pending_state.discard()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("s2", "."))) == []
+
+
+@pytest.fixture
+def full_outer_dir(tmp_path):
+    """run/outer on a 1 MiB tmpfs (needs root), the rest of the run on the normal disk."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    mnt = tmp_path / "run" / "outer"
+    mnt.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_deferred_state_that_does_not_fit_fails_at_wait_and_leaves_nothing(tmp_path, full_outer_dir):
+    s = Storage(str(tmp_path / "run"))
+    contribs = _inputs(s, size=400_000)  # a 1.6 MB state for a 1 MiB disk
+    res = merge_round(s, "g1.safetensors", contribs, "global/g2.safetensors", NESTEROV, state_in_key="s1.safetensors",
+                      state_out_key="outer/s2.safetensors", defer_state=True)
+    assert read_manifest(s, "global/g2.safetensors") is not None  # the global is published all the same
+    with pytest.raises(StorageError, match=r"outer/s2\.safetensors.*No space left on device"):
+        res.pending_state.wait()
+    assert os.listdir(full_outer_dir) == []  # no temporary, no file, no manifest
+
+
+# -- rebuilding a committed round's state --------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus_cache):
+    """A real 3-worker, 2-round run (local executor), its outer states' bytes kept aside."""
+    run = tmp_path_factory.mktemp("outer") / "run"
+    assert main(["submit", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
+    return run, {r: (run / "outer" / f"state_{r:05d}.safetensors").read_bytes() for r in (1, 2)}
+
+
+@pytest.fixture
+def run_copy(tmp_path, finished_run):
+    import shutil
+    run, states = finished_run
+    shutil.copytree(run, tmp_path / "run")
+    s = Storage(str(tmp_path / "run"))
+    return s, load_run(s), states
+
+
+def test_recorded_inputs_are_in_the_order_summed(run_copy):
+    s, _, _ = run_copy
+    rec = s.read_json(L.round_record(1))
+    contribs, problem = recorded_inputs(rec)
+    assert problem is None
+    assert [c.worker for c in contribs] == rec["merge_order"] and sorted(rec["merge_order"]) == [0, 1, 2]
+    assert [c.weight for c in contribs] == [rec["weights"][str(w)] for w in rec["merge_order"]]
+    _, problem = recorded_inputs({**rec, "merge_order": [0, 1]})
+    assert "does not name the merged inputs [0, 1, 2]" in problem
+
+
+@pytest.mark.parametrize("damage", ["missing", "no manifest", "bad manifest"])
+def test_a_missing_state_of_a_committed_round_is_rebuilt_bit_for_bit(run_copy, damage):
+    s, cfg, states = run_copy
+    key = L.outer_state(2)
+    if damage == "missing":
+        s.remove(key)
+    if damage in ("missing", "no manifest"):
+        s.remove(key.replace(".safetensors", ".json"))
+    else:
+        s.write_bytes(key.replace(".safetensors", ".json"), b"{not json")
+    ensure_outer_state(s, cfg, 2, model_metadata(cfg.model))
+    assert s.read_bytes(key) == states[2]
+    assert load_checkpoint(s, key)[0]  # manifest written and its digest right
+    assert not s.exists(L.rebuild_dir(1))  # the redone global is not left behind
+
+
+def test_two_missing_states_are_rebuilt_in_order(run_copy):
+    s, cfg, states = run_copy
+    for r in (1, 2):
+        s.remove(L.outer_state(r).replace(".safetensors", ".json"))
+    ensure_outer_state(s, cfg, 2, model_metadata(cfg.model))
+    assert [s.read_bytes(L.outer_state(r)) for r in (1, 2)] == [states[1], states[2]]
+
+
+def test_a_state_is_not_rebuilt_from_changed_inputs(run_copy):
+    s, cfg, _ = run_copy
+    s.remove(L.outer_state(2))
+    s.remove(L.outer_state(2).replace(".safetensors", ".json"))
+    key = L.contribution(1, 2)
+    tensors = load_checkpoint(s, key)[0]
+    write_checkpoint(s, key, {n: t + 1 if t.is_floating_point() else t for n, t in tensors.items()},
+                     manifest={"round": 1, "worker": 2})
+    with pytest.raises(RunError, match=r"cannot rebuild .*state_00002.*contributions of workers \[2\] changed.*"
+                                       r"delete .*rounds/00001/record\.json"):
+        ensure_outer_state(s, cfg, 2, model_metadata(cfg.model))
+    assert not s.exists(L.outer_state(2)) and not s.exists(L.rebuild_dir(1))
+
+
+def test_a_rebuild_that_gives_another_global_writes_nothing(run_copy):
+    s, cfg, _ = run_copy
+    s.remove(L.outer_state(2))
+    s.remove(L.outer_state(2).replace(".safetensors", ".json"))
+    rec = s.read_json(L.round_record(1))
+    s.write_json(L.round_record(1), {**rec, "merge_order": [], "weights": {**rec["weights"], "0": 5.0}})
+    with pytest.raises(RunError, match=r"does not give the published .*round_00002\.safetensors"):
+        ensure_outer_state(s, cfg, 2, model_metadata(cfg.model))
+    assert not s.exists(L.outer_state(2)) and not s.exists(L.rebuild_dir(1))
