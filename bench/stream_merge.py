@@ -9,15 +9,19 @@ comes from the disk:
 - streamed: the round's global weights and outer state are read into memory and contributions
   0..K-2 folded into the running sum before the clock starts (the service does that while it
   waits for the last worker); timed: `merge_round`, which folds the last one while the outer step
-  takes the mean tensor by tensor and writes the new global and state; for reference, folding
-  one contribution alone (`RunningSum.add`) is timed too;
+  takes the mean slice by slice and writes the new global; the latency ends when the new global
+  is published. The new outer state is written after that, as the service does after the round's
+  record (`defer_state`): the time until it is written too is reported beside. For reference, the
+  same merge writing the state before it returns (as before 2026-11-24), and folding one
+  contribution alone (`RunningSum.add`);
 - at the end: `merge_round` with no running sum (`round.stream_merge: false`, or a resumed service):
   K - 1 folded after the last one landed, the last beside the outer step;
 - all at once: the merge engine streaming the K inputs side by side (the round merge before the
   running sum; merge.engine._merge_once), for reference.
 
 The baseline is the raw read of one checkpoint (16 MiB `readinto`), measured in the same run: the
-streamed latency should be about one checkpoint read plus the outer step's maths and writes.
+streamed latency should be about one checkpoint read plus the outer step's maths and the global's
+write.
 Every output is deleted before each merge, as in a run, where round r+1's files do not exist yet
 (replacing a file by rename makes ext4 flush the new one first, which a run never pays).
 
@@ -30,7 +34,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,10 +80,12 @@ def raw_read(p: Path) -> float:
     return time.perf_counter() - t0
 
 
-def merged(s: Storage, contribs: list[Contribution], out: str, acc: RunningSum | None = None) -> None:
+def merged(s: Storage, contribs: list[Contribution], out: str, acc: RunningSum | None = None,
+           defer: bool = True) -> Any:
     res = merge_round(s, "g1.safetensors", contribs, out, OUTER, state_in_key="s1.safetensors",
-                      state_out_key="s2.safetensors", accumulator=acc)
+                      state_out_key="s2.safetensors", accumulator=acc, defer_state=defer)
     assert res.merged == [c.worker for c in contribs], res.rejected
+    return res.pending_state
 
 
 def fresh(root: Path, out: str) -> None:
@@ -88,35 +96,43 @@ def fresh(root: Path, out: str) -> None:
     evict(files(root))
 
 
-def streamed(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float, float]:
-    """(latency, CPU seconds of the process meanwhile, seconds to fold one contribution alone)."""
+def timed(run: Callable[[], Any]) -> tuple[float, float, float]:
+    """(seconds until `run` returns: the new global published, CPU seconds of the process meanwhile,
+    seconds until the outer state it left pending is written too)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    pending = run()
+    lat, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if pending is not None:
+        pending.wait()
+    return lat, cpu, time.perf_counter() - t0
+
+
+def streamed(s: Storage, root: Path, contribs: list[Contribution], defer: bool = True) -> tuple[float, float, float]:
     acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True)  # as the service does
     for c in contribs[:-1]:
         assert acc.add(c)
     fresh(root, "streamed.safetensors")
-    t0, c0 = time.perf_counter(), time.process_time()
-    merged(s, contribs, "streamed.safetensors", acc)  # the last contribution folds beside the outer step
-    lat, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # the last contribution folds beside the outer step
+    return timed(lambda: merged(s, contribs, "streamed.safetensors", acc, defer))
+
+
+def fold_alone(s: Storage, root: Path, contribs: list[Contribution]) -> float:
     alone = RunningSum(s, "g1.safetensors")
     evict(files(root))
     t0 = time.perf_counter()
     assert alone.add(contribs[-1])
-    return lat, cpu, time.perf_counter() - t0
+    return time.perf_counter() - t0
 
 
-def at_the_end(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
+def at_the_end(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float, float]:
     fresh(root, "end.safetensors")
-    t0, c0 = time.perf_counter(), time.process_time()
-    merged(s, contribs, "end.safetensors")
-    return time.perf_counter() - t0, time.process_time() - c0
+    return timed(lambda: merged(s, contribs, "end.safetensors"))
 
 
-def all_at_once(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
+def all_at_once(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float, float]:
     fresh(root, "engine.safetensors")
-    t0, c0 = time.perf_counter(), time.process_time()
-    _merge_once(s, "g1.safetensors", contribs, "engine.safetensors", OUTER, "s1.safetensors", "s2.safetensors",
-                "average", None, None)
-    return time.perf_counter() - t0, time.process_time() - c0
+    return timed(lambda: _merge_once(s, "g1.safetensors", contribs, "engine.safetensors", OUTER, "s1.safetensors",
+                                     "s2.safetensors", "average", None, None, True).pending_state)
 
 
 def main() -> None:
@@ -132,31 +148,35 @@ def main() -> None:
     try:
         s, contribs = setup(root, args.k, dims)
         size = (root / "w0.safetensors").stat().st_size
-        names = ["streamed: last fold beside the outer step", "(for reference: folding one contribution alone)",
+        names = ["streamed: last fold beside the outer step, state written after",
+                 "streamed, state written before the global is published",
+                 "(for reference: folding one contribution alone)",
                  "at the end: K folds + outer step", "all at once: engine, K lanes"]
-        times: dict[str, list[float]] = {n: [] for n in ["raw", *names]}
-        cpu: dict[str, list[float]] = {n: [] for n in names}
+        times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+        raws = []
         for _ in range(args.repeats):
             evict(files(root))
-            times["raw"].append(raw_read(root / "w0.safetensors"))
-            (lat, c, fold), end, once = streamed(s, root, contribs), at_the_end(s, root, contribs), \
-                all_at_once(s, root, contribs)
-            for n, (t, c_) in zip(names, [(lat, c), (fold, float("nan")), end, once]):
-                times[n].append(t)
-                cpu[n].append(c_)
-            print(f"repeat: raw {times['raw'][-1]:.2f}s, streamed {lat:.2f}s (one fold alone {fold:.2f}s), at the end "
-                  f"{end[0]:.2f}s, all at once {once[0]:.2f}s", flush=True)
+            raws.append(raw_read(root / "w0.safetensors"))
+            runs = [streamed(s, root, contribs), streamed(s, root, contribs, defer=False)]
+            alone = fold_alone(s, root, contribs)
+            runs += [(alone, float("nan"), float("nan")), at_the_end(s, root, contribs), all_at_once(s, root, contribs)]
+            for n, r in zip(names, runs):
+                times[n].append(r)
+            print(f"repeat: raw {raws[-1]:.2f}s, streamed {runs[0][0]:.2f}s (state written at {runs[0][2]:.2f}s), "
+                  f"state before publishing {runs[1][0]:.2f}s, one fold alone {alone:.2f}s, at the end {runs[3][0]:.2f}s, "
+                  f"all at once {runs[4][0]:.2f}s", flush=True)
         same = (root / "streamed.safetensors").read_bytes() == (root / "end.safetensors").read_bytes()
-        raw = statistics.median(times["raw"])
-        end_t = statistics.median(times[names[2]])
+        raw = statistics.median(raws)
+        end_t = statistics.median(t[0] for t in times[names[3]])
         print(f"K={args.k} contributions of {size / 2**20:.0f} MiB (fp32), Nesterov outer step with state; "
               f"median of {args.repeats}, page cache evicted before each; raw read of one checkpoint "
               f"{raw:.2f} s ({size / raw / 1e9:.2f} GB/s)\n")
-        print("| merge latency after the last worker lands | seconds | x one raw read | x at the end | CPU-s |")
-        print("|---|---|---|---|---|")
+        print("| merge latency after the last worker lands (new global published) | seconds | x one raw read | "
+              "x at the end | CPU-s | outer state written at |")
+        print("|---|---|---|---|---|---|")
         for n in names:
-            t = statistics.median(times[n])
-            print(f"| {n} | {t:.2f} | {t / raw:.1f} | {t / end_t:.2f} | {statistics.median(cpu[n]):.1f} |")
+            lat, cpu, done = (statistics.median(t[i] for t in times[n]) for i in range(3))
+            print(f"| {n} | {lat:.2f} | {lat / raw:.1f} | {lat / end_t:.2f} | {cpu:.1f} | {done:.2f} |")
         print(f"\nstreamed and at-the-end results bitwise identical (same order): {same}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
