@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from core import codec
-from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec, open_checkpoint, read_manifest
+from core.checkpoint import DTYPES, TensorSpec, open_checkpoint, read_manifest
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,3 +94,24 @@ def mem() -> Storage:
 def corpus_cache(tmp_path_factory) -> str:
     """One prepared corpus cache for every end-to-end test of the session."""
     return str(tmp_path_factory.mktemp("corpus-cache"))
+
+
+@pytest.fixture
+def mount_tmpfs():
+    """`mount_tmpfs(path)`: a real 1 MiB disk (tmpfs) mounted at `path` for the test, to fill; needs
+    root (the test is skipped otherwise); unmounted afterwards."""
+    mounted: list[Path] = []
+
+    def mount(mnt: Path) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs to fill needs root")
+        mnt.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -88,19 +88,9 @@ def test_persistent_errors_fail_after_the_retries_with_what_where_how(tmp_path, 
 
 # -- a real full disk ------------------------------------------------------------------------------
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmp_path, mount_tmpfs):
     """A 1 MiB tmpfs mounted for the test (needs root); unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    return mount_tmpfs(tmp_path / "disk")
 
 
 def _free_bytes(path: Path) -> int:

@@ -10,7 +10,6 @@ those inputs changed (orchestrator.outer_state).
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
@@ -84,19 +83,9 @@ def test_a_discarded_state_writes_nothing(tmp_path):
 
 
 @pytest.fixture
-def full_outer_dir(tmp_path):
+def full_outer_dir(tmp_path, mount_tmpfs):
     """run/outer on a 1 MiB tmpfs (needs root), the rest of the run on the normal disk."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    mnt = tmp_path / "run" / "outer"
-    mnt.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    return mount_tmpfs(tmp_path / "run" / "outer")
 
 
 def test_a_deferred_state_that_does_not_fit_fails_at_wait_and_leaves_nothing(tmp_path, full_outer_dir):
