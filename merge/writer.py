@@ -187,17 +187,13 @@ class PendingWrite:
     is called: their tensors wait in memory (the writer's queue) until then. The merge service
     starts the round's outer state after the round's record, and `wait()`s for it before it needs
     the file (the next merge) or leaves; a failed or interrupted write leaves only a temporary
-    file, and the state is rebuilt from the round's inputs (orchestrator.runstate)."""
+    file, and the state is rebuilt from the round's inputs (orchestrator.outer_state)."""
 
     def __init__(self, writer: StreamWriter) -> None:
         self._writer = writer
         self._thread = threading.Thread(target=self._run, name="merge-pending-writer", daemon=True)
         self._error: BaseException | None = None
         self.manifests: list[dict[str, Any]] = []
-
-    @property
-    def keys(self) -> list[str]:
-        return [out.key for out in self._writer.files]
 
     def start(self) -> None:
         if self._thread.ident is None:

@@ -159,8 +159,9 @@ def fold_inputs(folded: list[Folded]) -> list[Contribution]:
 
 def split_merged(merged: list[int], rejected: dict[int, str], folded: list[Folded]
                  ) -> tuple[list[int], dict[int, str], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(on-time workers merged, on-time rejected, folds merged, folds refused) from a merge result."""
-    merged_folds = [f.as_dict() for i, f in enumerate(folded) if -(i + 1) in merged]
+    """(on-time workers merged, on-time rejected, folds merged, folds refused) from a merge result.
+    A merged fold keeps its input id (`id`, as in the merge's order) for a replay of the merge."""
+    merged_folds = [{**f.as_dict(), "id": -(i + 1)} for i, f in enumerate(folded) if -(i + 1) in merged]
     refused = [{"worker": f.worker, "from_round": f.from_round, "reason": rejected[-(i + 1)]}
                for i, f in enumerate(folded) if -(i + 1) in rejected]
     return ([w for w in merged if w >= 0], {w: why for w, why in rejected.items() if w >= 0}, merged_folds, refused)

@@ -36,8 +36,9 @@ def recorded_inputs(record: Mapping[str, Any], fold_key: Callable[[Mapping[str, 
     r = record["round"]
     by_id = {int(w): Contribution(int(w), L.contribution(r, int(w)), float(record["weights"][str(w)]))
              for w in record["merged"]}
-    for i, f in enumerate(record.get("folded", [])):
-        by_id[-(i + 1)] = Contribution(-(i + 1), fold_key(f), float(f["weight"]))
+    for i, f in enumerate(record.get("folded", [])):  # no `id` (older records): its place, right if all merged
+        fid = int(f.get("id", -(i + 1)))
+        by_id[fid] = Contribution(fid, fold_key(f), float(f["weight"]))
     order = record.get("merge_order") or list(by_id)
     if sorted(order) != sorted(by_id):
         return list(by_id.values()), f"merge_order {order} does not name the merged inputs {sorted(by_id)}"

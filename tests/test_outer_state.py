@@ -128,6 +128,17 @@ def test_recorded_inputs_are_in_the_order_summed(run_copy):
     assert "does not name the merged inputs [0, 1, 2]" in problem
 
 
+def test_recorded_folds_keep_their_ids_when_an_earlier_fold_was_refused():
+    """The service numbers every prepared fold -1, -2, ... (orchestrator.late.fold_inputs); when
+    fold -1 was refused, the record lists only fold -2, under its id."""
+    fold = {"id": -2, "key": "rounds/00003/folded/worker_002_from_00001.safetensors", "weight": 0.25}
+    rec = {"round": 3, "merged": [0, 1], "weights": {"0": 1.0, "1": 2.0}, "folded": [fold], "merge_order": [1, -2, 0]}
+    contribs, problem = recorded_inputs(rec)
+    assert problem is None
+    assert contribs == [Contribution(1, L.contribution(3, 1), 2.0), Contribution(-2, fold["key"], 0.25),
+                        Contribution(0, L.contribution(3, 0), 1.0)]
+
+
 @pytest.mark.parametrize("damage", ["missing", "no manifest", "bad manifest"])
 def test_a_missing_state_of_a_committed_round_is_rebuilt_bit_for_bit(run_copy, damage):
     s, cfg, states = run_copy
