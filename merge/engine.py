@@ -304,7 +304,7 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
         manifests = writers[0].commit()
         failpoint("merge.after_global")  # crash tests: new global published, outer state not yet
         pending = PendingWrite(writers.pop()) if defer else None
-        state_manifest = writers[1].commit()[0] if state_out is not None and not defer else None
+        state_manifest = writers[1].commit()[0] if len(writers) > 1 else None
         return MergeStats(sum(m.bytes for m in inputs), time.perf_counter() - t0, stats.get("grad_sq", 0.0),
                           manifests, state_manifest, pending)
     except BaseException:

@@ -242,11 +242,7 @@ class RunningSum:
 
     def _add_slice(self, c: Contribution, label: str, name: str, start: int, stop: int, t: torch.Tensor) -> None:
         """Elements [start, stop) of float tensor `name`, stored plain; `t` is ours (a read buffer)."""
-        x = t.to(torch.float32)
-        if not finite(x):
-            raise ContributionRejected(c.worker, _nonfinite(label, name))
-        self._dirty = True
-        self.sum.view(name).view(-1)[start:stop].add_(x.mul_(float(c.weight)))  # rounded as in _add_one
+        self._accumulate(c, label, name, t.to(torch.float32), start, stop)
         if self._on_tensor is not None:  # the last fold of a round: these elements of S are final
             self._on_tensor(name, start, stop)
 
@@ -266,12 +262,18 @@ class RunningSum:
                                                      "they must be identical in every input")
             return
         x = codec.decode_tensor(name, spec.shape, enc, got.__getitem__) if enc else got[name].to(torch.float32)
+        self._accumulate(c, label, name, x)
+
+    def _accumulate(self, c: Contribution, label: str, name: str, x: torch.Tensor, start: int = 0,
+                    stop: int | None = None) -> None:
+        """S[name][start:stop] += w x, for `x` in float32 and ours (a read buffer or a decoded copy):
+        it is scaled in place. The product is rounded before the add, not fused into it, so that a
+        sum of two is the same in either order."""
         if not finite(x):
-            raise ContributionRejected(c.worker, _nonfinite(label, name))
+            raise ContributionRejected(c.worker, f"{label}: tensor {name} has NaN or Inf values: the model diverged "
+                                                 "or the file is damaged; leave it out of the merge")
         self._dirty = True
-        # x is ours (a read buffer or a decoded copy). The product is rounded before the add, not
-        # fused into it, so that a sum of two is the same in either order.
-        self.sum.view(name).add_(x.mul_(float(c.weight)))
+        self.sum.view(name).view(-1)[start:stop].add_(x.reshape(-1).mul_(float(c.weight)))
 
     def _fold_whole(self, c: Contribution, label: str, m: Model) -> tuple[str, int]:
         """An input in the other space: decode it whole (codec.load_weights), convert per tensor."""
@@ -431,10 +433,6 @@ class RunningSum:
         except InputError as exc:
             raise CheckpointError(exc.reason if exc.ident != "sum" else
                                   f"the weighted sum of the contributions overflowed: {exc.reason}") from None
-
-
-def _nonfinite(label: str, name: str) -> str:
-    return f"{label}: tensor {name} has NaN or Inf values: the model diverged or the file is damaged; leave it out of the merge"
 
 
 def _dtype(t: torch.Tensor) -> str:

@@ -70,9 +70,14 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
            f"`orchestrate resume` merges round {r} again (its workers rerun if their contributions are gone)")
     if not record:
         raise RunError(f"cannot rebuild {target}: round {r} has no record")
-    contribs, problem = recorded_inputs(record)
-    changed = [w for w in record["merged"]
-               if (read_manifest(storage, L.contribution(r, w)) or {}).get("digest") != record["contrib_digest"][str(w)]]
+    try:
+        contribs, problem = recorded_inputs(record)
+        changed = [w for w in record["merged"]
+                   if (read_manifest(storage, L.contribution(r, w)) or {}).get("digest") != record["contrib_digest"][str(w)]]
+        published = str(record["global_digest"])
+    except (KeyError, TypeError, ValueError) as exc:  # a record not as the service writes it
+        raise RunError(f"cannot rebuild {target}: {storage.display(L.round_record(r))} is damaged "
+                       f"({type(exc).__name__}: {exc}); {fix}") from None
     if problem or changed:
         raise RunError(f"cannot rebuild {target}: " + (problem or f"the contributions of workers {changed} "
                        f"changed or disappeared since round {r} merged them") + f"; {fix}")
@@ -85,11 +90,11 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
         raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
     try:
         pending = result.pending_state
-        if result.manifest["digest"] != record["global_digest"] or result.rejected:
+        if result.manifest["digest"] != published or result.rejected:
             pending.discard()
             raise RunError(f"cannot rebuild {target}: round {r}'s merge done again does not give the published "
                            f"{storage.display(L.global_weights(r + 1))} (digest {result.manifest['digest'][:12]}, "
-                           f"recorded {record['global_digest'][:12]}; refused {result.rejected or 'none'}); {fix}")
+                           f"recorded {published[:12]}; refused {result.rejected or 'none'}); {fix}")
         pending.wait()
     finally:
         storage.remove(L.rebuild_dir(r), recursive=True)

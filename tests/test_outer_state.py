@@ -177,6 +177,18 @@ def test_a_state_is_not_rebuilt_from_changed_inputs(run_copy):
     assert not s.exists(L.outer_state(2)) and not s.exists(L.rebuild_dir(1))
 
 
+def test_a_damaged_record_is_named_and_nothing_is_written(run_copy):
+    s, cfg, _ = run_copy
+    s.remove(L.outer_state(2).replace(".safetensors", ".json"))
+    rec = s.read_json(L.round_record(1))
+    del rec["contrib_digest"]
+    s.write_json(L.round_record(1), rec)
+    with pytest.raises(RunError, match=r"cannot rebuild .*state_00002.*rounds/00001/record\.json is damaged "
+                                       r"\(KeyError: 'contrib_digest'\)"):
+        ensure_outer_state(s, cfg, 2, model_metadata(cfg.model))
+    assert read_manifest(s, L.outer_state(2)) is None
+
+
 def test_a_rebuild_that_gives_another_global_writes_nothing(run_copy):
     s, cfg, _ = run_copy
     s.remove(L.outer_state(2))
@@ -186,3 +198,40 @@ def test_a_rebuild_that_gives_another_global_writes_nothing(run_copy):
     with pytest.raises(RunError, match=r"does not give the published .*round_00002\.safetensors"):
         ensure_outer_state(s, cfg, 2, model_metadata(cfg.model))
     assert not s.exists(L.outer_state(2)) and not s.exists(L.rebuild_dir(1))
+
+
+def test_a_state_write_that_fails_in_the_service_is_rebuilt_there(tmp_path, mount_tmpfs, corpus_cache):
+    """The service writes round 0's outer state after the record, onto a disk that is full then
+    (a real 1 MiB tmpfs at run/outer, filled up to 4 KiB); the space is freed when the service
+    says it rebuilds the state, and the run goes on. Its states are those of an offline replay of
+    its recorded merges (bench.chaos_replay: its own chain of states, from global_0): with 3
+    workers the sums' order is the arrival order, so another run may differ in the last bit."""
+    from bench.chaos_replay import replay
+    import logging
+    outer = mount_tmpfs(tmp_path / "run" / "outer")
+    st = os.statvfs(outer)
+    filler = outer / "filler"
+    filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 4096))
+
+    said: list[str] = []
+
+    class FreeOnRebuild(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+            if "was not written" in said[-1]:
+                filler.unlink(missing_ok=True)
+
+    handler = FreeOnRebuild(logging.WARNING)
+    logging.getLogger("orchestrator.service").addHandler(handler)
+    try:
+        assert main(["submit", "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
+    finally:
+        logging.getLogger("orchestrator.service").removeHandler(handler)
+    assert any("round 0: the outer optimizer state" in m and "No space left on device" in m for m in said), said
+    assert not filler.exists()
+    s = Storage(str(tmp_path / "run"))
+    assert replay(s, load_run(s), 2)["identical"]
+    for r in (1, 2):
+        assert s.read_bytes(L.outer_state(r)) == s.read_bytes(f"replay/{L.outer_state(r)}")
+    assert sorted(p.name for p in outer.iterdir()) == ["state_00001.json", "state_00001.safetensors",
+                                                       "state_00002.json", "state_00002.safetensors"]
