@@ -18,7 +18,7 @@ from core.checkpoint import load_checkpoint, read_manifest
 from core.config import Config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from merge.engine import merge_round
+from merge.rounds import merge_round
 from orchestrator.late import rebase
 from orchestrator.outer_state import recorded_inputs
 from worker.weights import model_metadata

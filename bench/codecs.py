@@ -2,7 +2,7 @@
 
 One short DiLoCo run per variant, in this process, with the real pieces in the real order:
 `worker.train.run_worker` trains each worker and publishes its contribution (weights, or the
-outer gradient coded as round.codec / round.prune_keep: core/codec.py), `merge.engine.merge_round`
+outer gradient coded as round.codec / round.prune_keep: core/codec.py), `merge.rounds.merge_round`
 merges the round (the call the merge service makes), and the service's evaluator scores the new
 global model on the held-out batches. Every variant has the same seed, data, schedule and
 outer optimizer, so the only difference is the coding. Workers run one after another (the
@@ -32,7 +32,7 @@ from core.config import ModelConfig, load_config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
-from merge.engine import Contribution, merge_round
+from merge.rounds import Contribution, merge_round
 from orchestrator.runstate import Evaluator, create_run
 from worker.train import run_worker
 from worker.weights import build_model

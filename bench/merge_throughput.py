@@ -383,7 +383,6 @@ def main() -> None:
                       f"{runs[kind][-1][2]:.1f} CPU-s" + ("" if direct is None else f", {direct} inputs read with O_DIRECT"),
                       flush=True)
         results["raw_read_gbps"] = {m: [round(x, 3) for x in v] for m, v in raw.items()}
-        limit = statistics.median(limits)
 
         rows = []
         for kind, got in runs.items():

@@ -11,13 +11,14 @@ comes from the disk:
   waits for the last worker); timed: `merge_round`, which folds the last one while the outer step
   takes the mean slice by slice and writes the new global; the latency ends when the new global
   is published. The new outer state is written after that, as the service does after the round's
-  record (`defer_state`): the time until it is written too is reported beside. For reference, the
-  same merge writing the state before it returns (as before 2026-11-24), and folding one
-  contribution alone (`RunningSum.add`);
+  record (`defer_state`): the time until it is written too is reported beside. The step runs in
+  place in the held global weights and state. For reference, the same merge with the step on
+  copies of them, then also writing the state before it returns (as until 2026-11-23), and
+  folding one contribution alone (`RunningSum.add`);
 - at the end: `merge_round` with no running sum (`round.stream_merge: false`, or a resumed service):
   K - 1 folded after the last one landed, the last beside the outer step;
 - all at once: the merge engine streaming the K inputs side by side (the round merge before the
-  running sum; merge.engine._merge_once), for reference.
+  running sum; merge.rounds._merge_once), for reference.
 
 The baseline is the raw read of one checkpoint (16 MiB `readinto`), measured in the same run: the
 streamed latency should be about one checkpoint read plus the outer step's maths and the global's
@@ -44,7 +45,7 @@ from bench.merge_throughput import evict, llama_shapes
 from core.checkpoint import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
-from merge.engine import Contribution, _merge_once, merge_round
+from merge.rounds import Contribution, _merge_once, merge_round
 from merge.incremental import RunningSum
 
 OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
@@ -107,8 +108,10 @@ def timed(run: Callable[[], Any]) -> tuple[float, float, float]:
     return lat, cpu, time.perf_counter() - t0
 
 
-def streamed(s: Storage, root: Path, contribs: list[Contribution], defer: bool = True) -> tuple[float, float, float]:
-    acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True)  # as the service does
+def streamed(s: Storage, root: Path, contribs: list[Contribution], defer: bool = True,
+             in_place: bool = True) -> tuple[float, float, float]:
+    acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True,  # as the service does
+                     step_in_place=in_place)
     for c in contribs[:-1]:
         assert acc.add(c)
     fresh(root, "streamed.safetensors")
@@ -148,8 +151,9 @@ def main() -> None:
     try:
         s, contribs = setup(root, args.k, dims)
         size = (root / "w0.safetensors").stat().st_size
-        names = ["streamed: last fold beside the outer step, state written after",
-                 "streamed, state written before the global is published",
+        names = ["streamed: last fold beside the outer step in place, state written after",
+                 "streamed, the step on copies, state written after",
+                 "streamed, the step on copies, state written before the global is published",
                  "(for reference: folding one contribution alone)",
                  "at the end: K folds + outer step", "all at once: engine, K lanes"]
         times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
@@ -157,17 +161,18 @@ def main() -> None:
         for _ in range(args.repeats):
             evict(files(root))
             raws.append(raw_read(root / "w0.safetensors"))
-            runs = [streamed(s, root, contribs), streamed(s, root, contribs, defer=False)]
+            runs = [streamed(s, root, contribs), streamed(s, root, contribs, in_place=False),
+                    streamed(s, root, contribs, defer=False, in_place=False)]
             alone = fold_alone(s, root, contribs)
             runs += [(alone, float("nan"), float("nan")), at_the_end(s, root, contribs), all_at_once(s, root, contribs)]
             for n, r in zip(names, runs):
                 times[n].append(r)
             print(f"repeat: raw {raws[-1]:.2f}s, streamed {runs[0][0]:.2f}s (state written at {runs[0][2]:.2f}s), "
-                  f"state before publishing {runs[1][0]:.2f}s, one fold alone {alone:.2f}s, at the end {runs[3][0]:.2f}s, "
-                  f"all at once {runs[4][0]:.2f}s", flush=True)
+                  f"on copies {runs[1][0]:.2f}s, state before publishing {runs[2][0]:.2f}s, one fold alone {alone:.2f}s, "
+                  f"at the end {runs[4][0]:.2f}s, all at once {runs[5][0]:.2f}s", flush=True)
         same = (root / "streamed.safetensors").read_bytes() == (root / "end.safetensors").read_bytes()
         raw = statistics.median(raws)
-        end_t = statistics.median(t[0] for t in times[names[3]])
+        end_t = statistics.median(t[0] for t in times[names[4]])
         print(f"K={args.k} contributions of {size / 2**20:.0f} MiB (fp32), Nesterov outer step with state; "
               f"median of {args.repeats}, page cache evicted before each; raw read of one checkpoint "
               f"{raw:.2f} s ({size / raw / 1e9:.2f} GB/s)\n")

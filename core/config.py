@@ -179,9 +179,10 @@ class RoundConfig:
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
     worker lands reads one contribution instead of K, folded while the outer step runs. The
     service also holds the round's global weights and outer state in memory from the round's
-    start, so the step reads nothing from storage: about 3 fp32 copies of the model in all, and a
-    4th (the new outer state) from the step until it is written, after the round's record, either
-    way. The sum is in arrival order (recorded
+    start, so the step reads nothing from storage: about 3 fp32 copies of the model in all (sum,
+    global, state). The step runs in place in the held copies, which become the new global and
+    outer state: the new state waits there for its write (after the round's record) without a
+    4th copy. The sum is in arrival order (recorded
     as the round record's `merge_order`; a resumed service rebuilds it from the contributions), so
     with 3+ workers two runs may differ in the last bit; `false` merges in worker order at the end
     (bitwise reproducible from run to run). Linear merges only: not `lte`."""

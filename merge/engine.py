@@ -6,7 +6,7 @@ How the bytes move (memory does not grow with K, nor with the size of the model)
   is refused up front).
 - The work is cut into segments: slices of at most `chunk` elements of one tensor, in the output's
   order (whole tensors for methods that are not element-wise, such as `ties`).
-- Every input has a reader thread (merge.lanes) that fills 4 reusable buffers with its next
+- Every input has reader threads (merge.lanes) that fill DEFAULT_DEPTH reusable buffers with its next
   segments: positional reads straight into the buffer (O_DIRECT for cold large local files:
   merge.directio), digest on the way when the file has a manifest, bf16/f16 widened to float32, a
   cheap finiteness check (one sum; the exact check only when it is not finite). File I/O,
@@ -19,7 +19,7 @@ How the bytes move (memory does not grow with K, nor with the size of the model)
   so this costs nothing more), and only then are the outputs published. Any error on the way
   deletes the temporaries: nothing half-merged is ever visible.
 
-`merge_round` is the merge service's use of it (one DiLoCo/lo-fi round: contributions with
+merge.rounds is the merge service's use of it (one DiLoCo/lo-fi round: contributions with
 manifests, the outer step with saved optimizer state, bad contributions rejected); for the linear
 merge it sums the contributions first (merge.incremental, which also decodes delta contributions)
 and streams that one mean here. merge.manual is `orchestrate merge`'s.
@@ -32,59 +32,33 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from core.checkpoint import DTYPES, TORCH_DTYPES, TensorSpec
-from core.config import OuterConfig
-from core.errors import CheckpointError, ContributionRejected, RunError
+from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.progress import track
-from core.storage import Storage
 from merge.methods import check_method_args, method_spec
-from merge.outer import state_in_specs, state_key, state_out_specs, state_slots
+from merge.outer import state_in_specs, state_key, state_slots
 from merge.lanes import Lane, Read, finite, nonfinite
-from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
+from merge.memory import GatedFile, MemoryFile
+from merge.reader import FLOATS, InputError, Model
 from merge.writer import OutputFile, PendingWrite, StreamWriter
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUFFER_BYTES = 256 << 20
-"""Read buffers of all inputs together (the segment size adapts to K); the merge's working set."""
+DEFAULT_BUFFER_BYTES = 512 << 20
+"""Read buffers of all inputs together (the segment size adapts to K); the merge's working set.
+512 MiB keeps enough bytes in flight for a cold disk (merge.lanes) and the peak RSS of a merge of
+1 GiB checkpoints at 0.7-0.8x one checkpoint (docs/benchmarks.md)."""
+DEFAULT_DEPTH = 8
+"""Read-ahead slots per input (merge.lanes says why this many)."""
 # Elements per segment. At most 4 Mi (16 MiB of float32): results stay under glibc's mmap
 # threshold, so their memory is recycled instead of being faulted in afresh for every segment.
 _MIN_CHUNK, _MAX_CHUNK = 1 << 18, 1 << 22
-
-
-class QuorumError(RunError):
-    """Too few valid contributions remain; `rejected` says which were refused and why."""
-
-    def __init__(self, message: str, rejected: dict[int, str]) -> None:
-        super().__init__(message)
-        self.rejected = rejected
-
-
-@dataclass(frozen=True)
-class Contribution:
-    worker: int
-    key: str
-    weight: float
-
-
-@dataclass
-class MergeResult:
-    merged: list[int]
-    rejected: dict[int, str]
-    bytes_read: int
-    seconds: float
-    outer_grad_norm: float
-    manifest: dict[str, Any] = field(default_factory=dict)
-    order: list[int] = field(default_factory=list)
-    """The order the inputs were summed in (merge/incremental.py), when it matters to the bytes."""
-    pending_state: PendingWrite | None = None
-    """With `defer_state`: the new outer state, not written yet (PendingWrite.start / wait)."""
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -148,7 +122,7 @@ def run_merge(
     state_in: Model | None = None,
     state_out: OutputFile | None = None,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    depth: int = 4,
+    depth: int = DEFAULT_DEPTH,
     defer_state: bool = False,
 ) -> MergeStats:
     """Merge `inputs` (headers already checked against each other) into `outputs`, whose specs give
@@ -157,9 +131,11 @@ def run_merge(
     Takes ownership of the models: they are closed on return. An unusable input raises InputError
     naming it (`ident`); the merged result's problems raise CheckpointError.
 
-    `depth`: read-ahead slots per input (merge.lanes says why 4). `defer_state`: `state_out` is not
+    `depth`: read-ahead slots per input (DEFAULT_DEPTH). `defer_state`: `state_out` is not
     written here: its tensors are held in memory and returned as `pending_state`, to be written
     after the outputs are published (the round merge's new global is what the next round waits for).
+    `params["in_place"]` (outer methods, every model held in memory): the step overwrites base,
+    state and the input instead of copying them; the outputs are then views of base and state.
     """
     with _torch_threads(1):  # the maths are memory-bound: leave the cores to the readers (I/O, digest)
         return _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth,
@@ -197,9 +173,15 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
     spec = method_spec(method)
     params = dict(params or {})
     problems = check_method_args(method, list(weights), params, base is not None)
-    if problems:
-        raise ValueError("; ".join(problems))
     models = [*inputs, *([base] if base else []), *([state_in] if state_in else [])]
+    if params.get("in_place") and not all(isinstance(f, (MemoryFile, GatedFile)) for m in models for f in m.files):
+        # a file's payloads are views of read slots that are reused: a result written there would
+        # be overwritten before the writer has it
+        problems.append("in_place needs every input held in memory (merge.memory)")
+    if problems:
+        for m in models:  # they are ours (see run_merge)
+            m.close()
+        raise ValueError("; ".join(problems))
     lanes: list[Lane] = []
     writers: list[StreamWriter] = []
     try:
@@ -272,11 +254,7 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
                     kwargs.update(state=state, stats=stats)
                 result = spec.fn(parts, list(weights), **kwargs)
                 if not finite(result):
-                    for m, p in [*zip(inputs, parts), *([(base, base_part)] if base else [])]:
-                        if not bool(torch.isfinite(p).all()):
-                            raise InputError(m.ident, nonfinite(m.tensors[seg.name][0].label, seg.name))
-                    raise CheckpointError(f"merged tensor {seg.name} has NaN or Inf values although every input is "
-                                          f"finite: the {method} merge overflowed; check the weights and the scale")
+                    _name_nonfinite(inputs, parts, base, base_part, seg.name, method, bool(params.get("in_place")))
                 out_t = result if dtypes[seg.name] == torch.float32 else result.to(dtypes[seg.name])
             else:
                 ref, ref_label = (base_part, base.label) if base_part is not None else (parts[0], inputs[0].label)
@@ -318,6 +296,19 @@ def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_o
             m.close()
 
 
+def _name_nonfinite(inputs: Sequence[Model], parts: list[torch.Tensor], base: Model | None,
+                    base_part: torch.Tensor | None, name: str, method: str, in_place: bool) -> None:
+    """Raise for a merged tensor with NaN or Inf values: InputError naming the input that has
+    some, else CheckpointError (the merge overflowed). An in-place step has overwritten its
+    inputs by then: the round merge checked them as they were read (merge.incremental)."""
+    if not in_place:
+        for m, p in [*zip(inputs, parts), *([(base, base_part)] if base is not None else [])]:
+            if not bool(torch.isfinite(p).all()):
+                raise InputError(m.ident, nonfinite(m.tensors[name][0].label, name))
+    raise CheckpointError(f"merged tensor {name} has NaN or Inf values although every input is finite: the "
+                          f"{method} merge overflowed; check the weights and the scale (for outer: the outer learning rate)")
+
+
 def _put_state(writer: StreamWriter, seg: _Segment, state: dict[str, torch.Tensor], slots: list[tuple[str, bool]],
                shape: tuple[int, ...], pending: dict[str, torch.Tensor], stream: bool) -> None:
     """Queue the new optimizer state of a segment. One full-size slot (momentum) streams as it
@@ -337,98 +328,3 @@ def _put_state(writer: StreamWriter, seg: _Segment, state: dict[str, torch.Tenso
         for slot, full in slots:
             t = pending.pop(slot)
             writer.put(state_key(seg.name, slot), t.reshape(shape) if full else t)
-
-
-# -- one round of a run --------------------------------------------------------------------
-def merge_round(
-    storage: Storage,
-    base_key: str,
-    contributions: Sequence[Contribution],
-    out_key: str,
-    outer: OuterConfig,
-    *,
-    state_in_key: str | None,
-    state_out_key: str | None,
-    min_inputs: int = 1,
-    method: str = "average",
-    metadata: Mapping[str, str] | None = None,
-    manifest: Mapping[str, Any] | None = None,
-    accumulator: Any = None,
-    defer_state: bool = False,
-) -> MergeResult:
-    """Merge `contributions` into the weights at `base_key`; write `out_key` (and the outer state).
-
-    Rejected contributions are reported in the result, not raised; RunError if fewer than
-    `min_inputs` valid ones remain. `average` is summed in the contributions' order, or through
-    `accumulator` (a merge.incremental.RunningSum folded while they arrived), which decode delta
-    contributions (core/codec.py); the other methods stream every input at once, here.
-    `defer_state`: the new outer state is returned unwritten, as the result's `pending_state`
-    (the service writes it after the round's record: the next round needs only the new global).
-    """
-    if method == "average":
-        from merge.incremental import merge_summed  # it builds on this module
-        return merge_summed(storage, base_key, contributions, out_key, outer, accumulator=accumulator,
-                            state_in_key=state_in_key, state_out_key=state_out_key, min_inputs=min_inputs,
-                            metadata=metadata, manifest=manifest, defer_state=defer_state)
-    t0 = time.perf_counter()
-    rejected: dict[int, str] = {}
-    live = list(contributions)
-    while True:
-        if len(live) < min_inputs:
-            raise QuorumError(f"only {len(live)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
-                              f"rejected: {rejected or 'none'}", rejected)
-        try:
-            stats = _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key,
-                                method, metadata, manifest, defer_state)
-        except ContributionRejected as exc:
-            log.warning("merge: rejected worker %d: %s", exc.worker, exc.reason)
-            rejected[exc.worker] = exc.reason
-            live = [c for c in live if c.worker != exc.worker]
-            continue
-        return MergeResult(merged=[c.worker for c in live], rejected=rejected, bytes_read=stats.bytes_read,
-                           seconds=time.perf_counter() - t0, outer_grad_norm=stats.grad_sq ** 0.5,
-                           manifest=stats.manifests[0], pending_state=stats.pending_state)
-
-
-def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key, method, metadata,
-                manifest, defer_state=False) -> MergeStats:
-    opened: list[Model] = []
-    try:
-        base = open_file_model(storage, base_key, f"global weights {storage.display(base_key)}", "base",
-                               require_manifest=True)
-        opened.append(base)
-        ref = model_specs(base)
-        inputs = []
-        for c in live:
-            try:
-                m = open_file_model(storage, c.key, f"worker {c.worker} ({storage.display(c.key)})", c.worker,
-                                    require_manifest=True)
-            except CheckpointError as exc:
-                raise ContributionRejected(c.worker, str(exc)) from None
-            opened.append(m)
-            problems = compare_specs(ref, model_specs(m), "the global weights")
-            if problems:
-                raise ContributionRejected(c.worker, problems[0])
-            inputs.append(m)
-        state_in = None
-        if state_in_key is not None:
-            state_in = open_file_model(storage, state_in_key, f"outer optimizer state {storage.display(state_in_key)}",
-                                       "state", require_manifest=True)
-            opened.append(state_in)
-    except BaseException:
-        for m in opened:
-            m.close()
-        raise
-    order = [(n, s.dtype, s.shape) for n, s in ref.items()]
-    out = OutputFile(storage, out_key, [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in order], metadata,
-                     dict(manifest or {}))
-    state_out = None
-    if state_out_key is not None:
-        state_out = OutputFile(storage, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
-    try:
-        return run_merge(inputs, [c.weight for c in live], "outer", [out], params={"optimizer": outer, "inner": method},
-                         base=base, state_in=state_in, state_out=state_out, defer_state=defer_state)
-    except InputError as exc:
-        if isinstance(exc.ident, int):
-            raise ContributionRejected(exc.ident, exc.reason) from None
-        raise CheckpointError(exc.reason) from None

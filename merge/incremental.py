@@ -10,7 +10,7 @@ checkpoint (the last contribution, then base and optimizer state for the outer s
   gradient directly (method `outer-delta`). Coded inputs are decoded tensor by tensor. An input
   in the other space (a late worker's delta against its own older base) is decoded whole first.
 - Order: S is summed in the order contributions were folded (`order`); floating-point sums depend
-  on it. The non-incremental merge (`merge_summed` without an accumulator: a resumed service, a
+  on it. The non-incremental merge (merge.rounds.merge_summed without an accumulator: a resumed service, a
   replay, `round.stream_merge: false`) is this same code fed the list in its order, so the same
   inputs in the same order give the same bytes.
 - Only validated contributions count: names, shapes and dtypes are checked before anything is
@@ -36,7 +36,8 @@ from core.checkpoint import DTYPES, TensorSpec, open_checkpoint, read_manifest
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
-from merge.engine import Contribution, MergeResult, QuorumError, _torch_threads, compare_specs, model_specs, run_merge
+from merge.engine import _torch_threads, compare_specs, model_specs, run_merge
+from merge.rounds import Contribution, MergeResult, QuorumError
 from merge.lanes import Lane, Read, Slot, finite
 from merge.memory import GatedFile, MemoryFile, load_model
 from merge.outer import state_out_specs
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 FOLD_SLOTS = 4
 """Read buffers of a fold: two being read, the rest with the maths (a coded tensor's entries are
 held until its last one is in)."""
+FOLD_READERS = 2
+"""Reads in flight in a fold (merge.lanes); 4 measured no faster. (Nor did reading through the
+page cache: a cold 242 MiB contribution alone was folded in 0.13 s instead of 0.20 s, but the
+round's last fold beside the outer step gained nothing and cost 0.18 CPU-s more.)"""
 FOLD_CHUNK = 1 << 22
 """Elements per read of a large tensor stored plain (weights, fp32/bf16 deltas): the slots stay at
 16 MiB whatever the model (a coded tensor is read whole: its rows need their scales and indices),
@@ -81,6 +86,9 @@ class RunningSum:
     preload: bool = False
     """Read the global weights and the outer state into memory now (the service does, while it
     waits for the workers), so that the outer step after the last fold reads nothing from storage."""
+    step_in_place: bool = True
+    """Run the outer step in the held copies (see `_outer_step`); False: on copies of them (what
+    the step does over files; bench.stream_merge times both)."""
 
     def __post_init__(self) -> None:
         s, label = self.storage, f"global weights {self.storage.display(self.base_key)}"
@@ -98,6 +106,7 @@ class RunningSum:
         finally:
             base.close()
         self._held: dict[str, Model] = {self.base_key: base} if self.preload else {}
+        self._spent: list[Any] = []
         if self.preload and self.state_key is not None:
             try:
                 self._held[self.state_key] = load_model(s, self.state_key, f"outer optimizer state {s.display(self.state_key)}",
@@ -218,7 +227,7 @@ class RunningSum:
             plan += [[Read(e, f, sp, a, min(a + FOLD_CHUNK, numel), (min(a + FOLD_CHUNK, numel) - a,))]
                      for a in range(0, numel, FOLD_CHUNK)] if sliced else [[Read(e, f, sp, 0, numel, sp.shape)]]
         # the slots (read buffers) are this sum's, reused by every fold: fresh pages cost more than reads
-        lane = Lane(label, c.worker, plan, FOLD_SLOTS, check=False, slots=self._slots)
+        lane = Lane(label, c.worker, plan, FOLD_SLOTS, check=False, slots=self._slots, readers=FOLD_READERS)
         pending: dict[str, dict[str, tuple[Slot, torch.Tensor]]] = {}
         try:
             with _torch_threads(1):  # memory-bound maths: leave the other cores to the readers (I/O, digest)
@@ -410,6 +419,10 @@ class RunningSum:
         return stats
 
     def _outer_step(self, mean_file: Any, out_key, outer, state_in_key, state_out_key, metadata, manifest, defer_state):
+        """The outer step from the mean into `out_key`. Over the global weights and state held in
+        memory (`preload`) it runs in place: the held copies become the new global and state (no
+        copy of either; the deferred state write reads them) and are no longer held: a merge
+        done again reads the files."""
         s = self.storage
         base = self._input(self.base_key, f"global weights {s.display(self.base_key)}", "base")
         mean = Model("mean of the contributions", "sum", [mean_file], {n: (mean_file, sp) for n, sp in mean_file.specs.items()})
@@ -420,6 +433,8 @@ class RunningSum:
         except BaseException:
             base.close()
             raise
+        held = [id(m) for m in self._held.values()]
+        in_place = self.step_in_place and id(base) in held and (state_in is None or id(state_in) in held)
         order = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
         out = OutputFile(s, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in order], metadata,
                          dict(manifest))
@@ -427,6 +442,12 @@ class RunningSum:
             s, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
         method, params = ("outer-delta", {"optimizer": outer}) if self.space == "delta" else \
             ("outer", {"optimizer": outer, "inner": "average"})
+        if in_place:
+            params["in_place"] = True
+            self._held = {}  # overwritten from here on, whatever happens
+            # ...and freed with this sum, not as this call returns: unmapping a model's pages is
+            # slow (0.045 s for 242 MiB here), and the next round is waiting for this merge
+            self._spent = [base, state_in]
         try:
             return run_merge([mean], [1.0], method, [out], params=params, base=base, state_in=state_in,
                              state_out=state_out, defer_state=defer_state)
@@ -437,11 +458,3 @@ class RunningSum:
 
 def _dtype(t: torch.Tensor) -> str:
     return DTYPES[t.dtype]
-
-
-def merge_summed(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,
-                 outer: OuterConfig, *, accumulator: RunningSum | None = None, **kw: Any) -> MergeResult:
-    """merge.engine.merge_round for the linear merge: through `accumulator` (what a streaming
-    service folded so far) or a fresh one fed `contributions` in their order."""
-    acc = accumulator if accumulator is not None else RunningSum(storage, base_key)
-    return acc.merge(contributions, out_key, outer, **kw)

@@ -9,11 +9,15 @@ and torch all release the GIL, so K lanes, the maths and the writer run in paral
 How many slots matters more than their size: the maths takes segment i from every input at
 once, so a lane that is ahead waits for the slowest one, and with 2 slots it soon had no read in
 flight (the K = 8 merge read at 0.87 GB/s; with 4 slots of half the size, the same memory, at
-1.48 GB/s). And how many reads are in flight: a disk (here a virtio device that splits reads into
+1.48 GB/s). And how many bytes are in flight: a disk (here a virtio device that splits reads into
 4 MiB requests) reads faster with more requests queued, and an O_DIRECT read queues only its own:
 8 files read with 8 MiB O_DIRECT reads, one at a time per file, gave 0.88-1.17 GB/s, two at a time
-1.54-2.04 GB/s, three 1.56-1.71. So a lane over a local file has two reader threads, each reading
-its next segment into a free slot while the other hashes and hands over its own, in segment order.
+1.54-2.04 GB/s. So a lane over a local file has several reader threads (READERS), each reading its
+next segment into a free slot while the others hash and hand over theirs, in segment order. The
+engine's default (merge.engine: 512 MiB, 8 slots of 8 MiB per input at K = 8, 4 readers: 256 MiB
+in flight) read 8 cold 1 GiB files at 0.85-0.95x the rate of 64 MiB O_DIRECT reads of the same
+files; 256 MiB with 4 slots and 2 readers at 0.6-0.8x; more readers than half the slots did not
+help (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from merge.directio import aligned_bytes, region_bytes
 from merge.reader import FLOATS, ITEMSIZE, InputError, TensorFile
 
 _ALIGN = 64
-READERS = 2
+READERS = 4
 """Reader threads (reads in flight) per lane over a local file (see above)."""
 
 
@@ -116,14 +120,15 @@ class Slot:
 
 
 class Lane:
-    """Reads one model's segments in order into `depth` reusable slots, in its own threads: two for
-    local files (positional reads), each reading a segment while the other's is hashed and handed
-    over in turn; one otherwise."""
+    """Reads one model's segments in order into `depth` reusable slots, in its own threads: up to
+    READERS for local files (positional reads), each reading a segment while the others' are hashed
+    and handed over in turn; one otherwise."""
 
     def __init__(self, label: str, ident: Any, plan: list[list[Read]], depth: int, check: bool = True,
-                 slots: list[Slot] | None = None) -> None:
+                 slots: list[Slot] | None = None, readers: int = READERS) -> None:
         """`slots`: the slots to use (a caller's, reused from lane to lane; `depth` is then their
-        number), else `depth` new ones."""
+        number), else `depth` new ones. `readers`: reader threads over a local file (at most one
+        per slot)."""
         self.label, self.ident, self.plan, self.check = label, ident, plan, check
         slots = slots if slots is not None else [Slot() for _ in range(depth)]
         self.free: queue.Queue[Slot | None] = queue.Queue()
@@ -131,7 +136,7 @@ class Lane:
             self.free.put(slot)
         self.ready: queue.Queue[Any] = queue.Queue()
         positional = all(getattr(r.file, "positional", False) for reads in plan for r in reads)
-        n_threads = min(READERS, len(slots)) if positional else 1
+        n_threads = min(readers, len(slots)) if positional else 1
         self._turn = self._next = 0  # the segment to hand over next; the next one to read
         self._cv = threading.Condition()
         self._stop = False

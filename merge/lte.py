@@ -14,7 +14,7 @@ optimizer: the update is applied as is.
 Contributions are small (heads are r x (in + out) per layer), so they are read whole and checked
 first: manifest and digest, names (the set the service expects, or the first one's), shapes against
 the base and the rank, floating point, finite. A bad one is rejected with the reason, the rest are
-merged; fewer than `min_inputs` left raises QuorumError, as merge.engine.merge_round does. The base
+merged; fewer than `min_inputs` left raises QuorumError, as merge.rounds.merge_round does. The base
 streams tensor by tensor into the new global checkpoint (written atomically, manifest last, by
 core.checkpoint.write_checkpoint); its digest is checked before anything is published.
 """
@@ -31,7 +31,7 @@ import torch
 from core.checkpoint import LazyCheckpoint, TensorSpec, load_checkpoint, open_checkpoint, write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.engine import Contribution, MergeResult, QuorumError
+from merge.rounds import Contribution, MergeResult, QuorumError
 
 log = logging.getLogger(__name__)
 

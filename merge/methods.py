@@ -106,26 +106,28 @@ def median(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: objec
 
 def outer(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
           state: dict[str, torch.Tensor], optimizer: OuterConfig, inner: str = "average",
-          stats: dict[str, float] | None = None, **_: object) -> torch.Tensor:
+          stats: dict[str, float] | None = None, in_place: bool = False, **_: object) -> torch.Tensor:
     """One DiLoCo outer step: the pseudo-gradient `base - inner(inputs)` goes into `.grad` of base
     and a real torch.optim optimizer (`optimizer`) steps it (merge.outer).
 
     `state` holds the optimizer's slots for this tensor (momentum buffer, Adam moments; empty on
     the first step); it is replaced in place by the slots after the step. `stats`, when given,
-    accumulates the squared norm of the pseudo-gradient under "grad_sq".
+    accumulates the squared norm of the pseudo-gradient under "grad_sq". `in_place`: base, the
+    state's tensors and a single input are the caller's to overwrite (merge.outer.outer_step).
     """
     # one input (the round merge's mean) averages to itself, bit for bit: skip the copy
-    merged = tensors[0] if len(tensors) == 1 and inner == "average" else get_method(inner)(tensors, weights)
-    return _stepped(outer_step(_f32(base), merged, dict(state), optimizer), state, stats)
+    single = len(tensors) == 1 and inner == "average"
+    merged = tensors[0] if single else get_method(inner)(tensors, weights)
+    return _stepped(outer_step(_f32(base), merged, dict(state), optimizer, in_place=in_place and single), state, stats)
 
 
 def outer_delta(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
                 state: dict[str, torch.Tensor], optimizer: OuterConfig, stats: dict[str, float] | None = None,
-                **_: object) -> torch.Tensor:
+                in_place: bool = False, **_: object) -> torch.Tensor:
     """`outer` for inputs that are outer gradients already (base - worker weights, as delta
     contributions carry them): their weighted mean goes into `.grad` as it is."""
-    grad = average(tensors, weights)
-    return _stepped(outer_step_from_grad(_f32(base), grad, dict(state), optimizer), state, stats)
+    grad = tensors[0] if len(tensors) == 1 and tensors[0].dtype == torch.float32 else average(tensors, weights)
+    return _stepped(outer_step_from_grad(_f32(base), grad, dict(state), optimizer, in_place=in_place), state, stats)
 
 
 def _stepped(step: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], state: dict[str, torch.Tensor],
@@ -191,9 +193,9 @@ METHODS: dict[str, Method] = {
     "ties": Method(ties, needs_base=True, elementwise=False, params=("density", "scale"),
                    checks=(_check_density, _check_scale)),
     "median": Method(median, weight_checks=(_uniform,)),
-    "outer": Method(outer, needs_base=True, params=("optimizer", "inner"), checks=(_check_optimizer,),
+    "outer": Method(outer, needs_base=True, params=("optimizer", "inner", "in_place"), checks=(_check_optimizer,),
                     stateful=True, propagates_nonfinite=True),  # when `inner` does: see the engine
-    "outer-delta": Method(outer_delta, needs_base=True, params=("optimizer",), checks=(_check_optimizer,),
+    "outer-delta": Method(outer_delta, needs_base=True, params=("optimizer", "in_place"), checks=(_check_optimizer,),
                           stateful=True, propagates_nonfinite=True, internal=True),
 }
 PUBLIC = sorted(name for name, m in METHODS.items() if not m.internal)

@@ -37,28 +37,38 @@ def make_optimizer(params: list[torch.Tensor], cfg: OuterConfig) -> torch.optim.
 
 
 def outer_step(
-    global_t: torch.Tensor, merged: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig
+    global_t: torch.Tensor, merged: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """One outer step of one tensor: (new global in the global's dtype, new state, outer gradient)."""
+    """One outer step of one tensor: (new global in the global's dtype, new state, outer gradient).
+    `in_place`: see outer_step_from_grad; the gradient is also computed into `merged`."""
+    if in_place and global_t.dtype == torch.float32 and merged.dtype == torch.float32:
+        return outer_step_from_grad(global_t, torch.sub(global_t, merged, out=merged), state, cfg, in_place=True)
     param = global_t.detach().to(torch.float32)
-    return outer_step_from_grad(global_t, param - merged.to(torch.float32), state, cfg)
+    return outer_step_from_grad(global_t, param - merged.to(torch.float32), state, cfg, in_place=in_place)
 
 
 def outer_step_from_grad(
-    global_t: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig
+    global_t: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The same step given the outer gradient itself (delta contributions carry it: core/codec.py).
 
-    Neither input nor `state` is written to (they may be views of read buffers or of a model held
-    in memory): the step works on copies of the global tensor and of the state, which it returns.
+    By default neither input nor `state` is written to (they may be views of read buffers or of a
+    model held in memory): the step works on copies of the global tensor and of the state, which
+    it returns. `in_place`: the caller owns them and lets the step overwrite them (the round merge
+    over models it holds in memory: merge.incremental): a float32 global tensor becomes the new
+    one, and the state's tensors the new state, without a copy of either.
     """
-    param = global_t.detach().to(torch.float32, copy=True)
+    own = in_place and global_t.dtype == torch.float32
+    param = global_t.detach() if own else global_t.detach().to(torch.float32, copy=True)
     grad = grad.to(torch.float32)  # torch.optim reads .grad, never writes it
     param.grad = grad
     opt = make_optimizer([param], cfg)
-    if state:
-        opt.state[param] = {k: v.clone() for k, v in state.items()}
+    if state:  # torch.optim updates its state tensors in place
+        opt.state[param] = dict(state) if in_place else {k: v.clone() for k, v in state.items()}
     opt.step()
+    param.grad = None
     new_state = {k: v.detach() for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
     return param.detach().to(global_t.dtype), new_state, grad
 

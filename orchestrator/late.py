@@ -23,7 +23,8 @@ from core.config import Config
 from core.errors import CheckpointError, ContributionRejected
 from core.layout import RunLayout
 from core.storage import Storage
-from merge.engine import Contribution, compare_specs
+from merge.engine import compare_specs
+from merge.rounds import Contribution
 from merge.reader import FLOATS
 from orchestrator.plan import Fold, fold_plan
 from orchestrator.runstate import arrived_workers, jobs_of_round

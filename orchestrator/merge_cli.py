@@ -5,6 +5,7 @@ import argparse
 from typing import Any
 
 from merge.directio import IO_MODES
+from merge.engine import DEFAULT_BUFFER_BYTES
 from merge.methods import PUBLIC
 
 EXAMPLES = """examples:
@@ -35,7 +36,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--outer-momentum", type=float, help="outer: momentum for nesterov/sgdm (default 0.9)")
     p.add_argument("--outer-state", metavar="STATE",
                    help="outer: optimizer state file, read if it exists and replaced by the new state")
-    p.add_argument("--buffer-mib", type=int, default=256, help="read buffers of all inputs together, MiB (default 256)")
+    p.add_argument("--buffer-mib", type=int, default=DEFAULT_BUFFER_BYTES >> 20,
+                   help=f"read buffers of all inputs together, MiB (default {DEFAULT_BUFFER_BYTES >> 20})")
     p.add_argument("--io", choices=IO_MODES, default="auto",
                    help="how local files are read and written: auto (default) reads large files that are not "
                         "in the page cache, and writes large files, with O_DIRECT, bypassing it; direct or "

@@ -21,7 +21,7 @@ from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import RunLayout
 from core.storage import Storage
-from merge.engine import Contribution, merge_round
+from merge.rounds import Contribution, merge_round
 
 log = logging.getLogger(__name__)
 L = RunLayout()

@@ -26,7 +26,7 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.outer import outer_step
-from merge.engine import Contribution, QuorumError, merge_round
+from merge.rounds import Contribution, QuorumError, merge_round
 from merge.incremental import RunningSum
 from merge.lte import merge_lte_round
 from merge.writer import PendingWrite

@@ -14,7 +14,7 @@ from core import codec
 from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
-from merge.engine import Contribution, merge_round
+from merge.rounds import Contribution, merge_round
 from merge import incremental
 from merge.incremental import RunningSum
 
@@ -266,19 +266,57 @@ def _round1(mem, contribs, out, acc=None):
                        state_out_key="state_" + out, accumulator=acc)
 
 
-def test_held_global_and_state_give_the_same_bytes_and_stay_unchanged(mem):
+def test_held_global_and_state_are_stepped_in_place_and_give_the_same_bytes(mem):
     cs = _second_round(mem, seed=11)
     acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
     assert set(acc._held) == {"g1.safetensors", "state_g1.safetensors"}
+    held = {key: m.files[0] for key, m in acc._held.items()}
     for c in cs[:2]:
         assert acc.add(c)
     _round1(mem, cs, "g2.safetensors", acc)
-    _round1(mem, cs, "h2.safetensors")  # nothing held: both read from storage
+    _round1(mem, cs, "h2.safetensors")  # nothing held: both read from storage, stepped on copies
     assert _bytes(mem, "g2.safetensors") == _bytes(mem, "h2.safetensors")
     assert _bytes(mem, "state_g2.safetensors") == _bytes(mem, "state_h2.safetensors")
-    for key, held in acc._held.items():  # the merge read them in place and wrote nothing into them
-        f = held.files[0]
-        assert bytes(f.data.numpy()) == _bytes(mem, key)[len(_bytes(mem, key)) - f.size:], key
+    # the step ran in the held copies: they hold the new global and state now (their float
+    # tensors: the files hold nothing else here), and are no longer held as round 1's
+    for old_key, new_key in [("g1.safetensors", "g2.safetensors"), ("state_g1.safetensors", "state_g2.safetensors")]:
+        f, new = held[old_key], load_checkpoint(mem, new_key)[0]
+        assert all(torch.equal(f.view(n), new[n]) for n in f.specs), old_key
+    assert acc._held == {}
+    _round1(mem, cs, "k2.safetensors", acc)  # the same merge again reads round 1's files
+    assert _bytes(mem, "k2.safetensors") == _bytes(mem, "h2.safetensors")
+    assert _bytes(mem, "state_k2.safetensors") == _bytes(mem, "state_h2.safetensors")
+
+
+def test_a_last_contribution_refused_during_the_in_place_step_is_left_out_exactly(mem):
+    cs = _second_round(mem, seed=14)
+    g1 = load_checkpoint(mem, "g1.safetensors")[0]
+    bad = {n: t + 0.03 for n, t in g1.items()}
+    bad["c"] = torch.tensor(float("nan"))  # the last tensor: the step has consumed the others by then
+    _publish(mem, cs[2].key, g1, bad, "unused")
+    acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
+    for c in cs[:2]:
+        assert acc.add(c)
+    res = _round1(mem, cs, "g2.safetensors", acc)
+    assert res.merged == [0, 1] and "NaN" in res.rejected[2]
+    _round1(mem, cs[:2], "h2.safetensors")  # the two good ones, from storage
+    assert _bytes(mem, "g2.safetensors") == _bytes(mem, "h2.safetensors")
+    assert _bytes(mem, "state_g2.safetensors") == _bytes(mem, "state_h2.safetensors")
+
+
+def test_an_overflowing_in_place_step_is_refused_and_publishes_nothing(mem):
+    cs = _second_round(mem, seed=15)
+    g1 = load_checkpoint(mem, "g1.safetensors")[0]
+    for c in cs:
+        _publish(mem, c.key, g1, {n: t + 2.0 for n, t in g1.items()}, "unused")
+    acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
+    huge = OuterConfig(optimizer="nesterov", lr=1e38, momentum=0.9)  # lr x grad x (1 + m) > float32's max
+    with pytest.raises(CheckpointError, match="has NaN or Inf values although every input is finite: the outer "
+                                              "merge overflowed"):
+        merge_round(mem, "g1.safetensors", cs, "g2.safetensors", huge, state_in_key="state_g1.safetensors",
+                    state_out_key="state_g2.safetensors", accumulator=acc)
+    assert not mem.exists("g2.safetensors") and not mem.exists("state_g2.safetensors")
+    assert acc._held == {}
 
 
 def test_a_held_state_replaced_on_storage_is_read_again(mem):

@@ -221,20 +221,49 @@ def test_a_refused_direct_write_is_done_through_the_page_cache(tmp_path, monkeyp
     w = directio.create_direct(str(path), 1, "direct")
     if w is None:
         pytest.skip(f"no O_DIRECT on the filesystem of {tmp_path}")
-    write = os.write
+    pwrite = os.pwrite
 
-    def refuse_direct(fd, data):
+    def refuse_direct(fd, data, offset):
         if fd == w.fd and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return write(fd, data)
+        return pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "write", refuse_direct)
+    monkeypatch.setattr(os, "pwrite", refuse_direct)
     pieces = _pieces(1)
     with w:
         for p in pieces:
             w.write(p)
     assert path.read_bytes() == b"".join(pieces)
     assert "O_DIRECT write refused" in caplog.text
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_a_failed_background_write_is_raised_by_the_writer(tmp_path, monkeypatch, fail_at):
+    """The staged buffers are written by a background thread: its error (a full disk, simulated:
+    a tmpfs offers no O_DIRECT to fill) reaches the caller at its next write or at close, the
+    descriptor is closed, nothing hangs."""
+    monkeypatch.setattr(directio.DirectWriter, "CHUNK", 2 * 4096)
+    path = tmp_path / "out.bin"
+    w = directio.create_direct(str(path), 1, "direct")
+    if w is None:
+        pytest.skip(f"no O_DIRECT on the filesystem of {tmp_path}")
+    pwrite, calls = os.pwrite, iter(range(10**6))
+
+    def full(fd, data, offset):
+        if fd == w.fd and next(calls) >= fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    fd = w.fd
+    with pytest.raises(OSError) as e:
+        with w:
+            for p in _pieces(2) * 4:
+                w.write(p)
+    assert e.value.errno == errno.ENOSPC
+    assert w.fd is None and not w._thread.is_alive()
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 def test_which_writes_go_direct(tmp_path, monkeypatch):

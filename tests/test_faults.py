@@ -27,7 +27,7 @@ from core.config import OuterConfig
 from core.errors import CheckpointError, RunError, StorageError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from merge.engine import Contribution, merge_round
+from merge.rounds import Contribution, merge_round
 from merge.manual import MergeError, manual_merge
 from orchestrator.runstate import acquire_lock, arrived_workers, release_lock
 

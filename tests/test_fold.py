@@ -1,6 +1,6 @@
 """Folding contributions on local disk into the running sum (merge.incremental through merge.lanes).
 
-Real files under tmp_path, read by a lane's two reader threads (positional reads) and, with
+Real files under tmp_path, read by a lane's reader threads (positional reads) and, with
 `io` direct where the filesystem offers it, around the page cache. The oracle is plain torch on
 whole tensors in the same order: S = sum_i (w_i * x_i) in float32, each product rounded first.
 """
@@ -13,7 +13,7 @@ from core.checkpoint import read_manifest, write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
 from merge import directio
-from merge.engine import Contribution
+from merge.rounds import Contribution
 from merge import incremental
 from merge.incremental import FOLD_SLOTS, RunningSum
 

@@ -1,9 +1,9 @@
-"""The merge engine's readers (merge.lanes): two reader threads per local input, payloads handed
+"""The merge engine's readers (merge.lanes): several reader threads per local input, payloads handed
 over and hashed in segment order, errors in order, no hang on close.
 
 Real files on the test machine's disk read through merge.reader.TensorFile (positional reads);
 a `memory://` file for the single-thread case. Reads are slowed per segment where the test needs
-the second thread's read to finish before the first's (a real sleep in the read, not a mock).
+a later thread's read to finish before an earlier one's (a real sleep in the read, not a mock).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from core.checkpoint import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.lanes import Lane, Read
+from merge.lanes import READERS, Lane, Read
 from merge.reader import InputError, TensorFile
 
 
@@ -61,21 +61,21 @@ def _open(tmp_path, tensors) -> tuple[Storage, TensorFile]:
     return s, TensorFile(s, "m.safetensors", "m", s.read_json("m.json"), io="buffered")
 
 
-def test_two_readers_hand_over_in_order_and_hash_the_file_in_one_pass(tmp_path):
+def test_several_readers_hand_over_in_order_and_hash_the_file_in_one_pass(tmp_path):
     tensors = _model()
     _, f = _open(tmp_path, tensors)
     assert f.positional
     fetch = f.fetch_tensor
     calls = iter(range(10**6))
 
-    def uneven(*a, **kw):  # every other read is slow: the other thread's next one finishes first
-        if next(calls) % 2 == 0:
-            time.sleep(0.01)
+    def uneven(*a, **kw):  # uneven read times: later reads often finish before earlier ones
+        time.sleep((3 - next(calls) % 4) * 0.005)
         return fetch(*a, **kw)
 
     f.fetch_tensor = uneven
     plan, want = _plan(f)
-    got = _read_all(plan, readers=2)
+    got = _read_all(plan, readers=min(READERS, 4))
+    assert READERS > 1
     for t, (name, s, e) in zip(got, want):
         assert torch.equal(t, tensors[name][s:e])
     assert f._pos == f.size  # every byte hashed in order, as read: verify() reads nothing again

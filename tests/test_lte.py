@@ -15,7 +15,7 @@ from core.errors import ConfigError
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from merge.engine import Contribution, QuorumError
+from merge.rounds import Contribution, QuorumError
 from merge.lte import lte_update, merge_lte_round
 from worker import lora
 from worker.train import InnerTrainer, load_run_config, optimizer_tensors

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import OuterConfig
-from merge.engine import Contribution, QuorumError, merge_round
+from merge.rounds import Contribution, QuorumError, merge_round
 from merge.methods import average, get_method
 from merge.outer import outer_step
 
@@ -151,6 +151,42 @@ def test_outer_step_is_torch_optim_default_over_two_steps(name, n):
     assert state.keys() == {k for k, v in opt.state[p].items() if torch.is_tensor(v)}
     for k in state:
         torch.testing.assert_close(state[k], opt.state[p][k], rtol=2 ** -23, atol=2 ** -23)
+
+
+@pytest.mark.parametrize("name", ["nesterov", "sgdm", "sgd", "adam"])
+def test_an_in_place_step_gives_the_same_bytes_in_the_callers_tensors(name):
+    """in_place (the round merge over models held in memory): the global tensor, the state's
+    tensors and the merged input are overwritten, and the results are those very tensors, with the
+    bytes of the step on copies."""
+    g = torch.Generator().manual_seed(3)
+    w, m1, m2 = (torch.randn(1000, generator=g) for _ in range(3))
+    cfg = OuterConfig(optimizer=name, lr=0.7, momentum=0.9)
+    want, want_state, want_grad = w, {}, None
+    got, state = w.clone(), {}
+    for merged in (m1, m2):
+        want, want_state, want_grad = outer_step(want, merged, want_state, cfg)
+        mine = merged.clone()
+        new, state, grad = outer_step(got, mine, state, cfg, in_place=True)
+        assert new.data_ptr() == got.data_ptr() and grad.data_ptr() == mine.data_ptr()
+        assert torch.equal(got, want) and torch.equal(grad, want_grad)
+        assert state.keys() == want_state.keys() and all(torch.equal(state[k], want_state[k]) for k in state)
+    held = {k: v.clone() for k, v in state.items()}
+    _, again, _ = outer_step(got, m1.clone(), held, cfg, in_place=True)
+    assert all(again[k].data_ptr() == held[k].data_ptr() for k in held)  # the state stepped where it lies
+
+
+def test_the_engine_refuses_in_place_over_files(mem):
+    from merge.engine import run_merge
+    from merge.reader import open_file_model
+    from merge.writer import OutputFile
+    _write(mem, "g0.safetensors", {"w": torch.zeros(2, 2)})
+    _write(mem, "a.safetensors", {"w": torch.ones(2, 2)})
+    models = [open_file_model(mem, k, k, k, require_manifest=True) for k in ("a.safetensors", "g0.safetensors")]
+    out = OutputFile(mem, "o.safetensors", [("w", "F32", (2, 2), 16)], None, {})
+    with pytest.raises(ValueError, match="in_place needs every input held in memory"):
+        run_merge(models[:1], [1.0], "outer", [out], base=models[1],
+                  params={"optimizer": OuterConfig(), "inner": "average", "in_place": True})
+    assert not mem.exists("o.safetensors")
 
 
 # -- validation: a bad contribution is rejected with a reason, the round goes on -------------

@@ -19,7 +19,7 @@ from core.config import OuterConfig
 from core.errors import RunError, StorageError
 from core.layout import RunLayout
 from core.storage import Storage
-from merge.engine import Contribution, merge_round
+from merge.rounds import Contribution, merge_round
 from merge.incremental import RunningSum
 from orchestrator.cli import main
 from orchestrator.outer_state import ensure_outer_state, recorded_inputs

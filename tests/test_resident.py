@@ -19,7 +19,7 @@ from core.errors import StorageError
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from merge.engine import Contribution, merge_round
+from merge.rounds import Contribution, merge_round
 from orchestrator.runstate import create_run
 
 L = RunLayout()

@@ -185,7 +185,7 @@ def test_run_directory_is_private(tmp_path):
 
 def test_merge_outputs_are_private(tmp_path):
     from core.config import OuterConfig
-    from merge.engine import Contribution, merge_round
+    from merge.rounds import Contribution, merge_round
     s = Storage(str(tmp_path / "run"))
     write_checkpoint(s, "g0.safetensors", {"w": torch.zeros(2)})
     write_checkpoint(s, "a.safetensors", {"w": torch.ones(2)})

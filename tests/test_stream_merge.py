@@ -17,7 +17,7 @@ from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import load_config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from merge.engine import Contribution, merge_round
+from merge.rounds import Contribution, merge_round
 from orchestrator.service import RoundService
 from test_contributions import Scripted, publish
 
