@@ -1,4 +1,4 @@
-"""The merge engine's readers: one thread per input, filling a few reusable slots ahead of the maths.
+"""The merge engine's readers: a few threads per input, filling reusable slots ahead of the maths.
 
 A lane reads its input's segments in order, each into a free slot: positional reads straight
 into the slot's buffer (O_DIRECT for cold large files: merge.directio), the digest fed on the way
@@ -15,9 +15,9 @@ flight (the K = 8 merge read at 0.87 GB/s; with 4 slots of half the size, the sa
 1.54-2.04 GB/s. So a lane over a local file has several reader threads (READERS), each reading its
 next segment into a free slot while the others hash and hand over theirs, in segment order. The
 engine's default (merge.engine: 512 MiB, 8 slots of 8 MiB per input at K = 8, 4 readers: 256 MiB
-in flight) read 8 cold 1 GiB files at 0.85-0.95x the rate of 64 MiB O_DIRECT reads of the same
-files; 256 MiB with 4 slots and 2 readers at 0.6-0.8x; more readers than half the slots did not
-help (docs/benchmarks.md).
+in flight) merged 8 cold 1 GiB files at 0.83-1.1x the rate of 64 MiB O_DIRECT reads of the same
+files (medians of 4-5 alternating runs, 5 runs), where 256 MiB in 4 slots with 2 readers gave
+0.5-1.0x; 6 or 7 readers over 8 slots, or 384 MiB, were no better (docs/benchmarks.md).
 """
 from __future__ import annotations
 
