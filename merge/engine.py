@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BUFFER_BYTES = 512 << 20
 """Read buffers of all inputs together (the segment size adapts to K); the merge's working set.
 512 MiB keeps enough bytes in flight for a cold disk (merge.lanes) and the peak RSS of a merge of
-1 GiB checkpoints at 0.7-0.8x one checkpoint (docs/benchmarks.md)."""
+1 GiB checkpoints at 0.57-0.85x one checkpoint (K = 2 to 16: docs/benchmarks.md)."""
 DEFAULT_DEPTH = 8
 """Read-ahead slots per input (merge.lanes says why this many)."""
 # Elements per segment. At most 4 Mi (16 MiB of float32): results stay under glibc's mmap
