@@ -60,7 +60,7 @@ class RoundService:
         self._sched_interval = cfg.round.poll_s
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
-        self._spent_sum: RunningSum | None = None  # the last merged round's, until the next one's is made
+        self._spent_sum: RunningSum | None = None  # the last merged round's, until its evaluation
         self._state_write: tuple[int, PendingWrite] | None = None  # (round it was merged in, its outer state)
         # torch.optim's first step pays ~1.5 s of lazy imports: pay it now, not inside round 0's merge.
         outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)
@@ -132,6 +132,7 @@ class RoundService:
 
     def _evaluate(self, record: dict[str, Any]) -> None:
         """Add the new global model's eval loss to a committed round record (off the critical path)."""
+        self._spent_sum = None  # the next round is submitted by now; the evaluation wants the memory
         r = record["round"]
         record["eval_loss"] = self.evaluator.loss(self.storage, L.global_weights(r + 1))
         self._settle_outer_state()  # the metrics count its bytes
@@ -309,8 +310,8 @@ class RoundService:
         except QuorumError as exc:
             exc.rejected = {w: why for w, why in {**exc.rejected, **stale}.items() if w >= 0}  # < 0: folds
             raise
-        # spent (it holds the mean now); freed when the next round's is made, not before the record
-        # and the next submission: unmapping 2 x 242 MiB took ~0.1 s on the development machine
+        # spent (it holds the mean now); freed after the record and the next submission, not before
+        # them: freeing the sum and held copies of a 242 MiB model took 0.12-0.13 s here
         self._spent_sum, self._sum, self._sum_round = self._sum, None, -1
         merged, on_time_rejected, merged_folds, refused = late.split_merged(result.merged, result.rejected, folded)
         if len(merged) < self.cfg.quorum:  # folds never make up a quorum: not committed, global_r+1 is redone
