@@ -7,12 +7,13 @@ checkpoint (the last contribution, then base and optimizer state for the outer s
 
 - Space: x_i are weights, or, when the contributions are deltas against this round's base
   (round.contribution: delta, core/codec.py), the deltas themselves: their mean is then the outer
-  gradient directly (method `outer-delta`). Coded inputs are decoded tensor by tensor. An input
-  in the other space (a late worker's delta against its own older base) is decoded whole first.
+  gradient directly (method `outer-delta`). A contribution is read by merge.fold_reader and coded
+  inputs are decoded tensor by tensor. An input in the other space (a late worker's delta against
+  its own older base) is decoded whole first.
 - Order: S is summed in the order contributions were folded (`order`); floating-point sums depend
-  on it. The non-incremental merge (merge.rounds.merge_summed without an accumulator: a resumed service, a
-  replay, `round.stream_merge: false`) is this same code fed the list in its order, so the same
-  inputs in the same order give the same bytes.
+  on it. The non-incremental merge (merge.rounds.merge_summed without an accumulator: a resumed
+  service, a replay, `round.stream_merge: false`) is this same code fed the list in its order, so
+  the same inputs in the same order give the same bytes.
 - Only validated contributions count: names, shapes and dtypes are checked before anything is
   added; values are checked finite and the digest checked as they stream; a contribution that
   fails after part of it was added makes S be rebuilt from the accepted ones (rare; exact).
@@ -21,6 +22,7 @@ checkpoint (the last contribution, then base and optimizer state for the outer s
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -38,26 +40,14 @@ from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
 from merge.engine import _torch_threads, compare_specs, model_specs, run_merge
 from merge.rounds import Contribution, MergeResult, QuorumError
-from merge.lanes import Lane, Read, Slot, finite
+from merge.fold_reader import FOLD_SLOTS, read_contribution
+from merge.lanes import Slot, finite
 from merge.memory import GatedFile, MemoryFile, load_model
 from merge.outer import state_out_specs
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
 from merge.writer import OutputFile
 
 log = logging.getLogger(__name__)
-
-FOLD_SLOTS = 4
-"""Read buffers of a fold: two being read, the rest with the maths (a coded tensor's entries are
-held until its last one is in)."""
-FOLD_READERS = 2
-"""Reads in flight in a fold (merge.lanes); 4 measured no faster. (Nor did reading through the
-page cache: a cold 242 MiB contribution alone was folded in 0.13 s instead of 0.20 s, but the
-round's last fold beside the outer step gained nothing and cost 0.18 CPU-s more.)"""
-FOLD_CHUNK = 1 << 22
-"""Elements per read of a large tensor stored plain (weights, fp32/bf16 deltas): the slots stay at
-16 MiB whatever the model (a coded tensor is read whole: its rows need their scales and indices),
-and the outer step beside the last fold takes the mean in these slices as soon as each is final,
-the engine's own slice size (merge.engine._MAX_CHUNK)."""
 
 @dataclass(frozen=True)
 class _Folded:
@@ -213,41 +203,16 @@ class RunningSum:
             m.close()
 
     def _stream(self, c: Contribution, label: str, f: Any, enc: codec.Encoding | None) -> None:
-        """Read `f` in file order in a merge.lanes lane (two reads in flight on a local file, the
-        digest fed in order on the way): a large plain tensor slice by slice, each added as it
-        comes; a coded tensor once all its entries are in."""
-        groups = {n: [n] + ([n + codec.INDEX] if n + codec.INDEX in f.specs else [])
-                  + ([n + codec.SCALE] if n + codec.SCALE in f.specs else []) for n in self.ref}
-        owner = {e: n for n, es in groups.items() for e in es}
-        plan = []
-        for e, sp in f.specs.items():
-            numel = math.prod(sp.shape)
-            # alone (no scales, no indices) and floating point: decoding is the cast, so slices add up as the whole
-            sliced = groups.get(e) == [e] and sp.dtype in FLOATS and self.ref[e].dtype in FLOATS and numel > FOLD_CHUNK
-            plan += [[Read(e, f, sp, a, min(a + FOLD_CHUNK, numel), (min(a + FOLD_CHUNK, numel) - a,))]
-                     for a in range(0, numel, FOLD_CHUNK)] if sliced else [[Read(e, f, sp, 0, numel, sp.shape)]]
-        # the slots (read buffers) are this sum's, reused by every fold: fresh pages cost more than reads
-        lane = Lane(label, c.worker, plan, FOLD_SLOTS, check=False, slots=self._slots, readers=FOLD_READERS)
-        pending: dict[str, dict[str, tuple[Slot, torch.Tensor]]] = {}
-        try:
-            with _torch_threads(1):  # memory-bound maths: leave the other cores to the readers (I/O, digest)
-                for (read,) in plan:
-                    slot, got = lane.take()
-                    name, t = owner[read.tag], got[read.tag]
-                    if read.shape != read.spec.shape:  # a slice
-                        self._add_slice(c, label, name, read.start, read.stop, t)
-                        lane.free.put(slot)
-                        continue
-                    have = pending.setdefault(name, {})
-                    have[read.tag] = (slot, t)
-                    if len(have) == len(groups[name]):
-                        done = pending.pop(name)
-                        self._add_tensor(c, label, name, {e: t for e, (_, t) in done.items()}, enc)
-                        for sl, _ in done.values():
-                            lane.free.put(sl)
-            f.verify()
-        finally:
-            lane.close()
+        """Add `f` as merge.fold_reader reads it: a slice of a plain tensor as it comes, a coded
+        tensor once all its entries are in. The read slots are this sum's, reused by every fold
+        (fresh pages cost more than reads)."""
+        items = read_contribution(f, self.ref, label, c.worker, self._slots)
+        with contextlib.closing(items), _torch_threads(1):  # memory-bound maths: the other cores read
+            for name, start, stop, got in items:
+                if stop is not None:
+                    self._add_slice(c, label, name, start, stop, got[name])
+                else:
+                    self._add_tensor(c, label, name, got, enc)
 
     def _add_slice(self, c: Contribution, label: str, name: str, start: int, stop: int, t: torch.Tensor) -> None:
         """Elements [start, stop) of float tensor `name`, stored plain; `t` is ours (a read buffer)."""

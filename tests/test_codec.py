@@ -15,7 +15,7 @@ from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.rounds import Contribution, merge_round
-from merge import incremental
+from merge import fold_reader, incremental
 from merge.incremental import RunningSum
 
 NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
@@ -418,7 +418,7 @@ def test_a_fold_in_slices_gives_the_bytes_of_whole_tensors(mem, monkeypatch, cod
     whole = RunningSum(mem, "g0.safetensors")
     assert whole.add(cs[0]) and whole.add(cs[1])
     _merge(mem, cs, "g1.safetensors", accumulator=whole)
-    monkeypatch.setattr(incremental, "FOLD_CHUNK", 100)
+    monkeypatch.setattr(fold_reader, "FOLD_CHUNK", 100)
     sliced = RunningSum(mem, "g0.safetensors")
     assert sliced.add(cs[0]) and sliced.add(cs[1])
     reads = []

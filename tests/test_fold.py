@@ -14,8 +14,9 @@ from core.errors import CheckpointError
 from core.storage import Storage
 from merge import directio
 from merge.rounds import Contribution
-from merge import incremental
-from merge.incremental import FOLD_SLOTS, RunningSum
+from merge import fold_reader
+from merge.fold_reader import FOLD_SLOTS
+from merge.incremental import RunningSum
 
 WEIGHTS = [1.0, 2.0, 0.5]
 
@@ -42,7 +43,7 @@ def _setup(tmp_path, monkeypatch, direct: bool) -> Storage:
 def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, direct, chunk):
     """chunk 1000: tensors a and c are read and added in slices of 1000 elements (c in 70)."""
     if chunk:
-        monkeypatch.setattr(incremental, "FOLD_CHUNK", chunk)
+        monkeypatch.setattr(fold_reader, "FOLD_CHUNK", chunk)
     s = _setup(tmp_path, monkeypatch, direct)
     acc = RunningSum(s, "g.safetensors")
     buffers = []
