@@ -174,16 +174,9 @@ class DirectWriter:
         self._jobs.put((self._buf, self._at, self._n))
         self._at += self._n
         self._n = 0
-        self._buf = self._take()
-
-    def _take(self) -> np.ndarray:
-        while True:
-            if self._error is not None:
-                raise self._error
-            try:
-                return self._free.get(timeout=0.5)
-            except queue.Empty:
-                continue
+        self._buf = self._free.get()  # the write thread gives every buffer back, written or not
+        if self._error is not None:
+            raise self._error
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -223,9 +216,12 @@ class DirectWriter:
                 raise self._error
             os.ftruncate(self.fd, self.size)
         finally:
-            self._drain()
-            os.close(self.fd)
-            self.fd = None
+            self._release()
+
+    def _release(self) -> None:
+        self._drain()
+        os.close(self.fd)
+        self.fd = None
 
     def __enter__(self) -> DirectWriter:
         return self
@@ -235,9 +231,7 @@ class DirectWriter:
             self.close()
         elif self.fd is not None:  # failed: the caller deletes the file; staged bytes are dropped, not retried
             self._error = self._error or OSError("aborted")  # the thread skips what is still queued
-            self._drain()
-            os.close(self.fd)
-            self.fd = None
+            self._release()
 
 
 def _buffered(fd: int) -> bool:

@@ -39,13 +39,11 @@ from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
 from merge.engine import _torch_threads, compare_specs, model_specs, run_merge
-from merge.rounds import Contribution, MergeResult, QuorumError
+from merge.rounds import Contribution, MergeResult, QuorumError, round_outputs
 from merge.fold_reader import FOLD_SLOTS, read_contribution
 from merge.lanes import Slot, finite
 from merge.memory import GatedFile, MemoryFile, load_model
-from merge.outer import state_out_specs
 from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
-from merge.writer import OutputFile
 
 log = logging.getLogger(__name__)
 
@@ -398,13 +396,9 @@ class RunningSum:
         except BaseException:
             base.close()
             raise
-        held = [id(m) for m in self._held.values()]
-        in_place = self.step_in_place and id(base) in held and (state_in is None or id(state_in) in held)
-        order = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
-        out = OutputFile(s, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in order], metadata,
-                         dict(manifest))
-        state_out = None if state_out_key is None else OutputFile(
-            s, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
+        in_place = self.step_in_place and base is self._held.get(self.base_key) and \
+            (state_in is None or state_in is self._held.get(state_in_key))
+        out, state_out = round_outputs(s, self.ref, out_key, state_out_key, outer, metadata, manifest)
         method, params = ("outer-delta", {"optimizer": outer}) if self.space == "delta" else \
             ("outer", {"optimizer": outer, "inner": "average"})
         if in_place:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.checkpoint import TensorSpec
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected, RunError
 from core.storage import Storage
@@ -133,12 +134,7 @@ def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out
         for m in opened:
             m.close()
         raise
-    order = [(n, s.dtype, s.shape) for n, s in ref.items()]
-    out = OutputFile(storage, out_key, [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in order], metadata,
-                     dict(manifest or {}))
-    state_out = None
-    if state_out_key is not None:
-        state_out = OutputFile(storage, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
+    out, state_out = round_outputs(storage, ref, out_key, state_out_key, outer, metadata, manifest)
     try:
         return run_merge(inputs, [c.weight for c in live], "outer", [out], params={"optimizer": outer, "inner": method},
                          base=base, state_in=state_in, state_out=state_out, defer_state=defer_state)
@@ -146,6 +142,19 @@ def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out
         if isinstance(exc.ident, int):
             raise ContributionRejected(exc.ident, exc.reason) from None
         raise CheckpointError(exc.reason) from None
+
+
+def round_outputs(storage: Storage, ref: Mapping[str, TensorSpec], out_key: str, state_out_key: str | None,
+                  outer: OuterConfig, metadata: Mapping[str, str] | None, manifest: Mapping[str, Any] | None
+                  ) -> tuple[OutputFile, OutputFile | None]:
+    """The files a round's merge writes: the next global weights, laid out as `ref` (the current
+    ones), and the outer optimizer's state if `state_out_key` is given."""
+    order = [(n, sp.dtype, sp.shape) for n, sp in ref.items()]
+    out = OutputFile(storage, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in order], metadata,
+                     dict(manifest or {}))
+    state_out = None if state_out_key is None else OutputFile(
+        storage, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
+    return out, state_out
 
 
 def merge_summed(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,

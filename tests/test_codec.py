@@ -288,6 +288,23 @@ def test_held_global_and_state_are_stepped_in_place_and_give_the_same_bytes(mem)
     assert _bytes(mem, "state_k2.safetensors") == _bytes(mem, "state_h2.safetensors")
 
 
+def test_the_copies_stepped_in_place_are_freed_with_the_sum_not_by_the_merge(mem):
+    """Unmapping them is slow, and the merge's caller (the service) has the round's record and
+    the next submission to do first: the spent sum keeps them until it is itself let go."""
+    import gc
+    import weakref
+    cs = _second_round(mem, seed=16)
+    acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
+    held = [weakref.ref(m.files[0].data) for m in acc._held.values()]
+    result = _round1(mem, cs, "g2.safetensors", acc)
+    del result
+    gc.collect()
+    assert acc._held == {} and all(r() is not None for r in held)
+    del acc
+    gc.collect()
+    assert all(r() is None for r in held)
+
+
 def test_a_last_contribution_refused_during_the_in_place_step_is_left_out_exactly(mem):
     cs = _second_round(mem, seed=14)
     g1 = load_checkpoint(mem, "g1.safetensors")[0]

@@ -85,3 +85,19 @@ def test_a_corrupt_contribution_folded_while_waiting_never_counts(tmp_path):
     assert rec["merged"] == [0, 2] and rec["rejected"] == [1]
     assert "checksum does not match" in rec["rejected_reasons"]["1"]
     assert _same_as_replay(s, rec["merge_order"])
+
+
+def test_the_spent_sum_is_let_go_at_the_evaluation_after_the_record(tmp_path, monkeypatch):
+    """Freeing the round's sum and held copies takes a while: not between the merge and the
+    round's record, but once the record is written and the next round submitted."""
+    seen = []
+    evaluate = RoundService._evaluate
+
+    def spy(self, record):
+        seen.append((self.storage.exists(L.round_record(record["round"])), self._spent_sum is not None))
+        evaluate(self, record)
+        seen.append(self._spent_sum is None)
+
+    monkeypatch.setattr(RoundService, "_evaluate", spy)
+    _run(tmp_path, {}, stream=True)
+    assert seen == [(True, True), True]
