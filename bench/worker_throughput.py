@@ -15,9 +15,10 @@ loop are its fixed cost per round. Runs alternate and the median of each is repo
 
 On a small shared machine a whole round's time varies by +-10% from run to run, more than the
 harness costs, so the fixed cost is also measured directly: `--short-repeats` rounds of
-`SHORT_STEPS` steps, harness and bare alternating, the difference of their medians. Training
-steps are the same code in both (the harness adds a clock read and a list append per step), so
-the per-round job's ratio at H steps is also given as bare / (bare + fixed), from the same run.
+`SHORT_STEPS` steps, harness and bare alternating, the difference of their medians (for the
+per-round job and for the persistent worker). Training steps are the same code in both (the
+harness adds a clock read and a list append per step), so each mode's ratio at H steps is also
+given as bare / (bare + fixed), from the same run.
 
     python -m bench.worker_throughput [--steps 100] [--repeats 3] [--short-repeats 10] [--n-layer 2 --n-embd 128]
 """
@@ -63,7 +64,7 @@ def bare_loop(cfg, steps: int) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
         opt.step()
-    float(loss)  # wait for the device
+    float(loss.detach())  # wait for the device
     return time.perf_counter() - t0
 
 
@@ -85,14 +86,35 @@ def resident(run_dir: str, round_: int, carry):
 SHORT_STEPS = 2
 
 
-def fixed_cost(cfg, run_dir: str, repeats: int) -> tuple[float, float]:
-    """(median seconds of a SHORT_STEPS-step harness round, of a SHORT_STEPS-step bare loop)."""
-    harness(cfg, run_dir, 0)  # warm-up
+def fixed_cost(cfg, round_fn, repeats: int) -> tuple[float, float]:
+    """(median seconds of a SHORT_STEPS-step round by round_fn(r), of a SHORT_STEPS-step bare loop)."""
+    round_fn(0)  # warm-up (a persistent worker's first round builds its trainer)
     short, bare = [], []
     for r in range(1, repeats + 1):
-        short.append(harness(cfg, run_dir, r))
+        short.append(round_fn(r))
         bare.append(bare_loop(cfg, SHORT_STEPS))
     return statistics.median(short), statistics.median(bare)
+
+
+class ResidentRounds:
+    """Rounds of one persistent worker: each call carries the previous round's trainer.
+
+    A round ends when its contribution is published; its optimizer state is then written in the
+    background, which in a real run overlaps the wait for the merge and the next round's
+    training. Here the next thing to run may be the bare loop, so each round's state write is
+    waited for untimed (its seconds kept in `state_write_s`): it must neither slow the baseline
+    nor, in a short round, count as the round's own cost."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir, self.carry = run_dir, None
+        self.state_write_s: list[float] = []
+
+    def __call__(self, r: int) -> float:
+        t, self.carry = resident(self.run_dir, r, self.carry)
+        t0 = time.perf_counter()
+        self.carry.settle()
+        self.state_write_s.append(time.perf_counter() - t0)
+        return t
 
 
 def main() -> None:
@@ -107,7 +129,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs, cfgs = [], []
         for name, steps, rounds in (("run", args.steps, args.repeats), ("resident", args.steps, args.repeats),
-                                    ("short", SHORT_STEPS, args.short_repeats)):
+                                    ("short", SHORT_STEPS, args.short_repeats),
+                                    ("short_resident", SHORT_STEPS, args.short_repeats)):
             cfg = config_from_dict({"workers": 4, "rounds": rounds + 1,
                                     "inner": {"steps": steps, "batch_size": args.batch},
                                     "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": 4},
@@ -117,16 +140,17 @@ def main() -> None:
             cfgs.append(cfg)
         cfg = cfgs[0]
         harness(cfg, runs[0], 0)  # warm-up: corpus cache, allocator, kernels
-        _, carry = resident(runs[1], 0, None)  # a persistent worker's first round builds its trainer
+        kept_rounds = ResidentRounds(runs[1])
+        kept_rounds(0)  # a persistent worker's first round builds its trainer
         bare_loop(cfg, min(args.steps, 10))
         bare, full, kept = [], [], []
         for r in range(1, args.repeats + 1):
             bare.append(bare_loop(cfg, args.steps))
             full.append(harness(cfg, runs[0], r))
-            t, carry = resident(runs[1], r, carry)
-            kept.append(t)
-        carry.settle()
-        short_h, short_b = fixed_cost(cfgs[2], runs[2], args.short_repeats)
+            kept.append(kept_rounds(r))
+        short_h, short_b = fixed_cost(cfgs[2], lambda r: harness(cfgs[2], runs[2], r), args.short_repeats)
+        short_rounds = ResidentRounds(runs[3])
+        short_k, short_kb = fixed_cost(cfgs[3], short_rounds, args.short_repeats)
     tokens = args.steps * cfg.worker_batch_size * cfg.model.block_size
     b, h, k = statistics.median(bare), statistics.median(full), statistics.median(kept)
     result = {"device": pick_device(cfg).type, "threads": torch.get_num_threads(),
@@ -135,11 +159,15 @@ def main() -> None:
               "harness_tokens_per_s": round(tokens / h), "ratio_harness_over_bare": round(b / h, 4),
               "resident_tokens_per_s": round(tokens / k), "ratio_resident_over_bare": round(b / k, 4),
               "fixed_s_per_round": {"per_round_job": round(h - b, 3), "resident": round(k - b, 3)},
-              f"short_rounds_{SHORT_STEPS}_steps": {"harness_s": round(short_h, 4), "bare_s": round(short_b, 4),
-                                                    "fixed_s": round(short_h - short_b, 4)},
+              f"short_rounds_{SHORT_STEPS}_steps": {
+                  "harness_s": round(short_h, 4), "bare_s": round(short_b, 4), "fixed_s": round(short_h - short_b, 4),
+                  "resident_s": round(short_k, 4), "resident_bare_s": round(short_kb, 4),
+                  "resident_fixed_s": round(short_k - short_kb, 4)},
               "ratio_harness_over_bare_from_fixed": round(b / (b + short_h - short_b), 4),
+              "ratio_resident_over_bare_from_fixed": round(b / (b + short_k - short_kb), 4),
               "bare_s": [round(x, 3) for x in bare], "harness_s": [round(x, 3) for x in full],
-              "resident_s": [round(x, 3) for x in kept]}
+              "resident_s": [round(x, 3) for x in kept],
+              "resident_state_write_s": round(statistics.median(kept_rounds.state_write_s[1:]), 3)}
     print(json.dumps(result, indent=1))
 
 

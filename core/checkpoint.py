@@ -14,8 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import posixpath
-import re
+import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,6 +26,7 @@ import torch
 
 from core.errors import CheckpointError
 from core.layout import manifest_key
+from core.manifest import KNOWN_HASHES, read_manifest
 from core.storage import Storage
 
 DTYPES: dict[torch.dtype, str] = {
@@ -36,6 +36,8 @@ DTYPES: dict[torch.dtype, str] = {
 }
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20
+Alloc = Callable[[str, tuple[int, ...], torch.dtype], "torch.Tensor | None"]
+"""(name, shape, dtype) -> a CPU tensor to read that tensor into, or None for a new one."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,22 @@ HASH = "blake3"
 """The digest of every checkpoint islands writes (manifest fields `hash` and `digest`). BLAKE3
 hashes at several GB/s per core where sha256 manages ~0.3 GB/s without SHA CPU extensions, so
 checking every byte read never bounds a merge. Manifests from before (`sha256`) are still read."""
-_HASHERS: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what Slurm's cgroup leaves this job, not the node's count
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+HASH_THREADS = blake3.blake3.AUTO if _usable_cpus() >= 4 else 1
+"""BLAKE3 splits one large update across cores (the digest is the same): 100 MB hashed in 3 ms
+instead of 24 on a 16-core GPU node, which a worker's round pays twice (base in, weights out).
+On 2-3 cores the merge's reader and writer threads already keep every core busy: one thread."""
+_HASHERS: dict[str, Callable[[], Any]] = {"blake3": lambda: blake3.blake3(max_threads=HASH_THREADS),
+                                          "sha256": hashlib.sha256}
+assert tuple(_HASHERS) == KNOWN_HASHES and HASH == KNOWN_HASHES[0]
 
 
 def new_hasher(manifest: Mapping[str, Any] | None = None) -> Any:
@@ -203,111 +220,6 @@ def _is_count(v: Any) -> bool:
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def read_manifest(storage: Storage, key: str) -> dict[str, Any] | None:
-    """The manifest of checkpoint `key`, or None when there is none (not yet, or never, whole).
-
-    Everything in it is checked (check_manifest) before anyone uses it: it comes from shared
-    storage that any worker, or anyone else with write access, may have written."""
-    label = storage.display(key)
-    try:
-        raw = storage.read_bytes(manifest_key(key))
-    except FileNotFoundError:
-        return None
-    return check_manifest(parse_manifest(raw, label), label, key)
-
-
-def parse_manifest(raw: bytes, label: str) -> Any:
-    """JSON of at most MAX_MANIFEST_BYTES, nested at most a few levels; CheckpointError otherwise."""
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"manifest of {label} is {len(raw)} bytes, over the limit of {MAX_MANIFEST_BYTES}: "
-                              "not written by islands; delete it and its checkpoint")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-        raise CheckpointError(f"manifest of {label} is damaged: not valid JSON ({type(exc).__name__}: "
-                              f"{str(exc)[:200]}); delete it so the checkpoint is rewritten") from None
-
-
-def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]:
-    """Validate every field islands reads from a manifest; return it, or raise one CheckpointError
-    listing every problem. Ids and rounds are small non-negative integers, hashes are 64 hex digits,
-    names are plain file names of this checkpoint (no folders, no `..`), keys are relative paths
-    inside the run (no absolute paths, no `..`, no URLs); other fields are free but size-limited."""
-    if not isinstance(m, dict):
-        raise CheckpointError(f"manifest of {label} is not a JSON object ({type(m).__name__}); delete it so the "
-                              "checkpoint is rewritten")
-    m = _upgrade(m)
-    if "digest" not in m:
-        raise CheckpointError(f"manifest of {label} lacks a digest; delete it so the checkpoint is rewritten")
-    problems = []
-    for name, check in _MANIFEST_FIELDS.items():
-        if m.get(name) is not None and (why := check(m[name])):
-            problems.append(f"{name} {str(m[name])[:80]!r} {why}")
-    if key is not None and isinstance(m.get("file"), str) and m["file"] != posixpath.basename(key):
-        problems.append(f"file {m['file'][:80]!r} is not this checkpoint's name {posixpath.basename(key)!r}")
-    if problems:
-        raise CheckpointError(f"manifest of {label} is invalid: " + "; ".join(problems) + "; it was not written by "
-                              "islands or was damaged: delete it and its checkpoint so the worker writes them again")
-    return m
-
-
-def _upgrade(m: dict[str, Any]) -> dict[str, Any]:
-    """A manifest written before checkpoints were hashed with BLAKE3 names its sha256 digests
-    `sha256`, `base_sha256`, `source_sha256`: read as `digest`, ... with `hash: sha256`."""
-    if "digest" in m or "sha256" not in m:
-        return m
-    out = {k: v for k, v in m.items() if not k.endswith("sha256")}
-    out.update(hash="sha256", digest=m["sha256"])
-    out.update({f"{k}_digest": m[f"{k}_sha256"] for k in ("base", "source") if f"{k}_sha256" in m})
-    return out
-
-
-def _int_in(lo: int, hi: int) -> Callable[[Any], str]:
-    def check(v: Any) -> str:
-        return "" if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else f"is not an integer in [{lo}, {hi}]"
-    return check
-
-
-def _number(v: Any) -> str:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-    return "" if ok else "is not a finite number >= 0"
-
-
-def _sha(v: Any) -> str:
-    return "" if isinstance(v, str) and _HEX64.fullmatch(v) else "is not a digest (64 lowercase hex digits)"
-
-
-def _hash_name(v: Any) -> str:
-    return "" if v in _HASHERS else f"is not a known hash (one of {', '.join(sorted(_HASHERS))})"
-
-
-def _file_name(v: Any) -> str:
-    return "" if isinstance(v, str) and _NAME.fullmatch(v) and v not in (".", "..") else \
-        "is not a plain file name (letters, digits, . _ -; no folders)"
-
-
-def _run_key(v: Any) -> str:
-    """A key inside the run directory: relative, '/'-separated, no '..', no URL, no backslash."""
-    ok = (isinstance(v, str) and 0 < len(v) <= 1024 and not v.startswith("/") and "://" not in v and "\\" not in v
-          and all(_NAME.fullmatch(part) and part not in (".", "..") for part in v.split("/")))
-    return "" if ok else "is not a relative path inside the run directory"
-
-
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
-MAX_ID = 1 << 20
-"""Largest worker id, round or step count a manifest may name."""
-MAX_MANIFEST_BYTES = 16 << 20
-"""A manifest is small (the longest part is a round's per-step losses): anything bigger is refused unread."""
-_MANIFEST_FIELDS: dict[str, Callable[[Any], str]] = {
-    "hash": _hash_name, "digest": _sha, "base_digest": _sha, "source_digest": _sha, "file": _file_name, "base": _run_key,
-    "round": _int_in(0, MAX_ID), "worker": _int_in(0, MAX_ID), "from_round": _int_in(0, MAX_ID),
-    "attempt": _int_in(0, MAX_ID), "steps": _int_in(0, 1 << 40), "steps_done": _int_in(0, 1 << 40),
-    "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number,
-    "written_at": _number,
-}
-
-
 class LazyCheckpoint:
     """A safetensors file opened for lazy per-tensor reads, checked against its manifest.
 
@@ -344,11 +256,12 @@ class LazyCheckpoint:
             raise CheckpointError(f"{self.label}: header length {n} is implausible: not a safetensors file, or damaged")
         return (*parse_header(self._read_at(8, n), self.label), 8 + n)
 
-    def _read_at(self, offset: int, n: int) -> bytearray:
-        """n bytes at offset, read into a fresh buffer that get() hands to torch without a copy."""
+    def _read_at(self, offset: int, n: int, into: memoryview | None = None) -> bytearray | memoryview:
+        """n bytes at offset, read into `into` (n bytes long) or a fresh buffer that get() hands to
+        torch without a copy."""
         self.f.seek(offset)
-        data, got = bytearray(n), 0
-        view = memoryview(data)
+        data: bytearray | memoryview = bytearray(n) if into is None else into
+        got, view = 0, memoryview(data)
         while got < n and (k := self.f.readinto(view[got:])):
             got += k
         if got != n:
@@ -361,17 +274,28 @@ class LazyCheckpoint:
     def keys(self) -> list[str]:
         return list(self.specs)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, alloc: Alloc | None = None) -> torch.Tensor:
+        """Tensor `name`, read into a new CPU tensor, or into `alloc(name, shape, dtype)` (reused
+        buffers, e.g. page-locked ones a GPU copies from at full speed) when that fits."""
         spec = self.specs.get(name)
         if spec is None:
             raise CheckpointError(f"{self.label}: has no tensor {name}")
-        data = self._read_at(self.data_start + spec.start, spec.nbytes)
         if not spec.nbytes:
+            self._read_at(self.data_start + spec.start, 0)
             return torch.empty(spec.shape, dtype=spec.torch_dtype)
-        return torch.frombuffer(data, dtype=spec.torch_dtype).reshape(spec.shape)
+        out = alloc(name, spec.shape, spec.torch_dtype) if alloc is not None else None
+        if out is not None and (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != spec.torch_dtype
+                                or tuple(out.shape) != spec.shape):
+            raise CheckpointError(f"{self.label}: the buffer given for tensor {name} is not a contiguous CPU "
+                                  f"{spec.torch_dtype} {list(spec.shape)} tensor (a bug in the caller)")
+        if out is None:
+            data = self._read_at(self.data_start + spec.start, spec.nbytes)
+            return torch.frombuffer(data, dtype=spec.torch_dtype).reshape(spec.shape)
+        self._read_at(self.data_start + spec.start, spec.nbytes, memoryview(out.view(-1).view(torch.uint8).numpy()))
+        return out
 
-    def load_all(self, verify: bool = True) -> dict[str, torch.Tensor]:
-        out = {name: self.get(name) for name in self.specs}
+    def load_all(self, verify: bool = True, alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
+        out = {name: self.get(name, alloc) for name in self.specs}
         if verify:
             self.verify()
         return out
@@ -399,8 +323,10 @@ def open_checkpoint(storage: Storage, key: str, label: str = "") -> LazyCheckpoi
     return LazyCheckpoint(storage, key, manifest, label)
 
 
-def load_checkpoint(storage: Storage, key: str, label: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
-    """Read and verify a whole checkpoint: (tensors, safetensors metadata, manifest)."""
+def load_checkpoint(storage: Storage, key: str, label: str = "",
+                    alloc: Alloc | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
+    """Read and verify a whole checkpoint: (tensors, safetensors metadata, manifest). `alloc`:
+    see LazyCheckpoint.get."""
     with open_checkpoint(storage, key, label) as ck:
-        tensors = ck.load_all(verify=True)
+        tensors = ck.load_all(verify=True, alloc=alloc)
         return tensors, ck.metadata, ck.manifest or {}

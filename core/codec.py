@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.checkpoint import DTYPES, LazyCheckpoint, load_checkpoint, read_manifest
+from core.checkpoint import DTYPES, Alloc, LazyCheckpoint, load_checkpoint, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
 
@@ -178,12 +178,14 @@ def outer_gradient(ck: LazyCheckpoint, name: str, base: torch.Tensor) -> torch.T
     return decode_tensor(name, tuple(base.shape), enc, ck.get).double()
 
 
-def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0) -> dict[str, torch.Tensor]:
+def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0,
+                 alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
     """A checkpoint's weights, whole and verified: plain weights as stored; a delta contribution
     decoded as base - delta, with its base (named in its manifest, checked by digest) loaded the
-    same way, so a worker may continue from its own coded contribution of an earlier round."""
+    same way, so a worker may continue from its own coded contribution of an earlier round.
+    `alloc` (LazyCheckpoint.get) gives the buffers the file's tensors are read into."""
     label = label or storage.display(key)
-    tensors, meta, manifest = load_checkpoint(storage, key, label)
+    tensors, meta, manifest = load_checkpoint(storage, key, label, alloc=alloc)
     enc = encoding_of(meta, label)
     if enc is None:
         return tensors

@@ -27,7 +27,8 @@ from typing import Any
 import fsspec
 import torch
 
-from core.checkpoint import TORCH_DTYPES, TensorSpec, check_manifest, new_hasher
+from core.checkpoint import TORCH_DTYPES, TensorSpec, new_hasher
+from core.manifest import check_manifest
 from core.errors import CheckpointError, StorageError
 from core.layout import manifest_key
 from core.storage import Storage

@@ -388,7 +388,7 @@ class RoundService:
         key = L.contribution(r, w)
         try:
             m = read_manifest(self.storage, key) or {}
-        except CheckpointError as exc:  # an invalid manifest (core.checkpoint.check_manifest): refused
+        except CheckpointError as exc:  # an invalid manifest (core.manifest.check_manifest): refused
             return None, str(exc), {}
         want = jobs["workers"].get(str(w), {}).get("base_digest")
         if m.get("round") != r or m.get("worker") != w or (want and m.get("base_digest") != want):

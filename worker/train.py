@@ -37,7 +37,7 @@ from core.storage import Storage
 from core.task import WorkerTask
 from worker import lora
 from worker.data import BatchSampler, corpus_for, shard, split_heldout
-from worker.weights import build_model, load_weights, weights_of
+from worker.weights import HostBuffers, build_model, load_weights, weights_of
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -83,12 +83,13 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.Ada
     return opt, [n for n, _ in decay] + [n for n, _ in rest]
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
-    out = {}
-    for idx, slots in opt.state_dict()["state"].items():
-        for slot, t in slots.items():
-            out[f"{names[idx]}{SEP}{slot}"] = torch.as_tensor(t).detach().to("cpu", copy=True)  # one copy, GPU or CPU
-    return out
+def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
+    """CPU copies of the optimizer's state, keyed `param<SEP>slot`; into `host`'s buffers when given."""
+    state = {f"{names[idx]}{SEP}{slot}": torch.as_tensor(t)
+             for idx, slots in opt.state_dict()["state"].items() for slot, t in slots.items()}
+    if host is not None:
+        return host.copy_of(state)
+    return {k: t.detach().to("cpu", copy=True) for k, t in state.items()}  # one copy, GPU or CPU
 
 
 def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], label: str) -> None:
@@ -153,6 +154,8 @@ class InnerTrainer:
             lora.attach_heads(self.model, cfg.lte, seed=lora.head_seed(cfg.seed, task.worker))
         self.opt, self.names = (lora.make_optimizer if self.lte else make_optimizer)(self.model, cfg)
         self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
+        # reused every round: base weights in, weights and optimizer state out (pinned on a GPU)
+        self._host_base, self._host_out, self._host_state = (HostBuffers(self.device) for _ in range(3))
         self._begin(task, own_state=False)
 
     def _begin(self, task: WorkerTask, own_state: bool) -> None:
@@ -202,7 +205,8 @@ class InnerTrainer:
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
         if not self.lte:  # the base may be this worker's own coded contribution (late_policy continue)
-            tensors = codec.load_weights(self.storage, t.base_key, f"base weights for worker {t.worker}")
+            tensors = codec.load_weights(self.storage, t.base_key, f"base weights for worker {t.worker}",
+                                         alloc=self._host_base)
             load_weights(self.model, tensors, self.storage.display(t.base_key))
             self._base = tensors if self.cfg.round.contribution == "delta" else None
         state_key = None if own_state else latest_state_key(self.storage, t.worker, t.round)
@@ -266,7 +270,7 @@ class InnerTrainer:
         critical path and overlapping the wait for the next round (`settle` waits for it)."""
         t, cfg = self.task, self.cfg
         self.settle()
-        state = optimizer_tensors(self.opt, self.names)  # a CPU snapshot: training may go on
+        state = optimizer_tensors(self.opt, self.names, self._host_state)  # a snapshot: training may go on
         if self.lte:  # the worker's own heads (A, B) travel to its next round in its state file
             state.update(lora.head_tensors(self.model))
         if not state_later:
@@ -313,7 +317,8 @@ class InnerTrainer:
         """Save an in-flight checkpoint of this round (called when the job is being preempted)."""
         self.settle()
         t = self.task
-        tensors = {**self._weights(), **optimizer_tensors(self.opt, self.names)}
+        # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
+        tensors = {**self._weights(reuse=False), **optimizer_tensors(self.opt, self.names)}
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
                                    "base_digest": self.base_sha, "losses": self.losses})
@@ -329,9 +334,12 @@ class InnerTrainer:
         manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep}
         return codec.encode(base, self._weights(), rc.codec, rc.prune_keep, self.base_sha)
 
-    def _weights(self) -> dict[str, torch.Tensor]:
-        """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters."""
-        return lora.contribution_tensors(self.model) if self.lte else weights_of(self.model)
+    def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
+        """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters.
+        `reuse`: in the buffers kept for it (valid until the next call)."""
+        if self.lte:
+            return lora.contribution_tensors(self.model)
+        return weights_of(self.model, self._host_out if reuse else None)
 
     def _prune_states(self, keep_from: int) -> None:
         for name in self.storage.list(L.worker_dir(self.task.worker)):

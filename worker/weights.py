@@ -60,11 +60,48 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """fp32 CPU copies of the parameters and buffers, keyed by state_dict name (tied ones once)."""
+class HostBuffers:
+    """CPU tensors kept from round to round for copies to and from `device`, page-locked when it
+    is a GPU. On an H100 a 100 MB copy off the GPU took 82 ms into fresh pageable memory (every
+    page faulted in, then staged by the driver) and 3.5 ms into pinned memory; one onto it 15 ms
+    vs 2.4. A persistent worker pays these every round, for its weights out, its optimizer state
+    out and the next base in; per-round jobs use them once.
+
+    A buffer is handed out again by the next call for the same name: whoever holds the tensors
+    of one call must be done with them before the next (the trainer's rounds are sequential;
+    the background state write is waited for before the state is copied again)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pin = device.type == "cuda"
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer for `name` (a checkpoint.Alloc): the last one if it still fits, else a new one."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or tuple(buf.shape) != tuple(shape):
+            buf = self._bufs[name] = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        return buf
+
+    def copy_of(self, tensors: dict[str, torch.Tensor], dtype_of=lambda t: t.dtype) -> dict[str, torch.Tensor]:
+        """Host copies of `tensors` (on any device), each converted to dtype_of(tensor)."""
+        out = {k: self(k, tuple(t.shape), dtype_of(t)).copy_(t.detach(), non_blocking=self.pin) for k, t in tensors.items()}
+        if self.pin:
+            torch.cuda.synchronize()  # non-blocking copies off the GPU: the bytes are there only now
+        return out
+
+
+def _fp32(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.is_floating_point() else t.dtype
+
+
+def weights_of(model: torch.nn.Module, host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
+    """fp32 CPU copies of the parameters and buffers, keyed by state_dict name (tied ones once);
+    into `host`'s buffers when given (valid until its next use)."""
     aliases = tied_aliases(model)
-    return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True)
-            for k, v in model.state_dict().items() if k not in aliases}
+    own = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    if host is not None:
+        return host.copy_of(own, _fp32)
+    return {k: v.detach().to("cpu", _fp32(v), copy=True) for k, v in own.items()}
 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
@@ -83,7 +120,11 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label
                               + ". Check model.* in the config against the checkpoint.")
     with torch.no_grad():
         for k, v in own.items():
-            v.copy_(tensors[k].to(v.dtype))
+            t = tensors[k]
+            v.copy_(t, non_blocking=t.is_pinned() and t.dtype == v.dtype)
+    if any(v.is_cuda for v in own.values()):
+        # a pinned source may be refilled (the next round's base) once this returns
+        torch.cuda.current_stream().synchronize()
 
 
 def load_model(url: str, **overrides: Any) -> torch.nn.Module:

@@ -1,0 +1,126 @@
+"""Checkpoint manifests: the JSON file written after a checkpoint's data, which makes it whole.
+
+A manifest comes from shared storage that any worker, or anyone else with write access, may have
+written, so every field islands reads from one is checked before use; a bad one raises a
+CheckpointError saying what is wrong and how to recover (delete it, so it is written again).
+"""
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import re
+from collections.abc import Callable
+from typing import Any
+
+from core.errors import CheckpointError
+from core.layout import manifest_key
+from core.storage import Storage
+
+KNOWN_HASHES = ("blake3", "sha256")
+"""The digests a manifest may name (core.checkpoint hashes with the first)."""
+
+
+def read_manifest(storage: Storage, key: str) -> dict[str, Any] | None:
+    """The manifest of checkpoint `key`, or None when there is none (not yet, or never, whole).
+
+    Everything in it is checked (check_manifest) before anyone uses it: it comes from shared
+    storage that any worker, or anyone else with write access, may have written."""
+    label = storage.display(key)
+    try:
+        raw = storage.read_bytes(manifest_key(key))
+    except FileNotFoundError:
+        return None
+    return check_manifest(parse_manifest(raw, label), label, key)
+
+
+def parse_manifest(raw: bytes, label: str) -> Any:
+    """JSON of at most MAX_MANIFEST_BYTES, nested at most a few levels; CheckpointError otherwise."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"manifest of {label} is {len(raw)} bytes, over the limit of {MAX_MANIFEST_BYTES}: "
+                              "not written by islands; delete it and its checkpoint")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(f"manifest of {label} is damaged: not valid JSON ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); delete it so the checkpoint is rewritten") from None
+
+
+def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]:
+    """Validate every field islands reads from a manifest; return it, or raise one CheckpointError
+    listing every problem. Ids and rounds are small non-negative integers, hashes are 64 hex digits,
+    names are plain file names of this checkpoint (no folders, no `..`), keys are relative paths
+    inside the run (no absolute paths, no `..`, no URLs); other fields are free but size-limited."""
+    if not isinstance(m, dict):
+        raise CheckpointError(f"manifest of {label} is not a JSON object ({type(m).__name__}); delete it so the "
+                              "checkpoint is rewritten")
+    m = _upgrade(m)
+    if "digest" not in m:
+        raise CheckpointError(f"manifest of {label} lacks a digest; delete it so the checkpoint is rewritten")
+    problems = []
+    for name, check in _MANIFEST_FIELDS.items():
+        if m.get(name) is not None and (why := check(m[name])):
+            problems.append(f"{name} {str(m[name])[:80]!r} {why}")
+    if key is not None and isinstance(m.get("file"), str) and m["file"] != posixpath.basename(key):
+        problems.append(f"file {m['file'][:80]!r} is not this checkpoint's name {posixpath.basename(key)!r}")
+    if problems:
+        raise CheckpointError(f"manifest of {label} is invalid: " + "; ".join(problems) + "; it was not written by "
+                              "islands or was damaged: delete it and its checkpoint so the worker writes them again")
+    return m
+
+
+def _upgrade(m: dict[str, Any]) -> dict[str, Any]:
+    """A manifest written before checkpoints were hashed with BLAKE3 names its sha256 digests
+    `sha256`, `base_sha256`, `source_sha256`: read as `digest`, ... with `hash: sha256`."""
+    if "digest" in m or "sha256" not in m:
+        return m
+    out = {k: v for k, v in m.items() if not k.endswith("sha256")}
+    out.update(hash="sha256", digest=m["sha256"])
+    out.update({f"{k}_digest": m[f"{k}_sha256"] for k in ("base", "source") if f"{k}_sha256" in m})
+    return out
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        return "" if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else f"is not an integer in [{lo}, {hi}]"
+    return check
+
+
+def _number(v: Any) -> str:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return "" if ok else "is not a finite number >= 0"
+
+
+def _sha(v: Any) -> str:
+    return "" if isinstance(v, str) and _HEX64.fullmatch(v) else "is not a digest (64 lowercase hex digits)"
+
+
+def _hash_name(v: Any) -> str:
+    return "" if v in KNOWN_HASHES else f"is not a known hash (one of {', '.join(sorted(KNOWN_HASHES))})"
+
+
+def _file_name(v: Any) -> str:
+    return "" if isinstance(v, str) and _NAME.fullmatch(v) and v not in (".", "..") else \
+        "is not a plain file name (letters, digits, . _ -; no folders)"
+
+
+def _run_key(v: Any) -> str:
+    """A key inside the run directory: relative, '/'-separated, no '..', no URL, no backslash."""
+    ok = (isinstance(v, str) and 0 < len(v) <= 1024 and not v.startswith("/") and "://" not in v and "\\" not in v
+          and all(_NAME.fullmatch(part) and part not in (".", "..") for part in v.split("/")))
+    return "" if ok else "is not a relative path inside the run directory"
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+MAX_ID = 1 << 20
+"""Largest worker id, round or step count a manifest may name."""
+MAX_MANIFEST_BYTES = 16 << 20
+"""A manifest is small (the longest part is a round's per-step losses): anything bigger is refused unread."""
+_MANIFEST_FIELDS: dict[str, Callable[[Any], str]] = {
+    "hash": _hash_name, "digest": _sha, "base_digest": _sha, "source_digest": _sha, "file": _file_name, "base": _run_key,
+    "round": _int_in(0, MAX_ID), "worker": _int_in(0, MAX_ID), "from_round": _int_in(0, MAX_ID),
+    "attempt": _int_in(0, MAX_ID), "steps": _int_in(0, 1 << 40), "steps_done": _int_in(0, 1 << 40),
+    "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number,
+    "written_at": _number,
+}
