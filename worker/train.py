@@ -154,8 +154,11 @@ class InnerTrainer:
             lora.attach_heads(self.model, cfg.lte, seed=lora.head_seed(cfg.seed, task.worker))
         self.opt, self.names = (lora.make_optimizer if self.lte else make_optimizer)(self.model, cfg)
         self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
-        # reused every round: base weights in, weights and optimizer state out (pinned on a GPU)
-        self._host_base, self._host_out, self._host_state = (HostBuffers(self.device) for _ in range(3))
+        # Reused every round (pinned on a GPU): base weights in, weights and optimizer state out. A
+        # contribution of plain weights reuses the base's buffers, read back into the model before
+        # training; a delta needs the base until it is coded. Host memory: 3-4x the fp32 weights.
+        self._host_base, self._host_state = HostBuffers(self.device), HostBuffers(self.device)
+        self._host_out = self._host_base if cfg.round.contribution == "weights" else HostBuffers(self.device)
         self._begin(task, own_state=False)
 
     def _begin(self, task: WorkerTask, own_state: bool) -> None:
