@@ -169,7 +169,9 @@ class Lane:
                 except BaseException as exc:
                     item = self._input_error(exc)
             with self._cv:
-                self._stop = isinstance(item, InputError)
+                # only ever set: close() may have stopped the lane while this segment was finished,
+                # and a reader woken by that stop has left its segment unhanded: the rest must stop too
+                self._stop = self._stop or isinstance(item, InputError)
                 self.ready.put(item)
                 self._turn += 1
                 self._cv.notify_all()

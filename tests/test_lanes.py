@@ -134,3 +134,49 @@ def test_a_file_without_positional_reads_gets_one_reader(tmp_path):
     assert all(torch.equal(t, tensors[n][s:e]) for t, (n, s, e) in zip(got, want))
     f.verify()
     f.close()
+
+
+def test_close_while_one_reader_finishes_and_others_wait_does_not_hang(monkeypatch):
+    """The interleaving that hung a round merge once in the full suite (a contribution refused
+    during the outer step closes its lane early): reader A is finishing segment 0, reader B waits
+    for its turn with segment 1, reader C is still reading segment 2. close() stops the lane, which
+    wakes B, who leaves; A then finished segment 0 and used to clear the stop, so C, done reading,
+    waited for B's turn forever and close() never returned. Slot.fetch/finish are replaced by
+    versions that block on events, to force that order (the real ones are tested above)."""
+    import types
+
+    from merge import lanes
+
+    finishing, finish_go, reading, read_go = (threading.Event() for _ in range(4))
+
+    def fetch(self, reads):
+        if reads[0].i == 2:
+            reading.set()
+            read_go.wait(10)
+        return reads
+
+    def finish(self, reads, fetched, check):
+        if reads[0].i == 0:
+            finishing.set()
+            finish_go.wait(10)
+        return {None: torch.zeros(1)}
+
+    monkeypatch.setattr(lanes.Slot, "fetch", fetch)
+    monkeypatch.setattr(lanes.Slot, "finish", finish)
+    file = types.SimpleNamespace(positional=True)
+    plan = [[types.SimpleNamespace(file=file, i=i)] for i in range(3)]
+    lane = Lane("m", 0, plan, depth=3, readers=3)
+    assert finishing.wait(10) and reading.wait(10)
+    deadline = time.monotonic() + 10
+    while len(lane._cv._waiters) < 1 and time.monotonic() < deadline:  # B waiting for its turn
+        time.sleep(0.01)
+    closer = threading.Thread(target=lane.close, daemon=True)  # if it hangs, it must not keep pytest alive
+    closer.start()
+    while not lane._stop and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # B woken by the stop, gone
+    finish_go.set()  # A hands over segment 0
+    time.sleep(0.05)
+    read_go.set()  # C has read segment 2 and wants its turn
+    closer.join(10)
+    assert not closer.is_alive(), "Lane.close() hung"
