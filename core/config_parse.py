@@ -1,0 +1,242 @@
+"""Turning raw configuration (YAML, `--set` dotted keys) into core.config's frozen dataclasses.
+
+`build` walks a dataclass's type hints and collects every problem (unknown keys with the valid ones
+named, wrong types) instead of stopping at the first; `check` then runs every range and
+cross-field check on the typed result. core.config's loaders call these and raise one ConfigError.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+
+from core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from core.config import Config, ModelConfig
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"config file {path} does not exist"], source=path) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], source=path) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level must be a mapping of keys, got {type(data).__name__}"], source=path)
+    return data
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def model_shorthand(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """`model: hf:PATH` -> `model: {hf: PATH}`; model.hf made absolute, so that workers started
+    elsewhere (another directory, a Slurm node) find the same directory."""
+    model = raw.get("model")
+    if isinstance(model, str):
+        if not model.startswith("hf:") or not model[3:].strip():
+            problems.append(f"model: {model!r} is not a model; write `model: hf:/path/to/dir` for a local Hugging "
+                            "Face model directory, or a mapping of model.* keys for the built-in model")
+            return {k: v for k, v in raw.items() if k != "model"}
+        model = {"hf": model[3:].strip()}
+    if isinstance(model, dict) and isinstance(model.get("hf"), str) and model["hf"]:
+        model = {**model, "hf": os.path.abspath(os.path.expanduser(model["hf"]))}
+    return {**raw, "model": model} if "model" in raw else raw
+
+
+def apply_preset(raw: dict[str, Any], presets: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Fill the keys of raw's algorithm preset (core.config.PRESETS) that the user did not set."""
+    algorithm = raw.get("algorithm", "diloco")
+    preset = presets.get(algorithm, {}) if isinstance(algorithm, str) else {}  # a wrong type is reported by build
+    for key, value in preset.items():
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node.get(part), dict) else {}
+        if parts[-1] not in node:
+            set_dotted(raw, key, value)
+    return raw
+
+
+def build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    if not isinstance(raw, Mapping):
+        problems.append(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            problems.append(f"unknown key {prefix + str(key)!r}; valid keys here: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name in raw:
+            before = len(problems)
+            value = _coerce(hints[name], raw[name], f"{prefix}{name}", problems)
+            # A field with a wrong type keeps its default, so range checks still run on the rest.
+            if len(problems) == before or (dataclasses.is_dataclass(hints[name]) and value is not None):
+                kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"{prefix.rstrip('.') or 'config'}: {exc}")
+        return None
+
+
+def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value if value is not None else {}, f"{where}.", problems)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, where, problems)
+    if origin is Literal:
+        if value not in args:
+            problems.append(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            problems.append(f"{where}: expected a list of {len(args)} values, got {value!r}")
+            return value
+        return tuple(_coerce(a, v, f"{where}[{i}]", problems) for i, (a, v) in enumerate(zip(args, value)))
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected a list, got {value!r}")
+            return []
+        return [_coerce(args[0], v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{where}: expected a mapping, got {value!r}")
+            return {}
+        return {str(k): "" if v is None else str(v) for k, v in value.items()}
+    return _scalar(tp, value, where, problems)
+
+
+def _scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{where}: expected a number, got {value!r}")
+            return value
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def check(cfg: Config) -> list[str]:
+    """Range and cross-field checks, all of them, on a well-typed config."""
+    p: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            p.append(msg)
+
+    need(cfg.workers >= 1, f"workers must be >= 1, got {cfg.workers}")
+    need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    need(cfg.algorithm != "lofi" or cfg.rounds == 1,
+         f"lofi averages once at the end, so rounds must be 1 (got {cfg.rounds}); use --algorithm diloco for several rounds")
+    need(0 <= cfg.round.min_workers <= cfg.workers,
+         f"round.min_workers must be between 0 (all) and workers={cfg.workers}, got {cfg.round.min_workers}")
+    need(cfg.round.deadline_s >= 0, f"round.deadline_s must be >= 0, got {cfg.round.deadline_s}")
+    need(cfg.round.max_retries >= 0, f"round.max_retries must be >= 0, got {cfg.round.max_retries}")
+    need(cfg.round.poll_s > 0, f"round.poll_s must be > 0, got {cfg.round.poll_s}")
+    need(0 < cfg.round.staleness_decay <= 1, f"round.staleness_decay must be in (0, 1], got {cfg.round.staleness_decay}")
+    need(cfg.round.max_staleness >= 1, f"round.max_staleness must be >= 1, got {cfg.round.max_staleness}")
+    rc = cfg.round
+    need(0 < rc.prune_keep <= 1, f"round.prune_keep must be in (0, 1], got {rc.prune_keep}")
+    need(rc.contribution == "delta" or (rc.codec == "fp32" and rc.prune_keep == 1),
+         f"round.codec={rc.codec} and round.prune_keep={rc.prune_keep} code the outer gradient: they need "
+         "round.contribution=delta (weights are always sent in full)")
+    need(rc.contribution == "weights" or cfg.algorithm != "lte",
+         "round.contribution=delta does not apply to lte, whose workers send LoRA heads: drop it")
+    need(rc.contribution == "weights" or rc.late_policy != "fold",
+         "round.contribution=delta with round.late_policy=fold is not supported yet: use late_policy continue or drop")
+    m = cfg.model
+    need(min(m.n_layer, m.n_head, m.n_embd, m.block_size) >= 1, "model sizes (n_layer, n_head, n_embd, block_size) must be >= 1")
+    need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,
+         f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.hf is not None:
+        p.extend(check_hf(m))
+    i = cfg.inner
+    need(i.steps >= 1, f"inner.steps must be >= 1, got {i.steps}")
+    need(i.batch_size >= 1, f"inner.batch_size must be >= 1, got {i.batch_size}")
+    if cfg.algorithm == "lofi":
+        need(i.batch_size % cfg.workers == 0 and i.batch_size >= cfg.workers,
+             f"lofi splits the global batch across workers: inner.batch_size ({i.batch_size}) must be a multiple of workers ({cfg.workers})")
+    need(i.lr > 0, f"inner.lr must be > 0, got {i.lr}")
+    need(0 <= i.min_lr_ratio <= 1, f"inner.min_lr_ratio must be in [0, 1], got {i.min_lr_ratio}")
+    need(i.warmup_steps >= 0, f"inner.warmup_steps must be >= 0, got {i.warmup_steps}")
+    need(i.grad_clip >= 0, f"inner.grad_clip must be >= 0, got {i.grad_clip}")
+    need(0 <= i.beta1 < 1 and 0 <= i.beta2 < 1, "inner.beta1 and inner.beta2 must be in [0, 1)")
+    need(i.threads >= 0, f"inner.threads must be >= 0, got {i.threads}")
+    o = cfg.outer
+    need(o.lr > 0, f"outer.lr must be > 0, got {o.lr}")
+    need(0 <= o.momentum < 1, f"outer.momentum must be in [0, 1), got {o.momentum}")
+    need(o.eps > 0, f"outer.eps must be > 0, got {o.eps}")
+    need(all(0 <= b < 1 for b in o.betas), f"outer.betas must be in [0, 1), got {list(o.betas)}")
+    need(o.optimizer != "sgdm" or o.momentum > 0, "outer.optimizer sgdm needs outer.momentum > 0")
+    need(o.optimizer != "nesterov" or o.momentum > 0, "outer.optimizer nesterov needs outer.momentum > 0")
+    t = cfg.lte
+    need(t.rank >= 1, f"lte.rank must be >= 1, got {t.rank}")
+    need(cfg.algorithm != "lte" or m.hf is not None or t.rank < m.n_embd,
+         f"lte.rank ({t.rank}) must be < model.n_embd ({m.n_embd}): a head as wide as the layer is not low-rank")
+    need(t.alpha > 0, f"lte.alpha must be > 0, got {t.alpha}")
+    need(t.lr > 0, f"lte.lr must be > 0, got {t.lr}")
+    d = cfg.data
+    need(0 < d.heldout_fraction < 1, f"data.heldout_fraction must be in (0, 1), got {d.heldout_fraction}")
+    need(d.eval_batches >= 1, f"data.eval_batches must be >= 1, got {d.eval_batches}")
+    e = cfg.executor
+    need(e.timeout_min >= 1, f"executor.timeout_min must be >= 1, got {e.timeout_min}")
+    need(e.cpus_per_task >= 1, f"executor.cpus_per_task must be >= 1, got {e.cpus_per_task}")
+    need(e.mem_gb > 0, f"executor.mem_gb must be > 0, got {e.mem_gb}")
+    need(e.service_timeout_min >= 1, f"executor.service_timeout_min must be >= 1, got {e.service_timeout_min}")
+    need(e.gpus_per_node >= 0, f"executor.gpus_per_node must be >= 0, got {e.gpus_per_node}")
+    return p
+
+
+def check_hf(m: ModelConfig) -> list[str]:
+    """A Hugging Face model: a local directory with its config.json, and no built-in-model keys."""
+    p = []
+    default = type(m)()
+    builtin = [k for k in ("n_layer", "n_head", "n_embd", "dropout") if getattr(m, k) != getattr(default, k)]
+    if builtin:
+        p.append(f"model.{', model.'.join(builtin)} describe the built-in model, but model.hf brings its own "
+                 "architecture: remove them")
+    return p
