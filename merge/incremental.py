@@ -47,6 +47,7 @@ from merge.reader import FLOATS, ITEMSIZE, InputError, Model, open_file_model
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class _Folded:
     worker: int

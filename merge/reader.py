@@ -28,9 +28,9 @@ import fsspec
 import torch
 
 from core.checkpoint import TORCH_DTYPES, TensorSpec, new_hasher
-from core.manifest import check_manifest
 from core.errors import CheckpointError, StorageError
 from core.layout import manifest_key
+from core.manifest import check_manifest
 from core.storage import Storage
 from merge import directio
 

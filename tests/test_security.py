@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.checkpoint import LazyCheckpoint, open_checkpoint, read_manifest, write_checkpoint
-from core.manifest import check_manifest
 from core.config import Config, config_from_dict, load_config
 from core.errors import CheckpointError, ConfigError
 from core.layout import manifest_key
+from core.manifest import check_manifest
 from core.storage import Storage
 from merge.reader import TensorFile
 
