@@ -8,9 +8,14 @@ weights, in a temporary directory on local disk (deleted at the end). Then, for 
   and 16 MiB reads each dropped from the cache behind them) and around it (O_DIRECT, 16 and 64 MiB
   reads), and one after another through the cache; the fastest is the physical limit the merges
   are compared with;
+- read + write: the same files read dropped behind while one file of an input's size is written
+  (O_DIRECT), as a merge must write its output: a second reference, not the limit;
 - ours: `merge.manual.manual_merge` (average), digest of every input verified against its manifest
-  (the inputs are cold and large, so it reads them with O_DIRECT: merge.directio);
-- ours, buffered: the same forced through the page cache (`--io buffered`);
+  (the inputs are cold and large, so it reads them through the page cache, dropping every page
+  once read: merge.directio);
+- ours, O_DIRECT: the same reading around the page cache (`--io direct`, the default until
+  2026-11-24);
+- ours, buffered: the same forced through the page cache, nothing dropped (`--io buffered`);
 - ours, plain files: the same with the manifests moved away (nothing to verify, as for files from
   elsewhere: that is what mergekit and the naive baseline do);
 - naive: `safetensors.torch.load_file` every checkpoint, then average, then `save_file`;
@@ -44,7 +49,9 @@ import time
 from pathlib import Path
 
 BUF = 16 << 20
-TOOLS = {"ours": "ours", "ours-plain": "ours", "ours-buffered": "buffered", "naive": "naive", "mergekit": "mergekit"}
+TOOLS = {"ours": "ours", "ours-plain": "ours", "ours-direct": "direct", "ours-buffered": "buffered", "naive": "naive",
+         "mergekit": "mergekit"}
+IO = {"ours": "auto", "direct": "direct", "buffered": "buffered"}  # child kind -> manual_merge's io
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -187,18 +194,45 @@ RAW_MODES = {"sequential": None, "parallel": _read_file, "parallel, dropped behi
              "direct 16 MiB": lambda p: _read_direct(p, 16 << 20), "direct 64 MiB": lambda p: _read_direct(p, 64 << 20)}
 
 
+def _write_direct(p: Path, n: int) -> None:
+    """n bytes (not zeros: nothing for the disk to skip) written to a new file with O_DIRECT in
+    8 MiB writes, as the merge writes its output (merge.directio.DirectWriter)."""
+    import numpy as np
+
+    from merge.directio import aligned_bytes
+    buf = aligned_bytes(8 << 20).numpy()
+    buf[:] = np.random.default_rng(0).integers(0, 256, len(buf), dtype=np.uint8)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        for at in range(0, n, len(buf)):
+            os.pwrite(fd, buf, at)
+    finally:
+        os.close(fd)
+        p.unlink()
+
+
+READ_WRITE = "dropped behind, one file written"
+"""Not a raw read but what a merge must at least do with the disk: the inputs read as the fastest
+raw read usually does, while a file of one input's size is written (the merged output)."""
+
+
 def raw_read(files: list[Path], mode: str) -> float:
-    """Seconds to read every byte of `files`: one after another, or all at once in threads (RAW_MODES)."""
+    """Seconds to read every byte of `files`: one after another, or all at once in threads (RAW_MODES);
+    READ_WRITE: all at once, dropped behind, while one file of files[0]'s size is written beside them."""
     t0 = time.perf_counter()
-    if mode != "sequential":
-        threads = [threading.Thread(target=RAW_MODES[mode], args=(p,)) for p in files]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    else:
+    if mode == "sequential":
         for p in files:
             _read_file(p)
+        return time.perf_counter() - t0
+    read = _read_dropping if mode == READ_WRITE else RAW_MODES[mode]
+    threads = [threading.Thread(target=read, args=(p,)) for p in files]
+    if mode == READ_WRITE:
+        out = files[0].parent.parent / "raw-write.tmp"
+        threads.append(threading.Thread(target=_write_direct, args=(out, files[0].stat().st_size)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return time.perf_counter() - t0
 
 
@@ -214,9 +248,9 @@ def child(argv: list[str]) -> None:
 
     from merge.manual import manual_merge
     t0 = time.perf_counter()
-    direct = None
-    if kind in ("ours", "buffered"):
-        direct = manual_merge(inputs, out, io="auto" if kind == "ours" else "buffered").direct_files
+    ways = None
+    if kind in IO:
+        ways = manual_merge(inputs, out, io=IO[kind]).read_ways
     elif kind == "naive":
         models = [load_file(str(Path(p) / "model.safetensors")) for p in inputs]
         merged = {}
@@ -227,7 +261,7 @@ def child(argv: list[str]) -> None:
             merged[name] = (acc / len(models)).to(models[0][name].dtype)
         os.makedirs(out, exist_ok=True)
         save_file(merged, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-    print(json.dumps({"inner_s": time.perf_counter() - t0, "direct_files": direct}))
+    print(json.dumps({"inner_s": time.perf_counter() - t0, "read_ways": ways}))
 
 
 # Children are started by a small launcher process, not by this one: on Linux a child's peak RSS
@@ -349,15 +383,15 @@ def main() -> None:
             else:
                 warm(fs)
 
-        kinds = ["ours", "ours-plain", "ours-buffered", "naive"] + (["mergekit"] if args.mergekit else [])
+        kinds = ["ours", "ours-plain", "ours-direct", "ours-buffered", "naive"] + (["mergekit"] if args.mergekit else [])
         if not args.mergekit:
             print("mergekit: not installed (pip install mergekit, then --mergekit PATH); skipped", flush=True)
 
         startup: dict[str, tuple[float, int]] = {}
 
-        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int, float, float | None, int | None]:
-            """(wall s, peak RSS, CPU s, the merge's own time and how many inputs it read with
-            O_DIRECT, when it reports them) of one merge."""
+        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int, float, float | None, dict | None]:
+            """(wall s, peak RSS, CPU s, the merge's own time and its input files by the way they
+            were read, when it reports them) of one merge."""
             ins = (dirs if big else tiny)[:k]
             out = folder / f"out-{kind}"
             shutil.rmtree(out, ignore_errors=True)
@@ -370,7 +404,7 @@ def main() -> None:
                 hide_manifests(ins, False)
                 shutil.rmtree(out, ignore_errors=True)
             report = json.loads(stdout.strip().splitlines()[-1]) if tool != "mergekit" else {}
-            return wall, rss, cpu, report.get("inner_s"), report.get("direct_files")
+            return wall, rss, cpu, report.get("inner_s"), report.get("read_ways")
 
         for kind in kinds:  # start-up: the same tool merging 2 tiny checkpoints (median of 3)
             runs = [measure(kind, 2, big=False) for _ in range(3)]
@@ -382,26 +416,30 @@ def main() -> None:
         k = args.k
         in_bytes = size * k
         raw: dict[str, list[float]] = {mode: [] for mode in RAW_MODES}
-        runs: dict[str, list[tuple[float, int, float, float | None, int | None]]] = {kind: [] for kind in kinds}
+        runs: dict[str, list[tuple[float, int, float, float | None, dict | None]]] = {kind: [] for kind in kinds}
         limits: list[float] = []
+        read_write: list[float] = []
         for rep in range(args.repeats):  # the disk drifts: each repeat is raw reads, then every merge
             for mode in RAW_MODES:
                 prepare(files[:k])
                 raw[mode].append(in_bytes / raw_read(files[:k], mode) / 1e9)
             limits.append(max(v[-1] for v in raw.values()))
+            prepare(files[:k])
+            read_write.append(in_bytes / raw_read(files[:k], READ_WRITE) / 1e9)
             print(f"repeat {rep + 1}: raw read of {k} files " + ", ".join(f"{m} {v[-1]:.3f}" for m, v in raw.items())
-                  + " GB/s", flush=True)
+                  + f" GB/s; {READ_WRITE} {read_write[-1]:.3f} GB/s of input", flush=True)
             for kind in kinds:
                 if kind == "naive" and k > args.naive_max_k:
                     continue
                 runs[kind].append(measure(kind, k))
                 net = runs[kind][-1][0] - startup[kind][0]
-                direct = runs[kind][-1][4]
+                ways = runs[kind][-1][4]
                 print(f"  {kind:>13}: {net:.1f}s, {in_bytes / net / 1e9:.3f} GB/s = "
                       f"{in_bytes / net / 1e9 / limits[-1]:.2f} x this repeat's fastest raw read, "
-                      f"{runs[kind][-1][2]:.1f} CPU-s" + ("" if direct is None else f", {direct} inputs read with O_DIRECT"),
+                      f"{runs[kind][-1][2]:.1f} CPU-s" + ("" if not ways else f", inputs read {ways}"),
                       flush=True)
         results["raw_read_gbps"] = {m: [round(x, 3) for x in v] for m, v in raw.items()}
+        results["read_write_gbps"] = [round(x, 3) for x in read_write]
 
         rows = []
         for kind, got in runs.items():
@@ -410,19 +448,22 @@ def main() -> None:
             nets = [r[0] - startup[kind][0] for r in got]
             rates = [in_bytes / n / 1e9 for n in nets]
             ratios = [rate / lim for rate, lim in zip(rates, limits)]
+            rw = [rate / lim for rate, lim in zip(rates, read_write)]
             rss = max(r[1] for r in got)
             cpu_per_gb = (statistics.median(r[2] for r in got) - startup[kind][2]) / (in_bytes / 1e9)
             inner = got[0][3] is not None and statistics.median(r[3] for r in got)
             rate, net = statistics.median(rates), statistics.median(nets)
             rows.append({"kind": kind, "k": k, "merge_s": [round(n, 2) for n in nets], "gbps": round(rate, 3),
-                         "cpu_s": [round(r[2], 2) for r in got], "direct_files": [r[4] for r in got],
+                         "cpu_s": [round(r[2], 2) for r in got], "read_ways": [r[4] for r in got],
                          "ratio_to_raw": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
+                         "ratio_to_read_write": round(statistics.median(rw), 3),
                          "inner_s": inner and round(inner, 2),
                          "cpu_s_per_gb": round(cpu_per_gb, 2), "peak_rss": rss, "rss_x_ckpt": round(rss / size, 3),
                          "rss_minus_startup_x_ckpt": round((rss - startup[kind][1]) / size, 3),
                          "loadavg": round(os.getloadavg()[0], 2)})
             print(f"{kind:>13} K={k}: median {net:.1f}s, {rate:.3f} GB/s = {statistics.median(ratios):.2f} x raw read "
-                  f"(per repeat {', '.join(f'{x:.2f}' for x in ratios)}), {cpu_per_gb:.2f} CPU-s/GB; peak RSS "
+                  f"(per repeat {', '.join(f'{x:.2f}' for x in ratios)}), {statistics.median(rw):.2f} x read+write, "
+                  f"{cpu_per_gb:.2f} CPU-s/GB; peak RSS "
                   f"{rss / 2**30:.2f} GiB = {rss / size:.2f} x ckpt ({(rss - startup[kind][1]) / size:.2f} x above "
                   f"start-up)", flush=True)
         results["throughput"] = rows

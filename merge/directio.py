@@ -1,14 +1,17 @@
-"""Reading and writing big local files around the page cache (O_DIRECT), and the aligned buffers that needs.
+"""Reading and writing big local files without filling the page cache, and the aligned buffers that needs.
 
 A merge reads every input once and never again, so the page cache only costs it: on the
 development machine a cold buffered read of 8 GiB spent 4 to 21 CPU-seconds in the kernel
-(page allocation, copy, reclaim), enough to leave a 2-core machine no time for hashing and maths;
-the same bytes read with O_DIRECT took under 1 CPU-second (docs/benchmarks.md). A file that is
-already in the cache (a contribution written on this node a moment ago) is the opposite case:
-copying it from memory beats reading the disk again. So `choose` goes direct only for a large
-local file that is mostly absent from the cache (mincore(2) on a mapping of it, which neither
-reads nor caches anything: a probing read would start the very read-ahead it asks about), and
-on anything else (a filesystem without O_DIRECT, a platform without mincore) stays buffered.
+(page allocation, copy, reclaim), enough to leave a 2-core machine no time for hashing and maths
+(docs/benchmarks.md). A file that is already in the cache (a contribution written on this node a
+moment ago) is the opposite case: copying it from memory beats reading the disk again. So
+`read_way` picks, for a large local file that is mostly absent from the cache (mincore(2) on a
+mapping of it, which neither reads nor caches anything: a probing read would start the very
+read-ahead it asks about), reads through the cache with the kernel's read-ahead, each page
+dropped once read (`advise_dropbehind`, `drop_behind`); anything else (a small or cached file, a
+platform without mincore) is read through the cache as usual. O_DIRECT reads (`direct`) stay
+for `--io direct`: they were the default until the drop-behind reads measured faster.
+Outputs are written with O_DIRECT (`DirectWriter`).
 
 O_DIRECT wants the file offset, the length and the buffer's address aligned to the device's
 logical block; `PAGE` (4 KiB) covers every common device. Reads are widened to page boundaries
@@ -16,6 +19,7 @@ into page-aligned buffers (`aligned_bytes`); the caller is told where its bytes 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -32,8 +36,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 DIRECT_MIN_BYTES = 64 << 20
-"""Files smaller than this are read and written through the page cache in `auto` mode (a
-header-sized read through O_DIRECT is a disk round trip; small files are cheap either way)."""
+"""Files smaller than this are read and written through the page cache as usual in `auto` mode
+(small files are cheap either way, and an O_DIRECT write waits for the disk)."""
 IO_MODES = ("auto", "direct", "buffered")
 
 
@@ -113,13 +117,42 @@ def mode_problem(mode: str) -> str | None:
     return None if mode in IO_MODES else f"io mode {mode!r} is not one of {', '.join(IO_MODES)}"
 
 
-def choose(mode: str, path: str, fd: int, data_start: int, size: int) -> int | None:
-    """The O_DIRECT descriptor to read `path` with under `mode` (checked: mode_problem), or None: buffered."""
+def read_way(mode: str, fd: int, data_start: int, size: int) -> str:
+    """How to read a local file under `mode` (checked: mode_problem): `direct` (O_DIRECT, forced
+    only), `dropbehind` (`auto`, a large file mostly absent from the page cache: see
+    `advise_dropbehind`) or `buffered` (forced, small, cached, or the kernel cannot say)."""
     if mode == "buffered" or size <= data_start:
-        return None
-    if mode == "auto" and (size < DIRECT_MIN_BYTES or is_cached(fd, data_start, size) is not False):
-        return None
-    return open_direct(path)
+        return "buffered"
+    if mode == "direct":
+        return "direct"
+    if size < DIRECT_MIN_BYTES or is_cached(fd, data_start, size) is not False:
+        return "buffered"
+    return "dropbehind"
+
+
+def advise_dropbehind(fd: int) -> None:
+    """Ask for the kernel's sequential read-ahead on `fd` (double the device's window): a file to
+    be read once, front to back, whose pages are dropped once read (`drop_behind`).
+
+    Why not O_DIRECT, which never fills the cache at all: an O_DIRECT read queues only its own
+    requests, and on the development machine 8 cold 1 GiB files read with O_DIRECT gave 1.3-2.2
+    GB/s however many reads were in flight (4-16 per file, 1-16 MiB each) where the kernel's
+    read-ahead gave 2.0-2.7; the merge itself read at 1.5-1.6 GB/s with O_DIRECT and 1.7-1.9 this
+    way (docs/benchmarks.md). The pages must be dropped, though: a cold buffered read that lets
+    the cache grow costs several times the CPU (page allocation, then reclaim)."""
+    with contextlib.suppress(OSError, AttributeError):  # advice only: no posix_fadvise, nothing lost
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
+def drop_behind(fd: int, start: int, end: int) -> None:
+    """Drop the file's cached pages in [start, end) (clean pages only: nothing is lost). The
+    caller passes start = 0 while it reads in file order: with several reader threads the
+    kernel's read-ahead now and then reads in pages just behind the readers, after their range
+    was dropped, and dropping only the latest range let 2.4 GB of those pile up in an 8 GiB merge
+    (0.5 GB, the read-ahead in flight, when the whole prefix is dropped each time; dropping an
+    empty 1 GiB range takes about a microsecond)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
 
 class DirectWriter:

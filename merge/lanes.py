@@ -1,10 +1,11 @@
 """The merge engine's readers: a few threads per input, filling reusable slots ahead of the maths.
 
 A lane reads its input's segments in order, each into a free slot: positional reads straight
-into the slot's buffer (O_DIRECT for cold large files: merge.directio), the digest fed on the way
-(it must see the file's bytes in order), bf16/f16 widened to float32, a cheap finiteness check;
-then it hands the slot to the maths, which gives it back when done. File I/O, hashing, numpy
-and torch all release the GIL, so K lanes, the maths and the writer run in parallel.
+into the slot's buffer, the digest fed on the way (it must see the file's bytes in order), the
+pages dropped from the cache once read and hashed for cold large files (merge.directio),
+bf16/f16 widened to float32, a cheap finiteness check; then it hands the slot to the maths,
+which gives it back when done. File I/O, hashing, numpy and torch all release the GIL, so K
+lanes, the maths and the writer run in parallel.
 
 How many slots matters more than their size: the maths takes segment i from every input at
 once, so a lane that is ahead waits for the slowest one, and with 2 slots it soon had no read in
@@ -17,7 +18,9 @@ next segment into a free slot while the others hash and hand over theirs, in seg
 engine's default (merge.engine: 512 MiB, 8 slots of 8 MiB per input at K = 8, 4 readers: 256 MiB
 in flight) merged 8 cold 1 GiB files at 0.83-1.1x the rate of 64 MiB O_DIRECT reads of the same
 files (medians of 4-5 alternating runs, 5 runs), where 256 MiB in 4 slots with 2 readers gave
-0.5-1.0x; 6 or 7 readers over 8 slots, or 384 MiB, were no better (docs/benchmarks.md).
+0.5-1.0x; 6 or 7 readers over 8 slots, or 384 MiB, were no better (docs/benchmarks.md). Cold
+files are now read through the page cache with the kernel's read-ahead (merge.directio), which
+queues requests of its own: there 2 readers and 4 measured alike (1.71 and 1.78 GB/s, medians of 4).
 """
 from __future__ import annotations
 
@@ -103,6 +106,7 @@ class Slot:
         o32 = 0
         for r, data in zip(reads, fetched):
             r.file.hash_range(r.offset, data.numpy())
+            r.file.done_with(r.offset, r.nbytes)
             numel = r.stop - r.start
             t = data.view(TORCH_DTYPES[r.spec.dtype])
             if r.spec.dtype in FLOATS:

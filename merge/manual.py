@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import posixpath
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -53,8 +54,8 @@ class ManualResult:
     seconds: float
     outputs: list[str]
     state: str | None
-    direct_files: int = 0
-    """Input files read around the page cache (O_DIRECT: merge.directio)."""
+    read_ways: dict[str, int] = field(default_factory=dict)
+    """Input files by how they were read (merge.directio.read_way: direct, dropbehind, buffered)."""
 
 
 def _norm(url: str) -> str:
@@ -79,7 +80,8 @@ def manual_merge(
     """Merge the models at `inputs` into `out` (see the module docstring); return what was done.
 
     `io` (merge.directio.IO_MODES): how local files are read and written; `auto` reads large
-    files that are not in the page cache, and writes large files, with O_DIRECT."""
+    files that are not in the page cache through it, dropping each page once read, and writes
+    large files with O_DIRECT."""
     params = dict(params or {})
     weights = [1.0] * len(inputs) if weights is None else [float(w) for w in weights]
     problems: list[str] = []
@@ -139,7 +141,7 @@ def manual_merge(
                 models.append(state_in)
             state_out = OutputFile(sst, state_name, state_out_specs(order, params["optimizer"]), None,
                                    {"optimizer": params["optimizer"].optimizer}, io=io)
-        direct = sum(f.direct for m in [*models, *([base_model] if base_model else [])] for f in m.files)
+        ways = dict(Counter(f.way for m in [*models, *([base_model] if base_model else [])] for f in m.files))
         try:
             stats = run_merge(models[: len(inputs)], weights, method, outputs, params=params, base=base_model,
                               state_in=state_in, state_out=state_out, buffer_bytes=buffer_bytes)
@@ -156,7 +158,7 @@ def manual_merge(
             index["weight_map"] = {n: o.key for o in outputs for n, *_ in o.specs}
             out_storage.write_json(index_key, index)  # last: the directory is whole from now on
         return ManualResult(method, len(inputs), stats.bytes_read, stats.seconds,
-                            [o.storage.display(o.key) for o in outputs], state, direct)
+                            [o.storage.display(o.key) for o in outputs], state, ways)
     finally:
         for m in models:
             m.close()

@@ -68,6 +68,9 @@ class MemoryFile:
     def hash_range(self, offset: int, data: Any) -> None:  # checked when loaded (see verify)
         pass
 
+    def done_with(self, offset: int, n: int) -> None:  # memory: no page cache to drop
+        pass
+
     def verify(self) -> None:  # checked when it was loaded, or built here from checked inputs
         pass
 
@@ -139,6 +142,9 @@ class GatedFile:
     positional = False
 
     def hash_range(self, offset: int, data: Any) -> None:
+        pass
+
+    def done_with(self, offset: int, n: int) -> None:
         pass
 
     def verify(self) -> None:

@@ -3,9 +3,9 @@
 `TensorFile` parses and checks a file's header (and its size, so a truncated file is refused
 before any maths), then reads byte ranges straight into caller-owned buffers: positional reads
 (`os.preadv`) on local files, seek + readinto on any other fsspec file. No per-tensor bytes
-objects, no copies. Large local files that are not in the page cache are read with O_DIRECT
-(merge.directio: the kernel's copy and page handling cost more CPU than the merge's maths); the
-`io` argument forces either way. When the file has a manifest (our checkpoints do), ranges read in file order
+objects, no copies. Large local files that are not in the page cache are read through it with
+every page dropped once read (merge.directio: a cache left to fill costs more CPU in page
+handling than the merge's maths); the `io` argument forces O_DIRECT or plain buffered reads. When the file has a manifest (our checkpoints do), ranges read in file order
 are hashed on the way (BLAKE3, core.checkpoint.HASH) and
 `verify()` compares with the manifest at the end; files without one (safetensors from elsewhere)
 are not hashed.
@@ -88,6 +88,8 @@ class TensorFile:
         self._fd: int | None = None
         self._dfd: int | None = None  # O_DIRECT descriptor for the data, when chosen (merge.directio)
         self._dfd_open: int | None = None  # the same, still open after a failed O_DIRECT read (closed by close())
+        self.way = "buffered"  # how the data is read: merge.directio.read_way
+        self._dropped = 0  # with `dropbehind`: the file's pages before this offset are dropped from the cache
         self._f: Any = None
         local = storage.local_path(key)
         try:
@@ -120,11 +122,27 @@ class TensorFile:
             raise CheckpointError(f"{label}: file has {actual - self.size} bytes after the last tensor: damaged or "
                                   "not a safetensors file; copy or download it again")
         if self._fd is not None:
-            self._dfd = self._dfd_open = directio.choose(io, local, self._fd, self.data_start, self.size)
+            self.way = directio.read_way(io, self._fd, self.data_start, self.size)
+            if self.way == "direct":
+                self._dfd = self._dfd_open = directio.open_direct(local)
+                self.way = "direct" if self._dfd is not None else "buffered"
+            elif self.way == "dropbehind":
+                directio.advise_dropbehind(self._fd)
+                self._dropped = self.data_start  # the header was read first
 
     @property
     def direct(self) -> bool:
         return self._dfd is not None
+
+    def done_with(self, offset: int, n: int) -> None:
+        """The n bytes at `offset` are read and hashed: with `dropbehind`, drop them from the page
+        cache, with everything before them while reads go in file order (merge.directio.drop_behind)."""
+        if self.way != "dropbehind" or self._fd is None:
+            return
+        in_order = offset - self._dropped < directio.PAGE  # tensors follow one another (gaps are rare and small)
+        directio.drop_behind(self._fd, 0 if in_order else offset, offset + n)
+        if in_order:
+            self._dropped = max(self._dropped, offset + n)
 
     def close(self) -> None:
         for fd in (self._fd, self._dfd_open):
@@ -176,6 +194,7 @@ class TensorFile:
         starting at a multiple of `itemsize` so that it can be viewed as the tensor's dtype."""
         out = self.fetch_tensor(offset, n, region, itemsize)
         self.hash_range(offset, out.numpy())
+        self.done_with(offset, n)
         return out
 
     @property

@@ -40,8 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"read buffers of all inputs together, MiB (default {DEFAULT_BUFFER_BYTES >> 20})")
     p.add_argument("--io", choices=IO_MODES, default="auto",
                    help="how local files are read and written: auto (default) reads large files that are not "
-                        "in the page cache, and writes large files, with O_DIRECT, bypassing it; direct or "
-                        "buffered force one way")
+                        "in the page cache dropping each page once read, and writes large files with O_DIRECT, "
+                        "bypassing the cache; direct (O_DIRECT both ways) or buffered force one way")
     p.set_defaults(merge_handler=cmd_merge)
     return p
 

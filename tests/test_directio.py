@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from core.checkpoint import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge import directio
+from merge import directio, engine
 from merge.manual import MergeError, manual_merge
 from merge.reader import ITEMSIZE, TensorFile
 
@@ -70,20 +70,113 @@ def test_direct_reads_give_the_files_bytes_and_digest(tmp_path):
         f.close()
 
 
-def test_direct_and_buffered_merges_are_bitwise_equal(tmp_path):
+def test_direct_dropbehind_and_buffered_merges_are_bitwise_equal(tmp_path, monkeypatch):
+    monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1)  # every file is "large"
     paths = []
     for i in range(3):
         paths.append(str(tmp_path / f"in{i}.safetensors"))
         write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", _odd_model(i))
     _direct_or_skip(paths[0])
-    for io, read_direct in (("direct", 3), ("buffered", 0)):
+    _mincore_or_skip(paths[0])
+    for io, way in (("direct", "direct"), ("auto", "dropbehind"), ("buffered", "buffered")):
+        for p in paths:
+            _evict(p)
         res = manual_merge(paths, str(tmp_path / f"{io}.safetensors"), weights=[1, 2, 4], io=io)
-        assert res.direct_files == read_direct
-    assert (tmp_path / "direct.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+        assert res.read_ways == {way: 3}
+    raw = (tmp_path / "direct.safetensors").read_bytes()
+    assert raw == (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "auto.safetensors").read_bytes()
     got = load_file(str(tmp_path / "direct.safetensors"))
     models = [_odd_model(i) for i in range(3)]
     want = (models[0]["a"] + 2 * models[1]["a"] + 4 * models[2]["a"]) / 7  # plain torch, the whole tensor
     assert torch.allclose(got["a"], want, atol=1e-6)
+
+
+def _mincore_or_skip(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if directio.cached_fraction(fd, 0, os.fstat(fd).st_size) is None:
+            pytest.skip("mincore(2) unavailable: auto cannot tell cached files from cold ones")
+    finally:
+        os.close(fd)
+
+
+def _cached(path, start: int = 0, end: int | None = None) -> float:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return directio.cached_fraction(fd, start, os.fstat(fd).st_size if end is None else end)
+    finally:
+        os.close(fd)
+
+
+def test_a_dropbehind_merge_leaves_its_cold_inputs_out_of_the_page_cache(tmp_path, monkeypatch):
+    """Read the usual way, a cold 4 MiB input ends up in the page cache; read drop-behind (auto),
+    no page of it is left there once merged, and the merge is the same."""
+    monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1 << 16)
+    monkeypatch.setattr(engine, "_MIN_CHUNK", 1 << 14)  # 64 KiB segments: many reads, many drops
+    paths = []
+    for i in range(2):
+        write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", {"w": torch.randn(1 << 20), "b": torch.randn(5)})
+        paths.append(str(tmp_path / f"in{i}.safetensors"))
+    _mincore_or_skip(paths[0])
+    for io in ("buffered", "auto"):
+        for p in paths:
+            _evict(p)
+        assert max(_cached(p) for p in paths) < 0.5
+        res = manual_merge(paths, str(tmp_path / f"{io}.safetensors"), io=io, buffer_bytes=1 << 20)
+        left = [_cached(p) for p in paths]
+        if io == "buffered":
+            assert res.read_ways == {"buffered": 2} and min(left) > 0.9
+        else:
+            assert res.read_ways == {"dropbehind": 2} and max(left) == 0
+    assert (tmp_path / "auto.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+
+
+def test_dropbehind_drops_the_prefix_in_file_order_and_only_the_range_out_of_it(tmp_path, monkeypatch):
+    """Pages the kernel's read-ahead brings in behind the readers are dropped with the next read
+    in file order; a read out of file order drops its own range only (the pages before it may
+    still be wanted). The cache holds pages in folios of up to 2 MiB, and a folio is dropped only
+    when the range covers all of it: the checks look 2 MiB inside each 8 MiB tensor."""
+    monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1 << 16)
+    s = Storage(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    write_checkpoint(s, "m.safetensors", {n: torch.randn(1 << 21, generator=g) for n in "abc"})
+    path = tmp_path / "m.safetensors"
+    _mincore_or_skip(path)
+    _evict(path)
+    f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"))
+    margin = 2 << 20
+    try:
+        assert f.way == "dropbehind"
+        spans = {n: (f.data_start + sp.start, sp.nbytes) for n, sp in f.specs.items()}
+
+        def read(name):
+            off, n = spans[name]
+            return f.read_tensor(off, n, directio.aligned_bytes(directio.region_bytes(n)), 4)
+
+        def inside(name):  # the share of the tensor's pages (all but its ends) in the cache
+            off, n = spans[name]
+            return _cached(path, off + margin, off + n - margin)
+
+        def recache(name):  # what a late read-ahead does behind the readers (no read-ahead past it)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                off, n = spans[name]
+                os.pread(fd, n, off)
+            finally:
+                os.close(fd)
+
+        read("a")
+        assert inside("a") == 0
+        recache("a")
+        assert inside("a") == 1
+        read("c")  # out of order ("b" not read yet): its own range only, "a" stays
+        assert inside("c") == 0 and inside("a") == 1
+        read("b")  # in order again: everything before its end goes, "a" with it
+        assert inside("a") == 0 and inside("b") == 0
+        f.verify()  # every byte hashed on the way ("c" read again by verify)
+    finally:
+        f.close()
 
 
 def test_direct_read_of_a_damaged_file_is_refused(tmp_path):
@@ -100,27 +193,27 @@ def test_direct_read_of_a_damaged_file_is_refused(tmp_path):
     assert not (tmp_path / "out.safetensors").exists()
 
 
-def test_auto_reads_cold_large_files_direct_and_cached_ones_through_the_cache(tmp_path, monkeypatch):
+def test_auto_reads_cold_large_files_dropping_behind_and_cached_ones_through_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1 << 16)  # "large" for a test: 64 KiB
     s = Storage(str(tmp_path))
     write_checkpoint(s, "big.safetensors", {"w": torch.randn(1 << 16)})  # 256 KiB
     write_checkpoint(s, "small.safetensors", {"w": torch.randn(100)})
-    _direct_or_skip(tmp_path / "big.safetensors")
-    if not hasattr(os, "RWF_NOWAIT"):
-        pytest.skip("no RWF_NOWAIT: auto cannot tell cached files from cold ones and reads everything buffered")
+    _mincore_or_skip(tmp_path / "big.safetensors")
 
-    def opened(key):
-        f = TensorFile(s, key, key, None)
+    def opened(key, io="auto"):
+        f = TensorFile(s, key, key, None, io)
         try:
-            return f.direct
+            return f.way, f.direct
         finally:
             f.close()
 
-    assert not opened("big.safetensors")  # just written: in the page cache
+    assert opened("big.safetensors") == ("buffered", False)  # just written: in the page cache
     _evict(tmp_path / "big.safetensors")
     _evict(tmp_path / "small.safetensors")
-    assert opened("big.safetensors")  # cold and large: around the cache
-    assert not opened("small.safetensors")  # cold but small: not worth a disk round trip per read
+    assert opened("big.safetensors") == ("dropbehind", False)  # cold and large: each page dropped once read
+    assert opened("small.safetensors") == ("buffered", False)  # cold but small: nothing worth dropping
+    if directio.open_direct(str(tmp_path / "big.safetensors")) is not None:
+        assert opened("small.safetensors", "direct") == ("direct", True)  # forced
 
 
 def test_unknown_io_mode_is_refused(tmp_path):
