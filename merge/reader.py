@@ -5,10 +5,10 @@ before any maths), then reads byte ranges straight into caller-owned buffers: po
 (`os.preadv`) on local files, seek + readinto on any other fsspec file. No per-tensor bytes
 objects, no copies. Large local files that are not in the page cache are read through it with
 every page dropped once read (merge.directio: a cache left to fill costs more CPU in page
-handling than the merge's maths); the `io` argument forces O_DIRECT or plain buffered reads. When the file has a manifest (our checkpoints do), ranges read in file order
-are hashed on the way (BLAKE3, core.checkpoint.HASH) and
-`verify()` compares with the manifest at the end; files without one (safetensors from elsewhere)
-are not hashed.
+handling than the merge's maths); the `io` argument forces O_DIRECT or plain buffered reads.
+When the file has a manifest (our checkpoints do), ranges read in file order are hashed on the
+way (BLAKE3, core.checkpoint.HASH) and `verify()` compares with the manifest at the end; files
+without one (safetensors from elsewhere) are not hashed.
 
 `Model` is one merge input: a single `.safetensors` file or a Hugging Face model directory
 (`model.safetensors`, or shards listed by `model.safetensors.index.json`).
