@@ -22,9 +22,10 @@ FOLD_SLOTS = 4
 """Read buffers of a fold: two being read, the rest with the maths (a coded tensor's entries are
 held until its last one is in)."""
 FOLD_READERS = 2
-"""Reads in flight in a fold (merge.lanes); 4 measured no faster. (Nor did reading through the
-page cache: a cold 242 MiB contribution alone was folded in 0.13 s instead of 0.20 s, but the
-round's last fold beside the outer step gained nothing and cost 0.18 CPU-s more.)"""
+"""Reads in flight in a fold (merge.lanes); 4 measured no faster. A cold contribution is read with
+the kernel's read-ahead and dropped from the page cache behind (merge.directio): a 242 MiB one
+alone was folded in 0.16 s, 0.23 s with O_DIRECT (reading through the cache without dropping
+had gained nothing beside the outer step and cost 0.18 CPU-s more)."""
 FOLD_CHUNK = 1 << 22
 """Elements per read of a large tensor stored plain (weights, fp32/bf16 deltas): the slots stay at
 16 MiB whatever the model (a coded tensor is read whole: its rows need their scales and indices),
