@@ -39,11 +39,17 @@ DIRECT_MIN_BYTES = 64 << 20
 """Files smaller than this are read and written through the page cache as usual in `auto` mode
 (small files are cheap either way, and an O_DIRECT write waits for the disk)."""
 IO_MODES = ("auto", "direct", "buffered")
+WINDOWS, WINDOW = 64, 256 << 10
+"""How `is_cached` samples a file: 64 windows of 256 KiB (4096 pages, ~0.15 ms) at any size."""
 
 
 def aligned_bytes(n: int) -> torch.Tensor:
-    """A page-aligned uint8 tensor of n bytes (anonymous memory, usable as an O_DIRECT buffer)."""
-    mm = mmap.mmap(-1, max(n, PAGE))
+    """A page-aligned uint8 tensor of n bytes (private anonymous memory, usable as an O_DIRECT
+    buffer), its pages allocated at once: every such buffer is filled right away, and one
+    populating call costs half what faulting its pages in one by one does (512 MiB of read
+    slots: 0.17 against 0.35 CPU-s here)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(-1, max(n, PAGE), flags=flags)
     return torch.frombuffer(mm, dtype=torch.uint8)[:n]  # the tensor keeps the mapping alive
 
 
@@ -57,9 +63,11 @@ def page_span(offset: int, n: int) -> tuple[int, int]:
     return offset - offset % PAGE, -(-(offset + n) // PAGE) * PAGE
 
 
-def cached_fraction(fd: int, start: int, end: int) -> float | None:
+def cached_fraction(fd: int, start: int, end: int, windows: int = 0) -> float | None:
     """The share of [start, end) of the file that is in the page cache, from mincore(2) on a
-    mapping of it (which reads nothing and caches nothing); None where that cannot be asked."""
+    mapping of it (which reads nothing and caches nothing); None where that cannot be asked.
+    `windows` > 0: the share of that many evenly spaced windows of WINDOW bytes instead (mincore
+    costs ~35 ns a page here: 9 ms for every page of a 1 GiB file)."""
     if _LIBC is None or end <= start:
         return None
     off = start - start % PAGE
@@ -69,18 +77,28 @@ def cached_fraction(fd: int, start: int, end: int) -> float | None:
         return None
     try:
         pages = (length + PAGE - 1) // PAGE
-        vec = (ctypes.c_ubyte * pages)()
-        if _LIBC.mincore(addr, length, vec) != 0:
-            return None
-        return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / pages  # bit 0: resident
+        window = WINDOW // PAGE
+        if windows <= 0 or windows * window >= pages:
+            spans = [(0, pages)]
+        else:
+            step = (pages - window) // (windows - 1) if windows > 1 else 0
+            spans = [(i * step, window) for i in range(windows)]
+        resident = 0
+        vec = (ctypes.c_ubyte * max(n for _, n in spans))()
+        for first, n in spans:
+            if _LIBC.mincore(addr + first * PAGE, min(n * PAGE, length - first * PAGE), vec) != 0:
+                return None
+            resident += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8, count=n) & 1))  # bit 0: resident
+        return resident / sum(n for _, n in spans)
     finally:
         _LIBC.munmap(addr, length)
 
 
 def is_cached(fd: int, start: int, end: int) -> bool | None:
     """Is most of [start, end) of the file in the page cache (a few pages that outlived an
-    eviction do not make a file cached)? None when the kernel or the filesystem cannot say."""
-    share = cached_fraction(fd, start, end)
+    eviction do not make a file cached)? None when the kernel or the filesystem cannot say.
+    Judged from WINDOWS windows spread over the range: a cached file is cached in long runs."""
+    share = cached_fraction(fd, start, end, WINDOWS)
     return None if share is None else share >= 0.5
 
 

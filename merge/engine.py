@@ -27,6 +27,7 @@ and streams that one mean here. merge.manual is `orchestrate merge`'s.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import threading
@@ -137,34 +138,43 @@ def run_merge(
     `params["in_place"]` (outer methods, every model held in memory): the step overwrites base,
     state and the input instead of copying them; the outputs are then views of base and state.
     """
-    with _torch_threads(1):  # the maths are memory-bound: leave the cores to the readers (I/O, digest)
+    with merging():
         return _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth,
                           defer_state)
 
 
-_THREADS_LOCK = threading.Lock()
-_threads_users = 0
-_threads_saved = 0
+_SETTINGS_LOCK = threading.Lock()
+_merges = 0
+_saved: tuple[int, bool] = (1, True)
 
 
 @contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to n while any caller is inside: the setting is process-wide,
-    and a round's last fold runs beside the outer step (merge.incremental), so the first caller in
-    saves it and the last one out restores it."""
-    global _threads_users, _threads_saved
-    with _THREADS_LOCK:
-        if _threads_users == 0:
-            _threads_saved = torch.get_num_threads()
-            torch.set_num_threads(n)
-        _threads_users += 1
+def merging() -> Iterator[None]:
+    """Process-wide settings for as long as any merge runs (a round's last fold runs beside the
+    outer step: merge.incremental), so the first caller in saves them and the last one out
+    restores them:
+    - torch's intra-op threads at 1: the maths are memory-bound, the cores are the readers'
+      (I/O, digests);
+    - Python's cyclic garbage collector paused: a full collection holds the GIL while it walks
+      every object (torch's ~170 000: 74 ms here) and every reader thread stalls behind it; it came
+      once per K = 8 merge, just as the readers started. A merge makes no reference cycles of
+      its own, so nothing piles up meanwhile (tests/test_merge.py)."""
+    global _merges, _saved
+    with _SETTINGS_LOCK:
+        if _merges == 0:
+            _saved = torch.get_num_threads(), gc.isenabled()
+            torch.set_num_threads(1)
+            gc.disable()
+        _merges += 1
     try:
         yield
     finally:
-        with _THREADS_LOCK:
-            _threads_users -= 1
-            if _threads_users == 0:
-                torch.set_num_threads(_threads_saved)
+        with _SETTINGS_LOCK:
+            _merges -= 1
+            if _merges == 0:
+                torch.set_num_threads(_saved[0])
+                if _saved[1]:
+                    gc.enable()
 
 
 def _run_merge(inputs, weights, method, outputs, params, base, state_in, state_out, buffer_bytes, depth,

@@ -38,7 +38,7 @@ from core.checkpoint import DTYPES, TensorSpec, open_checkpoint, read_manifest
 from core.config import OuterConfig
 from core.errors import CheckpointError, ContributionRejected
 from core.storage import Storage
-from merge.engine import _torch_threads, compare_specs, model_specs, run_merge
+from merge.engine import compare_specs, merging, model_specs, run_merge
 from merge.rounds import Contribution, MergeResult, QuorumError, round_outputs
 from merge.fold_reader import FOLD_SLOTS, read_contribution
 from merge.lanes import Slot, finite
@@ -206,7 +206,7 @@ class RunningSum:
         tensor once all its entries are in. The read slots are this sum's, reused by every fold
         (fresh pages cost more than reads)."""
         items = read_contribution(f, self.ref, label, c.worker, self._slots)
-        with contextlib.closing(items), _torch_threads(1):  # memory-bound maths: the other cores read
+        with contextlib.closing(items), merging():
             for name, start, stop, got in items:
                 if stop is not None:
                     self._add_slice(c, label, name, start, stop, got[name])

@@ -20,7 +20,9 @@ in flight) merged 8 cold 1 GiB files at 0.83-1.1x the rate of 64 MiB O_DIRECT re
 files (medians of 4-5 alternating runs, 5 runs), where 256 MiB in 4 slots with 2 readers gave
 0.5-1.0x; 6 or 7 readers over 8 slots, or 384 MiB, were no better (docs/benchmarks.md). Cold
 files are now read through the page cache with the kernel's read-ahead (merge.directio), which
-queues requests of its own: there 2 readers and 4 measured alike (1.71 and 1.78 GB/s, medians of 4).
+queues requests of its own: there 2 readers and 4 measured alike (1.71 and 1.78 GB/s, medians of 4),
+and so did one reading in turn, a piece at a time, each piece hashed while in the core's cache
+(TensorFile.streams), for ~1 CPU-s less per K = 8 merge of 1 GiB inputs: such a file gets one reader.
 """
 from __future__ import annotations
 
@@ -85,15 +87,17 @@ class Slot:
         self.f32 = torch.empty(0, dtype=torch.float32)
 
     def fetch(self, reads: list[Read]) -> list[torch.Tensor]:
-        """The reads' bytes in this slot's raw buffer, not yet hashed (finish does that, in file order)."""
+        """The reads' bytes in this slot's raw buffer, not yet hashed (finish does that, in file
+        order); for a streaming file (TensorFile.streams), the empty region finish reads them into."""
         raw_need = sum(region_bytes(r.nbytes) for r in reads)
         if self.raw.numel() < raw_need:
             self.raw = aligned_bytes(raw_need)
         out, o = [], 0
         for r in reads:
-            region = region_bytes(r.nbytes)
-            out.append(r.file.fetch_tensor(r.offset, r.nbytes, self.raw[o:o + region], ITEMSIZE[r.spec.dtype]))
-            o += region
+            region = self.raw[o:o + region_bytes(r.nbytes)]
+            out.append(region if r.file.streams else
+                       r.file.fetch_tensor(r.offset, r.nbytes, region, ITEMSIZE[r.spec.dtype]))
+            o += len(region)
         return out
 
     def finish(self, reads: list[Read], fetched: list[torch.Tensor], check: bool) -> dict[str | None, torch.Tensor]:
@@ -105,7 +109,10 @@ class Slot:
         out: dict[str | None, torch.Tensor] = {}
         o32 = 0
         for r, data in zip(reads, fetched):
-            r.file.hash_range(r.offset, data.numpy())
+            if r.file.streams:
+                data = r.file.read_hashing(r.offset, r.nbytes, data)
+            else:
+                r.file.hash_range(r.offset, data.numpy())
             r.file.done_with(r.offset, r.nbytes)
             numel = r.stop - r.start
             t = data.view(TORCH_DTYPES[r.spec.dtype])
@@ -126,7 +133,7 @@ class Slot:
 class Lane:
     """Reads one model's segments in order into `depth` reusable slots, in its own threads: up to
     READERS for local files (positional reads), each reading a segment while the others' are hashed
-    and handed over in turn; one otherwise."""
+    and handed over in turn; one otherwise, and for streaming files (read in turn, piece by piece)."""
 
     def __init__(self, label: str, ident: Any, plan: list[list[Read]], depth: int, check: bool = True,
                  slots: list[Slot] | None = None, readers: int = READERS) -> None:
@@ -139,8 +146,9 @@ class Lane:
         for slot in slots:
             self.free.put(slot)
         self.ready: queue.Queue[Any] = queue.Queue()
-        positional = all(getattr(r.file, "positional", False) for reads in plan for r in reads)
-        n_threads = min(readers, len(slots)) if positional else 1
+        files = [r.file for reads in plan for r in reads]
+        parallel = all(f.positional and not f.streams for f in files)
+        n_threads = min(readers, len(slots)) if parallel else 1
         self._turn = self._next = 0  # the segment to hand over next; the next one to read
         self._cv = threading.Condition()
         self._stop = False

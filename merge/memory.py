@@ -64,6 +64,7 @@ class MemoryFile:
 
     fetch_tensor = read_tensor
     positional = False  # one reader thread: nothing to wait for
+    streams = False
 
     def hash_range(self, offset: int, data: Any) -> None:  # checked when loaded (see verify)
         pass
@@ -140,6 +141,7 @@ class GatedFile:
 
     fetch_tensor = read_tensor
     positional = False
+    streams = False
 
     def hash_range(self, offset: int, data: Any) -> None:
         pass

@@ -8,7 +8,8 @@ every page dropped once read (merge.directio: a cache left to fill costs more CP
 handling than the merge's maths); the `io` argument forces O_DIRECT or plain buffered reads.
 When the file has a manifest (our checkpoints do), ranges read in file order are hashed on the
 way (BLAKE3, core.checkpoint.HASH) and `verify()` compares with the manifest at the end; files
-without one (safetensors from elsewhere) are not hashed.
+without one (safetensors from elsewhere) are not hashed. A file read drop-behind `streams`: its
+ranges are read in file order PIECE bytes at a time, each piece hashed the moment it is read.
 
 `Model` is one merge input: a single `.safetensors` file or a Hugging Face model directory
 (`model.safetensors`, or shards listed by `model.safetensors.index.json`).
@@ -42,6 +43,11 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
 FLOATS = {"F64", "F32", "F16", "BF16"}
 _MAX_HEADER = 100 << 20
 _VERIFY_CHUNK = 16 << 20
+PIECE = 1 << 20
+"""Bytes read and then hashed at a time by a streaming file (`TensorFile.read_hashing`): small
+enough to be hashed while still in the core's cache. Hashing each 8 MiB segment after reading
+it read every byte back from memory: the K = 8 merge of 1.016 GiB inputs used 8.7 CPU-s where
+1 MiB pieces use 7.8 (child processes, alternating, medians of 4; docs/benchmarks.md)."""
 
 
 class InputError(CheckpointError):
@@ -134,6 +140,12 @@ class TensorFile:
     def direct(self) -> bool:
         return self._dfd is not None
 
+    @property
+    def streams(self) -> bool:
+        """Read through the kernel's read-ahead and dropped behind: the kernel keeps the reads in
+        flight, so one reader suffices, reading in file order with `read_hashing` (merge.lanes)."""
+        return self.way == "dropbehind"
+
     def done_with(self, offset: int, n: int) -> None:
         """The n bytes at `offset` are read and hashed: with `dropbehind`, drop them from the page
         cache, with everything before them while reads go in file order (merge.directio.drop_behind)."""
@@ -192,9 +204,21 @@ class TensorFile:
         """The n bytes at `offset`, read into `region` (a page-aligned uint8 tensor of at least
         directio.region_bytes(n)); returns the slice of it that holds them (hashed like read_into),
         starting at a multiple of `itemsize` so that it can be viewed as the tensor's dtype."""
-        out = self.fetch_tensor(offset, n, region, itemsize)
-        self.hash_range(offset, out.numpy())
+        if self.streams:
+            out = self.read_hashing(offset, n, region)
+        else:
+            out = self.fetch_tensor(offset, n, region, itemsize)
+            self.hash_range(offset, out.numpy())
         self.done_with(offset, n)
+        return out
+
+    def read_hashing(self, offset: int, n: int, region: torch.Tensor) -> torch.Tensor:
+        """The n bytes at `offset` read into `region` PIECE bytes at a time, each piece hashed as
+        soon as it is read (if it continues the hashed prefix); returns the slice that holds them."""
+        out = region[:n]
+        view = memoryview(out.numpy())
+        for o in range(0, n, PIECE):
+            self.read_into(offset + o, view[o:o + PIECE])
         return out
 
     @property

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from core.checkpoint import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge import directio, engine
+from merge import directio, engine, reader
+from merge.lanes import Lane, Read
 from merge.manual import MergeError, manual_merge
 from merge.reader import ITEMSIZE, TensorFile
 
@@ -180,6 +181,58 @@ def test_dropbehind_drops_the_prefix_in_file_order_and_only_the_range_out_of_it(
         f.close()
 
 
+class _Recorder:
+    """A digest that notes what it is fed, in `events`, beside the reads."""
+
+    def __init__(self, sha, events: list) -> None:
+        self.sha, self.events = sha, events
+
+    def update(self, data) -> None:
+        self.events.append(("hash", len(memoryview(data).cast("B"))))
+        self.sha.update(data)
+
+    def hexdigest(self) -> str:
+        return self.sha.hexdigest()
+
+
+def test_a_dropbehind_file_streams_through_one_reader_hashing_each_piece_as_it_is_read(tmp_path, monkeypatch):
+    """Read drop-behind, a file is read in turn by one reader per lane, PIECE bytes at a time,
+    each piece hashed before the next is read (it is still in the core's cache then); the lane
+    hands over the file's bytes and the digest is the manifest's."""
+    monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1 << 16)
+    monkeypatch.setattr(reader, "PIECE", 64 << 10)
+    s = Storage(str(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(300_001, generator=g), "b": torch.randn(70_000, generator=g)}
+    write_checkpoint(s, "m.safetensors", tensors)
+    _mincore_or_skip(tmp_path / "m.safetensors")
+    f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"))
+    events: list = []
+    f._sha = _Recorder(f._sha, events)
+    pread = f._pread
+    f._pread = lambda fd, offset, out, need: (events.append(("read", len(out))), pread(fd, offset, out, need))[1]
+    plan, want = [], []
+    for name, spec in f.specs.items():
+        for start in range(0, spec.shape[0], 100_000):  # 400 KB segments: 7 pieces each
+            stop = min(start + 100_000, spec.shape[0])
+            plan.append([Read(None, f, spec, start, stop, (stop - start,))])
+            want.append(tensors[name][start:stop])
+    lane = Lane("m", 0, plan, depth=4)
+    try:
+        assert f.streams and len(lane.threads) == 1
+        for w in want:
+            slot, payload = lane.take()
+            assert torch.equal(payload[None], w)
+            lane.free.put(slot)
+    finally:
+        lane.close()
+    assert events and all(n <= 64 << 10 for _, n in events)
+    assert [kind for kind, _ in events] == ["read", "hash"] * (len(events) // 2)
+    assert sum(n for kind, n in events if kind == "hash") == f.size - f.data_start
+    f.verify()
+    f.close()
+
+
 def test_direct_read_of_a_damaged_file_is_refused(tmp_path):
     s = Storage(str(tmp_path))
     write_checkpoint(s, "m.safetensors", {"w": torch.ones(10000)})
@@ -216,6 +269,50 @@ def test_auto_reads_cold_large_files_dropping_behind_and_cached_ones_through_the
     assert opened("small.safetensors") == ("buffered", False)  # cold but small: nothing worth dropping
     if directio.open_direct(str(tmp_path / "big.safetensors")) is not None:
         assert opened("small.safetensors", "direct") == ("direct", True)  # forced
+
+
+def test_the_cache_probe_samples_windows_and_reads_nothing(tmp_path, monkeypatch):
+    """is_cached looks at WINDOWS windows spread over the file, not every page: on a file with
+    its middle third cached, the sampled share is close to the exact one; with windows covering
+    every page it is the exact one; and asking reads nothing into the cache."""
+    monkeypatch.setattr(directio, "WINDOW", 16 << 10)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(12 << 20))
+    _mincore_or_skip(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is read
+        os.pread(fd, 4 << 20, 4 << 20)
+        exact = directio.cached_fraction(fd, 0, 12 << 20)
+        assert 0.3 <= exact <= 0.4
+        calls = []
+        mincore = directio._LIBC.mincore
+        monkeypatch.setattr(directio._LIBC, "mincore", lambda *a: (calls.append(a[1]), mincore(*a))[1])
+        sampled = directio.cached_fraction(fd, 0, 12 << 20, 32)
+        assert len(calls) == 32 and set(calls) == {16 << 10} and abs(sampled - exact) < 0.1
+        assert directio.cached_fraction(fd, 0, 12 << 20, 12 << 20 // (16 << 10)) == exact
+        assert directio.is_cached(fd, 0, 12 << 20) is False
+        os.pread(fd, 8 << 20, 0)
+        assert directio.is_cached(fd, 0, 12 << 20) is True
+        assert directio.cached_fraction(fd, 8 << 20, 12 << 20) == 0  # the probes read nothing in
+    finally:
+        os.close(fd)
+
+
+def test_aligned_buffers_come_with_their_pages(tmp_path):
+    """aligned_bytes allocates every page at once (MAP_POPULATE): the process's resident memory
+    grows by the buffer's size before anything is written into it."""
+    if not hasattr(__import__("mmap"), "MAP_POPULATE") or not os.path.exists("/proc/self/statm"):
+        pytest.skip("no MAP_POPULATE or no /proc here")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    buf = directio.aligned_bytes(64 << 20)
+    assert resident() - before >= 60 << 20
+    assert buf.data_ptr() % directio.PAGE == 0 and buf.numel() == 64 << 20
 
 
 def test_unknown_io_mode_is_refused(tmp_path):

@@ -163,7 +163,7 @@ def test_close_while_one_reader_finishes_and_others_wait_does_not_hang(monkeypat
 
     monkeypatch.setattr(lanes.Slot, "fetch", fetch)
     monkeypatch.setattr(lanes.Slot, "finish", finish)
-    file = types.SimpleNamespace(positional=True)
+    file = types.SimpleNamespace(positional=True, streams=False)
     plan = [[types.SimpleNamespace(file=file, i=i)] for i in range(3)]
     lane = Lane("m", 0, plan, depth=3, readers=3)
     assert finishing.wait(10) and reading.wait(10)
