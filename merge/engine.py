@@ -158,7 +158,7 @@ def merging() -> Iterator[None]:
     - Python's cyclic garbage collector paused: a full collection holds the GIL while it walks
       every object (torch's ~170 000: 74 ms here) and every reader thread stalls behind it; it came
       once per K = 8 merge, just as the readers started. A merge makes no reference cycles of
-      its own, so nothing piles up meanwhile (tests/test_merge.py)."""
+      its own, so nothing piles up meanwhile (tests/test_merge_manual.py)."""
     global _merges, _saved
     with _SETTINGS_LOCK:
         if _merges == 0:

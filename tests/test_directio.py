@@ -21,7 +21,7 @@ from core.storage import Storage
 from merge import directio, engine, reader
 from merge.lanes import Lane, Read
 from merge.manual import MergeError, manual_merge
-from merge.reader import ITEMSIZE, TensorFile
+from merge.reader import ITEMSIZE, InputError, TensorFile
 
 
 def _evict(path) -> None:
@@ -233,6 +233,39 @@ def test_a_dropbehind_file_streams_through_one_reader_hashing_each_piece_as_it_i
     f.close()
 
 
+def test_a_read_failing_while_a_file_streams_names_the_input_and_offset(tmp_path, monkeypatch):
+    """A streaming file is read in its reader's turn, after the segments before it are handed
+    over: those arrive, then the failure, as an InputError naming the input and the offset."""
+    monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1 << 16)
+    s = Storage(str(tmp_path))
+    tensors = {"a": torch.randn(300_000)}
+    write_checkpoint(s, "m.safetensors", tensors)
+    _mincore_or_skip(tmp_path / "m.safetensors")
+    f = TensorFile(s, "m.safetensors", "m", s.read_json("m.json"))
+    spec = f.specs["a"]
+    bad = f.data_start + spec.start + 400_000  # the second segment
+
+    def pread(fd, offset, out, need):
+        if offset >= bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return os.preadv(fd, [out], offset)
+
+    f._pread = pread
+    plan = [[Read(None, f, spec, a, a + 100_000, (100_000,))] for a in range(0, 300_000, 100_000)]
+    lane = Lane("m", 5, plan, depth=4)
+    try:
+        assert f.streams
+        slot, payload = lane.take()
+        assert torch.equal(payload[None], tensors["a"][:100_000])
+        lane.free.put(slot)
+        with pytest.raises(InputError) as e:
+            lane.take()
+        assert e.value.ident == 5 and f"read failed at offset {bad}" in str(e.value) and "m:" in str(e.value)
+    finally:
+        lane.close()
+        f.close()
+
+
 def test_direct_read_of_a_damaged_file_is_refused(tmp_path):
     s = Storage(str(tmp_path))
     write_checkpoint(s, "m.safetensors", {"w": torch.ones(10000)})
@@ -297,22 +330,6 @@ def test_the_cache_probe_samples_windows_and_reads_nothing(tmp_path, monkeypatch
         assert directio.cached_fraction(fd, 8 << 20, 12 << 20) == 0  # the probes read nothing in
     finally:
         os.close(fd)
-
-
-def test_aligned_buffers_come_with_their_pages(tmp_path):
-    """aligned_bytes allocates every page at once (MAP_POPULATE): the process's resident memory
-    grows by the buffer's size before anything is written into it."""
-    if not hasattr(__import__("mmap"), "MAP_POPULATE") or not os.path.exists("/proc/self/statm"):
-        pytest.skip("no MAP_POPULATE or no /proc here")
-
-    def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    before = resident()
-    buf = directio.aligned_bytes(64 << 20)
-    assert resident() - before >= 60 << 20
-    assert buf.data_ptr() % directio.PAGE == 0 and buf.numel() == 64 << 20
 
 
 def test_unknown_io_mode_is_refused(tmp_path):
