@@ -7,11 +7,13 @@ How the bytes move (memory does not grow with K, nor with the size of the model)
 - The work is cut into segments: slices of at most `chunk` elements of one tensor, in the output's
   order (whole tensors for methods that are not element-wise, such as `ties`).
 - Every input has reader threads (merge.lanes) that fill DEFAULT_DEPTH reusable buffers with its next
-  segments: positional reads straight into the buffer (cold large local files read ahead by the
-  kernel and dropped from the page cache once read: merge.directio), digest on the way when the
-  file has a manifest, bf16/f16 widened to float32, a cheap finiteness check (one sum; the exact
-  check only when it is not finite). File I/O, hashing, numpy and torch all release the GIL, so
-  the K readers, the maths and the writer run in parallel.
+  segments: positional reads straight into the buffer (a cold large local file streams through
+  one reader instead, in 1 MiB pieces hashed as they are read, the kernel's read-ahead keeping
+  its reads in flight and its pages dropped from the cache behind: merge.reader,
+  merge.directio), digest on the way when the file has a manifest, bf16/f16 widened to float32,
+  a cheap finiteness check (one sum; the exact check only when it is not finite). File I/O,
+  hashing, numpy and torch all release the GIL, so the K readers, the maths and the writer run in
+  parallel (the garbage collector, which would hold the GIL, is paused meanwhile: `merging`).
 - The main thread hands each segment's K slices to the registered method (merge.methods) and
   queues the result for the writer thread, which streams it into the output file(s) under a
   temporary name (merge.writer).

@@ -22,10 +22,12 @@ FOLD_SLOTS = 4
 """Read buffers of a fold: two being read, the rest with the maths (a coded tensor's entries are
 held until its last one is in)."""
 FOLD_READERS = 2
-"""Reads in flight in a fold (merge.lanes); 4 measured no faster. A cold contribution is read with
-the kernel's read-ahead and dropped from the page cache behind (merge.directio): a 242 MiB one
-alone was folded in 0.16 s, 0.23 s with O_DIRECT (reading through the cache without dropping
-had gained nothing beside the outer step and cost 0.18 CPU-s more)."""
+"""Reads in flight in a fold of a contribution read with positional reads (merge.lanes: one in the
+page cache already, or O_DIRECT when asked); 4 measured no faster. A cold one streams instead
+(merge.reader.TensorFile.streams: one reader, the kernel's read-ahead keeps its reads in flight,
+its pages dropped from the cache behind): a 242 MiB one alone was folded in 0.14-0.17 s, as with
+two readers (0.16), 0.23 s with O_DIRECT (reading through the cache without dropping had gained
+nothing beside the outer step and cost 0.18 CPU-s more)."""
 FOLD_CHUNK = 1 << 22
 """Elements per read of a large tensor stored plain (weights, fp32/bf16 deltas): the slots stay at
 16 MiB whatever the model (a coded tensor is read whole: its rows need their scales and indices),
