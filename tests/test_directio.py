@@ -324,7 +324,9 @@ def test_the_cache_probe_samples_windows_and_reads_nothing(tmp_path, monkeypatch
         sampled = directio.cached_fraction(fd, 0, 12 << 20, 32)
         assert len(calls) == 32 and set(calls) == {16 << 10} and abs(sampled - exact) < 0.1
         assert directio.cached_fraction(fd, 0, 12 << 20, 12 << 20 // (16 << 10)) == exact
+        calls.clear()
         assert directio.is_cached(fd, 0, 12 << 20) is False
+        assert len(calls) == directio.WINDOWS  # sampled, not every page
         os.pread(fd, 8 << 20, 0)
         assert directio.is_cached(fd, 0, 12 << 20) is True
         assert directio.cached_fraction(fd, 8 << 20, 12 << 20) == 0  # the probes read nothing in
