@@ -197,7 +197,7 @@ def test_a_merge_pauses_the_garbage_collector_and_leaves_no_cycles_behind(tmp_pa
             garbage.append(gc.collect())
         finally:
             gc.enable()
-    assert garbage[1] == garbage[0] < 100
+    assert garbage[0] < 100 and garbage[1] < garbage[0] + 50  # not one per segment (~3300)
 
 
 # -- outer: torch.optim stepped directly, state round-tripped through its file --------------
