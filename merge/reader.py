@@ -47,7 +47,8 @@ PIECE = 1 << 20
 """Bytes read and then hashed at a time by a streaming file (`TensorFile.read_hashing`): small
 enough to be hashed while still in the core's cache. Hashing each 8 MiB segment after reading
 it read every byte back from memory: the K = 8 merge of 1.016 GiB inputs used 8.7 CPU-s where
-1 MiB pieces use 7.8 (child processes, alternating, medians of 4; docs/benchmarks.md)."""
+1 MiB pieces use 7.8 (child processes, alternating, medians of 4; docs/benchmarks.md); 256 KiB
+pieces cost more (more calls), 4 MiB no less."""
 
 
 class InputError(CheckpointError):
