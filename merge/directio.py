@@ -44,8 +44,12 @@ WINDOWS, WINDOW = 64, 256 << 10
 
 
 def aligned_bytes(n: int) -> torch.Tensor:
-    """A page-aligned uint8 tensor of n bytes (anonymous memory, usable as an O_DIRECT buffer)."""
-    mm = mmap.mmap(-1, max(n, PAGE))
+    """A page-aligned uint8 tensor of n bytes (private anonymous memory, usable as an O_DIRECT
+    buffer), its pages allocated at once: every such buffer is filled right away, and one
+    populating call costs half what faulting its pages in one by one does (512 MiB of read
+    slots: 0.17 against 0.35 CPU-s here)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(-1, max(n, PAGE), flags=flags)
     return torch.frombuffer(mm, dtype=torch.uint8)[:n]  # the tensor keeps the mapping alive
 
 

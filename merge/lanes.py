@@ -88,12 +88,16 @@ class Slot:
 
     def fetch(self, reads: list[Read]) -> list[torch.Tensor]:
         """The reads' bytes in this slot's raw buffer, not yet hashed (finish does that, in file
-        order); for a streaming file (TensorFile.streams), the empty region finish reads them into."""
-        raw_need = sum(region_bytes(r.nbytes) for r in reads)
+        order); for a streaming file (TensorFile.streams), the empty region finish reads them into;
+        for a file in memory, a view of its bytes (no buffer: the slot allocates none for it)."""
+        raw_need = sum(region_bytes(r.nbytes) for r in reads if not r.file.in_memory)
         if self.raw.numel() < raw_need:
             self.raw = aligned_bytes(raw_need)
         out, o = [], 0
         for r in reads:
+            if r.file.in_memory:
+                out.append(r.file.fetch_tensor(r.offset, r.nbytes, None, ITEMSIZE[r.spec.dtype]))
+                continue
             region = self.raw[o:o + region_bytes(r.nbytes)]
             out.append(region if r.file.streams else
                        r.file.fetch_tensor(r.offset, r.nbytes, region, ITEMSIZE[r.spec.dtype]))

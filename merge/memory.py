@@ -58,13 +58,14 @@ class MemoryFile:
     def read_into(self, offset: int, out: memoryview) -> None:
         out[:] = memoryview(self.data.numpy())[offset: offset + len(out)]
 
-    def read_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
+    def read_tensor(self, offset: int, n: int, region: torch.Tensor | None, itemsize: int = 1) -> torch.Tensor:
         """The bytes themselves, not a copy: the engine's methods never write into their inputs."""
         return self.data[offset: offset + n]
 
     fetch_tensor = read_tensor
     positional = False  # one reader thread: nothing to wait for
     streams = False
+    in_memory = True  # reads are views: a lane gives them no buffer
 
     def hash_range(self, offset: int, data: Any) -> None:  # checked when loaded (see verify)
         pass
@@ -135,13 +136,14 @@ class GatedFile:
         self._wait(offset, len(out))
         self.mem.read_into(offset, out)
 
-    def read_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
+    def read_tensor(self, offset: int, n: int, region: torch.Tensor | None, itemsize: int = 1) -> torch.Tensor:
         self._wait(offset, n)
         return self.mem.read_tensor(offset, n, region, itemsize)
 
     fetch_tensor = read_tensor
     positional = False
     streams = False
+    in_memory = True
 
     def hash_range(self, offset: int, data: Any) -> None:
         pass

@@ -87,6 +87,8 @@ def load_manifest(storage: Storage, key: str, required: bool, label: str) -> dic
 class TensorFile:
     """One safetensors file: parsed header, positional reads into buffers, optional digest check."""
 
+    in_memory = False  # reads fill the caller's buffer (merge.memory's files hand out views instead)
+
     def __init__(self, storage: Storage, key: str, label: str, manifest: dict[str, Any] | None,
                  io: str = "auto") -> None:
         if (problem := directio.mode_problem(io)) is not None:

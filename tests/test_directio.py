@@ -334,6 +334,22 @@ def test_the_cache_probe_samples_windows_and_reads_nothing(tmp_path, monkeypatch
         os.close(fd)
 
 
+def test_aligned_buffers_come_with_their_pages():
+    """aligned_bytes allocates every page at once (MAP_POPULATE): the process's resident memory
+    grows by the buffer's size before anything is written into it."""
+    if not hasattr(__import__("mmap"), "MAP_POPULATE") or not os.path.exists("/proc/self/statm"):
+        pytest.skip("no MAP_POPULATE or no /proc here")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    buf = directio.aligned_bytes(64 << 20)
+    assert resident() - before >= 60 << 20
+    assert buf.data_ptr() % directio.PAGE == 0 and buf.numel() == 64 << 20
+
+
 def test_unknown_io_mode_is_refused(tmp_path):
     s = Storage(str(tmp_path))
     write_checkpoint(s, "m.safetensors", {"w": torch.ones(3)})

@@ -136,6 +136,32 @@ def test_a_file_without_positional_reads_gets_one_reader(tmp_path):
     f.close()
 
 
+def test_a_file_in_memory_is_handed_over_as_views_with_no_slot_buffer():
+    """A lane over a model held in memory (the round merge's global and state) hands over views
+    of its bytes and gives its slots no read buffer: one would be allocated, with its pages, and
+    never filled."""
+    from merge.memory import MemoryFile
+
+    mem = MemoryFile("held", [("a", "F32", (5000,)), ("b", "F32", (3,))])
+    mem.view("a").copy_(torch.arange(5000.0))
+    mem.view("b").copy_(torch.tensor([1.0, 2.0, 3.0]))
+    plan = [[Read(None, mem, mem.specs["a"], s, s + 1000, (1000,))] for s in range(0, 5000, 1000)]
+    plan.append([Read(None, mem, mem.specs["b"], 0, 3, (3,))])
+    lane = Lane("held", 0, plan, depth=2)
+    try:
+        slots, got = set(), []
+        for _ in plan:
+            slot, payload = lane.take()
+            slots.add(slot)
+            got.append(payload[None].clone())
+            assert payload[None].data_ptr() >= mem.data.data_ptr()  # a view of the held bytes
+            lane.free.put(slot)
+    finally:
+        lane.close()
+    assert torch.equal(torch.cat(got), torch.cat([torch.arange(5000.0), torch.tensor([1.0, 2.0, 3.0])]))
+    assert all(slot.raw.numel() == 0 for slot in slots)
+
+
 def test_close_while_one_reader_finishes_and_others_wait_does_not_hang(monkeypatch):
     """The interleaving that hung a round merge once in the full suite (a contribution refused
     during the outer step closes its lane early): reader A is finishing segment 0, reader B waits
