@@ -87,9 +87,9 @@ class Slot:
         self.f32 = torch.empty(0, dtype=torch.float32)
 
     def fetch(self, reads: list[Read]) -> list[torch.Tensor]:
-        """The reads' bytes in this slot's raw buffer, not yet hashed (finish does that, in file
-        order); for a streaming file (TensorFile.streams), the empty region finish reads them into;
-        for a file in memory, a view of its bytes (no buffer: the slot allocates none for it)."""
+        """The reads' bytes in this slot's raw buffer, not yet hashed (finish completes them, in
+        file order: TensorFile.complete); for a file in memory, a view of its bytes (no buffer:
+        the slot allocates none for it)."""
         raw_need = sum(region_bytes(r.nbytes) for r in reads if not r.file.in_memory)
         if self.raw.numel() < raw_need:
             self.raw = aligned_bytes(raw_need)
@@ -99,8 +99,7 @@ class Slot:
                 out.append(r.file.fetch_tensor(r.offset, r.nbytes, None, ITEMSIZE[r.spec.dtype]))
                 continue
             region = self.raw[o:o + region_bytes(r.nbytes)]
-            out.append(region if r.file.streams else
-                       r.file.fetch_tensor(r.offset, r.nbytes, region, ITEMSIZE[r.spec.dtype]))
+            out.append(r.file.fetch_tensor(r.offset, r.nbytes, region, ITEMSIZE[r.spec.dtype]))
             o += len(region)
         return out
 
@@ -113,11 +112,7 @@ class Slot:
         out: dict[str | None, torch.Tensor] = {}
         o32 = 0
         for r, data in zip(reads, fetched):
-            if r.file.streams:
-                data = r.file.read_hashing(r.offset, r.nbytes, data)
-            else:
-                r.file.hash_range(r.offset, data.numpy())
-            r.file.done_with(r.offset, r.nbytes)
+            data = r.file.complete(r.offset, r.nbytes, data)
             numel = r.stop - r.start
             t = data.view(TORCH_DTYPES[r.spec.dtype])
             if r.spec.dtype in FLOATS:

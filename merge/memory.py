@@ -67,11 +67,8 @@ class MemoryFile:
     streams = False
     in_memory = True  # reads are views: a lane gives them no buffer
 
-    def hash_range(self, offset: int, data: Any) -> None:  # checked when loaded (see verify)
-        pass
-
-    def done_with(self, offset: int, n: int) -> None:  # memory: no page cache to drop
-        pass
+    def complete(self, offset: int, n: int, fetched: torch.Tensor) -> torch.Tensor:
+        return fetched  # checked when loaded (see verify); no page cache to drop
 
     def verify(self) -> None:  # checked when it was loaded, or built here from checked inputs
         pass
@@ -145,11 +142,8 @@ class GatedFile:
     streams = False
     in_memory = True
 
-    def hash_range(self, offset: int, data: Any) -> None:
-        pass
-
-    def done_with(self, offset: int, n: int) -> None:
-        pass
+    def complete(self, offset: int, n: int, fetched: torch.Tensor) -> torch.Tensor:
+        return fetched
 
     def verify(self) -> None:
         """Wait until the fold is over; raise if its contribution was refused."""

@@ -152,7 +152,7 @@ class TensorFile:
     def done_with(self, offset: int, n: int) -> None:
         """The n bytes at `offset` are read and hashed: with `dropbehind`, drop them from the page
         cache, with everything before them while reads go in file order (merge.directio.drop_behind)."""
-        if self.way != "dropbehind" or self._fd is None:
+        if not self.streams:
             return
         in_order = offset - self._dropped < directio.PAGE  # tensors follow one another (gaps are rare and small)
         directio.drop_behind(self._fd, 0 if in_order else offset, offset + n)
@@ -207,10 +207,16 @@ class TensorFile:
         """The n bytes at `offset`, read into `region` (a page-aligned uint8 tensor of at least
         directio.region_bytes(n)); returns the slice of it that holds them (hashed like read_into),
         starting at a multiple of `itemsize` so that it can be viewed as the tensor's dtype."""
+        return self.complete(offset, n, self.fetch_tensor(offset, n, region, itemsize))
+
+    def complete(self, offset: int, n: int, fetched: torch.Tensor) -> torch.Tensor:
+        """read_tensor's second half, called in file order: the bytes `fetch_tensor` gave back,
+        hashed (a streaming file's read here into the region it gave back, `read_hashing`), then
+        dropped from the page cache (`done_with`); returns them."""
         if self.streams:
-            out = self.read_hashing(offset, n, region)
+            out = self.read_hashing(offset, n, fetched)
         else:
-            out = self.fetch_tensor(offset, n, region, itemsize)
+            out = fetched
             self.hash_range(offset, out.numpy())
         self.done_with(offset, n)
         return out
@@ -230,8 +236,11 @@ class TensorFile:
         return self._fd is not None
 
     def fetch_tensor(self, offset: int, n: int, region: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
-        """read_tensor without the digest: the caller feeds hash_range in file order (merge.lanes
-        reads two segments at once and hashes them in turn)."""
+        """read_tensor's first half, which may run out of file order (merge.lanes has several
+        reads in flight): the bytes, not hashed; the caller passes them to `complete` in file
+        order. A streaming file reads nothing here: `region` comes back for `complete` to fill."""
+        if self.streams:
+            return region
         dfd = self._dfd
         if dfd is not None and offset % itemsize == 0 and n >= directio.PAGE and region.data_ptr() % directio.PAGE == 0:
             start, end = directio.page_span(offset, n)
