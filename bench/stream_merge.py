@@ -22,7 +22,9 @@ comes from the disk:
 
 The baseline is the raw read of one checkpoint (16 MiB `readinto`), measured in the same run: the
 streamed latency should be about one checkpoint read plus the outer step's maths and the global's
-write.
+write. So a second reference is what the disk needs for that I/O alone: one checkpoint read
+(dropped behind) while a file of its size is written with O_DIRECT, as the new global is
+(bench.merge_throughput's "read + write").
 Every output is deleted before each merge, as in a run, where round r+1's files do not exist yet
 (replacing a file by rename makes ext4 flush the new one first, which a run never pays).
 
@@ -41,7 +43,8 @@ from typing import Any
 
 import torch
 
-from bench.merge_throughput import evict, llama_shapes
+from bench.merge_throughput import READ_WRITE, evict, llama_shapes
+from bench.merge_throughput import raw_read as read_and_write
 from core.checkpoint import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
@@ -157,31 +160,33 @@ def main() -> None:
                  "(for reference: folding one contribution alone)",
                  "at the end: K folds + outer step", "all at once: engine, K lanes"]
         times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
-        raws = []
+        raws, rws = [], []
         for _ in range(args.repeats):
             evict(files(root))
             raws.append(raw_read(root / "w0.safetensors"))
+            evict(files(root))
+            rws.append(read_and_write([root / "w0.safetensors"], READ_WRITE))
             runs = [streamed(s, root, contribs), streamed(s, root, contribs, in_place=False),
                     streamed(s, root, contribs, defer=False, in_place=False)]
             alone = fold_alone(s, root, contribs)
             runs += [(alone, float("nan"), float("nan")), at_the_end(s, root, contribs), all_at_once(s, root, contribs)]
             for n, r in zip(names, runs):
                 times[n].append(r)
-            print(f"repeat: raw {raws[-1]:.2f}s, streamed {runs[0][0]:.2f}s (state written at {runs[0][2]:.2f}s), "
+            print(f"repeat: raw {raws[-1]:.2f}s, read + write {rws[-1]:.2f}s, streamed {runs[0][0]:.2f}s (state written at {runs[0][2]:.2f}s), "
                   f"on copies {runs[1][0]:.2f}s, state before publishing {runs[2][0]:.2f}s, one fold alone {alone:.2f}s, "
                   f"at the end {runs[4][0]:.2f}s, all at once {runs[5][0]:.2f}s", flush=True)
         same = (root / "streamed.safetensors").read_bytes() == (root / "end.safetensors").read_bytes()
-        raw = statistics.median(raws)
+        raw, rw = statistics.median(raws), statistics.median(rws)
         end_t = statistics.median(t[0] for t in times[names[4]])
         print(f"K={args.k} contributions of {size / 2**20:.0f} MiB (fp32), Nesterov outer step with state; "
               f"median of {args.repeats}, page cache evicted before each; raw read of one checkpoint "
-              f"{raw:.2f} s ({size / raw / 1e9:.2f} GB/s)\n")
+              f"{raw:.2f} s ({size / raw / 1e9:.2f} GB/s); read while one is written {rw:.2f} s\n")
         print("| merge latency after the last worker lands (new global published) | seconds | x one raw read | "
-              "x at the end | CPU-s | outer state written at |")
-        print("|---|---|---|---|---|---|")
+              "x read + write | x at the end | CPU-s | outer state written at |")
+        print("|---|---|---|---|---|---|---|")
         for n in names:
             lat, cpu, done = (statistics.median(t[i] for t in times[n]) for i in range(3))
-            print(f"| {n} | {lat:.2f} | {lat / raw:.1f} | {lat / end_t:.2f} | {cpu:.1f} | {done:.2f} |")
+            print(f"| {n} | {lat:.2f} | {lat / raw:.1f} | {lat / rw:.1f} | {lat / end_t:.2f} | {cpu:.1f} | {done:.2f} |")
         print(f"\nstreamed and at-the-end results bitwise identical (same order): {same}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -17,8 +17,13 @@ from core.errors import CheckpointError
 from core.layout import manifest_key
 from core.storage import Storage
 
-KNOWN_HASHES = ("blake3", "sha256")
-"""The digests a manifest may name (core.checkpoint hashes with the first)."""
+DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
+"""The hashes a manifest may name, with the length of their hex digests (core.checkpoint hashes
+with the first; the others are read so that checkpoints written before stay loadable)."""
+KNOWN_HASHES = tuple(DIGEST_HEX)
+UNNAMED_HASH = "blake3"
+"""The hash of a manifest that names none: manifests name theirs since BLAKE3 replaced sha256
+(whose manifests _upgrade renames), so only a hand-written one lacks it."""
 
 
 def read_manifest(storage: Storage, key: str) -> dict[str, Any] | None:
@@ -48,9 +53,10 @@ def parse_manifest(raw: bytes, label: str) -> Any:
 
 def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]:
     """Validate every field islands reads from a manifest; return it, or raise one CheckpointError
-    listing every problem. Ids and rounds are small non-negative integers, hashes are 64 hex digits,
-    names are plain file names of this checkpoint (no folders, no `..`), keys are relative paths
-    inside the run (no absolute paths, no `..`, no URLs); other fields are free but size-limited."""
+    listing every problem. Ids and rounds are small non-negative integers, digests are lowercase hex
+    of their hash's length, names are plain file names of this checkpoint (no folders, no `..`),
+    keys are relative paths inside the run (no absolute paths, no `..`, no URLs); other fields are
+    free but size-limited."""
     if not isinstance(m, dict):
         raise CheckpointError(f"manifest of {label} is not a JSON object ({type(m).__name__}); delete it so the "
                               "checkpoint is rewritten")
@@ -61,6 +67,9 @@ def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]
     for name, check in _MANIFEST_FIELDS.items():
         if m.get(name) is not None and (why := check(m[name])):
             problems.append(f"{name} {str(m[name])[:80]!r} {why}")
+    hex_len = DIGEST_HEX.get(m.get("hash", UNNAMED_HASH)) if not _hash_name(m.get("hash", UNNAMED_HASH)) else None
+    if hex_len is not None and not _sha(m["digest"]) and len(m["digest"]) != hex_len:
+        problems.append(f"digest has {len(m['digest'])} hex digits where {m.get('hash', UNNAMED_HASH)} has {hex_len}")
     if key is not None and isinstance(m.get("file"), str) and m["file"] != posixpath.basename(key):
         problems.append(f"file {m['file'][:80]!r} is not this checkpoint's name {posixpath.basename(key)!r}")
     if problems:
@@ -92,7 +101,7 @@ def _number(v: Any) -> str:
 
 
 def _sha(v: Any) -> str:
-    return "" if isinstance(v, str) and _HEX64.fullmatch(v) else "is not a digest (64 lowercase hex digits)"
+    return "" if isinstance(v, str) and _HEX.fullmatch(v) else "is not a digest (32 or 64 lowercase hex digits)"
 
 
 def _hash_name(v: Any) -> str:
@@ -111,7 +120,7 @@ def _run_key(v: Any) -> str:
     return "" if ok else "is not a relative path inside the run directory"
 
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 MAX_ID = 1 << 20
 """Largest worker id, round or step count a manifest may name."""

@@ -7,6 +7,7 @@ import hashlib
 import blake3
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load as st_load
 
 from core.checkpoint import LazyCheckpoint, load_checkpoint, open_checkpoint, read_manifest, write_checkpoint
@@ -97,9 +98,30 @@ class TestCheckpointContract:
         with pytest.raises(CheckpointError, match="checksum does not match"):
             load_checkpoint(storage, "w.safetensors")
 
-    def test_digest_is_blake3_of_the_file(self, storage):
+    def test_digest_is_xxh3_128_of_the_file(self, storage):
         m = write_checkpoint(storage, "w.safetensors", TENSORS)
-        assert m["hash"] == "blake3" and m["digest"] == blake3.blake3(storage.read_bytes("w.safetensors")).hexdigest()
+        assert m["hash"] == "xxh3_128" and m["digest"] == xxhash.xxh3_128(storage.read_bytes("w.safetensors")).hexdigest()
+        assert len(m["digest"]) == 32
+
+    def test_manifest_from_before_xxh3_is_checked_with_blake3(self, storage):
+        """Checkpoints whose manifests name `blake3` (written before XXH3) still load, and are still checked."""
+        write_checkpoint(storage, "w.safetensors", TENSORS, manifest={"round": 1})
+        raw = storage.read_bytes("w.safetensors")
+        m = storage.read_json("w.json")
+        storage.write_json("w.json", {**m, "hash": "blake3", "digest": blake3.blake3(raw).hexdigest()})
+        assert torch.equal(load_checkpoint(storage, "w.safetensors")[0]["a"], TENSORS["a"])
+        storage.write_json("w.json", {**m, "hash": "blake3", "digest": blake3.blake3(raw + b"x").hexdigest()})
+        with pytest.raises(CheckpointError, match="checksum does not match"):
+            load_checkpoint(storage, "w.safetensors")
+
+    def test_digest_of_the_wrong_length_for_its_hash_is_refused(self, storage):
+        m = write_checkpoint(storage, "w.safetensors", TENSORS)
+        storage.write_json("w.json", {**m, "digest": m["digest"] * 2})  # 64 digits, but xxh3_128 has 32
+        with pytest.raises(CheckpointError, match="digest has 64 hex digits where xxh3_128 has 32"):
+            read_manifest(storage, "w.safetensors")
+        storage.write_json("w.json", {**m, "hash": "blake3"})  # 32 digits, but blake3 has 64
+        with pytest.raises(CheckpointError, match="digest has 32 hex digits where blake3 has 64"):
+            read_manifest(storage, "w.safetensors")
 
     def test_manifest_from_before_blake3_is_checked_with_sha256(self, storage):
         """Checkpoints whose manifests name a `sha256` (written before BLAKE3) still load, and are still checked."""
