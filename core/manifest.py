@@ -67,9 +67,9 @@ def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]
     for name, check in _MANIFEST_FIELDS.items():
         if m.get(name) is not None and (why := check(m[name])):
             problems.append(f"{name} {str(m[name])[:80]!r} {why}")
-    hex_len = DIGEST_HEX.get(m.get("hash", UNNAMED_HASH)) if not _hash_name(m.get("hash", UNNAMED_HASH)) else None
-    if hex_len is not None and not _sha(m["digest"]) and len(m["digest"]) != hex_len:
-        problems.append(f"digest has {len(m['digest'])} hex digits where {m.get('hash', UNNAMED_HASH)} has {hex_len}")
+    named = m.get("hash", UNNAMED_HASH)
+    if not _hash_name(named) and not _sha(m["digest"]) and len(m["digest"]) != DIGEST_HEX[named]:
+        problems.append(f"digest has {len(m['digest'])} hex digits where {named} has {DIGEST_HEX[named]}")
     if key is not None and isinstance(m.get("file"), str) and m["file"] != posixpath.basename(key):
         problems.append(f"file {m['file'][:80]!r} is not this checkpoint's name {posixpath.basename(key)!r}")
     if problems:

@@ -4,7 +4,7 @@ A persistent worker copies its weights and optimizer state off the GPU and its n
 every round; on an H100 that costs ~25x less through page-locked buffers allocated once
 (worker.weights.HostBuffers). Pinned memory needs a GPU, which this machine lacks: here the same
 buffers are plain CPU tensors, and what is checked is that they are reused and hold the right
-bytes. The BLAKE3 digest must not depend on how many threads hash it.
+bytes.
 """
 from __future__ import annotations
 
