@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from core.checkpoint import read_manifest
+from core.checkpoint import LazyCheckpoint, read_manifest
 from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import RunLayout
@@ -90,7 +90,7 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
         raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
     try:
         pending = result.pending_state
-        if result.manifest["digest"] != published or result.rejected:
+        if result.rejected or not _is_published(storage, scratch, result.manifest, published, L.global_weights(r + 1)):
             pending.discard()
             raise RunError(f"cannot rebuild {target}: round {r}'s merge done again does not give the published "
                            f"{storage.display(L.global_weights(r + 1))} (digest {result.manifest['digest'][:12]}, "
@@ -99,3 +99,22 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
     finally:
         storage.remove(L.rebuild_dir(r), recursive=True)
     log.info("outer optimizer state %s rebuilt from round %d's inputs", target, r)
+
+
+def _is_published(storage: Storage, redone: str, redone_manifest: Mapping[str, Any], published: str,
+                  published_key: str) -> bool:
+    """Whether the redone global (at `redone`) has the bytes whose digest the round recorded. The
+    digests compare directly when both were taken with the same hash; a global published before
+    checkpoints were hashed with core.checkpoint.HASH (a run resumed by a newer islands) is
+    compared by hashing the redone file with the hash its manifest names."""
+    if redone_manifest["digest"] == published:
+        return True
+    try:
+        named = (read_manifest(storage, published_key) or {}).get("hash")
+        if named is None or named == redone_manifest.get("hash"):
+            return False
+        with LazyCheckpoint(storage, redone, {"hash": named, "digest": published}) as ck:
+            ck.verify()
+        return True
+    except CheckpointError:
+        return False
