@@ -88,8 +88,9 @@ HASH = "xxh3_128"
 guards against accidents (a truncated copy, a flipped bit, a half-written file), not against an
 attacker: whoever can write a checkpoint into the run can write its manifest too, so a
 cryptographic hash would protect nothing more. XXH3-128 hashes at ~22 GB/s a core where BLAKE3
-manages ~4.5 and sha256 ~0.3 without SHA extensions: a verified 8-way merge of 8.7 GB spends 0.4
-CPU-s on it instead of 2. Manifests from before (`blake3`, `sha256`) are still read."""
+manages ~4.5 and sha256 ~0.3 without SHA extensions: a verified 8-way merge of 8.7 GB took 5.2
+CPU-s instead of 6.7 on 2 cores (docs/benchmarks.md). It hashes on one core (BLAKE3 could spread
+one file over several). Manifests from before (`blake3`, `sha256`) are still read."""
 _HASHERS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "blake3": blake3.blake3,
                                           "sha256": hashlib.sha256}
 assert tuple(_HASHERS) == KNOWN_HASHES and HASH == KNOWN_HASHES[0]

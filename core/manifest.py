@@ -68,7 +68,7 @@ def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]
         if m.get(name) is not None and (why := check(m[name])):
             problems.append(f"{name} {str(m[name])[:80]!r} {why}")
     named = m.get("hash", UNNAMED_HASH)
-    if not _hash_name(named) and not _sha(m["digest"]) and len(m["digest"]) != DIGEST_HEX[named]:
+    if not _hash_name(named) and not _digest(m["digest"]) and len(m["digest"]) != DIGEST_HEX[named]:
         problems.append(f"digest has {len(m['digest'])} hex digits where {named} has {DIGEST_HEX[named]}")
     if key is not None and isinstance(m.get("file"), str) and m["file"] != posixpath.basename(key):
         problems.append(f"file {m['file'][:80]!r} is not this checkpoint's name {posixpath.basename(key)!r}")
@@ -100,7 +100,7 @@ def _number(v: Any) -> str:
     return "" if ok else "is not a finite number >= 0"
 
 
-def _sha(v: Any) -> str:
+def _digest(v: Any) -> str:
     return "" if isinstance(v, str) and _HEX.fullmatch(v) else "is not a digest (32 or 64 lowercase hex digits)"
 
 
@@ -127,7 +127,7 @@ MAX_ID = 1 << 20
 MAX_MANIFEST_BYTES = 16 << 20
 """A manifest is small (the longest part is a round's per-step losses): anything bigger is refused unread."""
 _MANIFEST_FIELDS: dict[str, Callable[[Any], str]] = {
-    "hash": _hash_name, "digest": _sha, "base_digest": _sha, "source_digest": _sha, "file": _file_name, "base": _run_key,
+    "hash": _hash_name, "digest": _digest, "base_digest": _digest, "source_digest": _digest, "file": _file_name, "base": _run_key,
     "round": _int_in(0, MAX_ID), "worker": _int_in(0, MAX_ID), "from_round": _int_in(0, MAX_ID),
     "attempt": _int_in(0, MAX_ID), "steps": _int_in(0, 1 << 40), "steps_done": _int_in(0, 1 << 40),
     "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number,

@@ -8,8 +8,9 @@ every page dropped once read (merge.directio: a cache left to fill costs more CP
 handling than the merge's maths); the `io` argument forces O_DIRECT or plain buffered reads.
 When the file has a manifest (our checkpoints do), ranges read in file order are hashed on the
 way (with the hash the manifest names: core.checkpoint.new_hasher) and `verify()` compares with
-the manifest at the end; files without one (safetensors from elsewhere) are not hashed. A file read drop-behind `streams`: its
-ranges are read in file order PIECE bytes at a time, each piece hashed the moment it is read.
+the manifest at the end; files without one (safetensors from elsewhere) are not hashed. A file
+read drop-behind `streams`: its ranges are read in file order PIECE bytes at a time, each piece
+hashed the moment it is read.
 
 `Model` is one merge input: a single `.safetensors` file or a Hugging Face model directory
 (`model.safetensors`, or shards listed by `model.safetensors.index.json`).
