@@ -98,7 +98,7 @@ class TensorFile:
         self._fd: int | None = None
         self._dfd: int | None = None  # O_DIRECT descriptor for the data, when chosen (merge.directio)
         self._dfd_open: int | None = None  # the same, still open after a failed O_DIRECT read (closed by close())
-        self.way = "buffered"  # how the data is read: merge.directio.read_way
+        self.way = "buffered"  # how the data was chosen to be read at open (merge.directio.read_way; `direct`: still O_DIRECT)
         self._dropped = 0  # with `dropbehind`: the file's pages before this offset are dropped from the cache
         self._f: Any = None
         local = storage.local_path(key)
