@@ -8,16 +8,13 @@ weights, in a temporary directory on local disk (deleted at the end). Then, for 
   and 16 MiB reads each dropped from the cache behind them) and around it (O_DIRECT, 16 and 64 MiB
   reads), and one after another through the cache; the fastest is the physical limit the merges
   are compared with;
-- read + write: the same files read dropped behind while one file of an input's size is written
-  (O_DIRECT), as a merge must write its output: a second reference, not the limit;
-- ours: `merge.manual.manual_merge` (average), digest of every input verified against its manifest
-  (the inputs are cold and large, so it reads them through the page cache, dropping every page
-  once read: merge.directio);
-- ours, O_DIRECT: the same reading around the page cache (`--io direct`, the default until
-  2026-11-24);
-- ours, buffered: the same forced through the page cache, nothing dropped (`--io buffered`);
+- read + write: the same files read dropped behind while one file of an input's size is written,
+  as a merge must write its output: a second reference, not the limit;
+- ours: `merge.manual.manual_merge` (average), digest of every input verified against its manifest;
 - ours, plain files: the same with the manifests moved away (nothing to verify, as for files from
   elsewhere: that is what mergekit and the naive baseline do);
+- ours, TIES (peak RSS only): `--method ties --density 0.2` with input 0 as the base, which reads
+  every input twice (the trim thresholds first, then the stream);
 - naive: `safetensors.torch.load_file` every checkpoint, then average, then `save_file`;
 - mergekit: `mergekit-yaml` with `merge_method: linear` (float32), when it is installed.
 
@@ -49,9 +46,7 @@ import time
 from pathlib import Path
 
 BUF = 16 << 20
-TOOLS = {"ours": "ours", "ours-plain": "ours", "ours-direct": "direct", "ours-buffered": "buffered", "naive": "naive",
-         "mergekit": "mergekit"}
-IO = {"ours": "auto", "direct": "direct", "buffered": "buffered"}  # child kind -> manual_merge's io
+TOOLS = {"ours": "ours", "ours-plain": "ours", "ours-ties": "ties", "naive": "naive", "mergekit": "mergekit"}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -131,14 +126,14 @@ def evict(files: list[Path]) -> bool:
         return False
 
 
-def cached_pages(p: Path) -> float:
-    """The share of the file in the page cache (mincore: asking reads nothing), 0 where unknown."""
-    from merge.directio import cached_fraction
-    fd = os.open(p, os.O_RDONLY)
+def cached_pages(p: Path) -> int:
+    """Pages of the file in the page cache (util-linux's fincore: asking reads nothing), 0 where unknown."""
     try:
-        return cached_fraction(fd, 0, os.fstat(fd).st_size) or 0.0
-    finally:
-        os.close(fd)
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "PAGES", str(p)],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return int(out[0]) if out else 0
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
 
 
 def warm(files: list[Path]) -> None:
@@ -194,18 +189,15 @@ RAW_MODES = {"sequential": None, "parallel": _read_file, "parallel, dropped behi
              "direct 16 MiB": lambda p: _read_direct(p, 16 << 20), "direct 64 MiB": lambda p: _read_direct(p, 64 << 20)}
 
 
-def _write_direct(p: Path, n: int) -> None:
-    """n bytes (not zeros: nothing for the disk to skip) written to a new file with O_DIRECT in
-    8 MiB writes, as the merge writes its output (merge.directio.DirectWriter)."""
-    import numpy as np
-
-    from merge.directio import aligned_bytes
-    buf = aligned_bytes(8 << 20).numpy()
-    buf[:] = np.random.default_rng(0).integers(0, 256, len(buf), dtype=np.uint8)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+def _write(p: Path, n: int) -> None:
+    """n bytes (not zeros: nothing for the disk to skip) written to a new file in 8 MiB writes,
+    then flushed to the disk, as a merge's output must reach it."""
+    buf = os.urandom(8 << 20)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         for at in range(0, n, len(buf)):
             os.pwrite(fd, buf, at)
+        os.fsync(fd)
     finally:
         os.close(fd)
         p.unlink()
@@ -228,7 +220,7 @@ def raw_read(files: list[Path], mode: str) -> float:
     threads = [threading.Thread(target=read, args=(p,)) for p in files]
     if mode == READ_WRITE:
         out = files[0].parent.parent / "raw-write.tmp"
-        threads.append(threading.Thread(target=_write_direct, args=(out, files[0].stat().st_size)))
+        threads.append(threading.Thread(target=_write, args=(out, files[0].stat().st_size)))
     for t in threads:
         t.start()
     for t in threads:
@@ -248,9 +240,10 @@ def child(argv: list[str]) -> None:
 
     from merge.manual import manual_merge
     t0 = time.perf_counter()
-    ways = None
-    if kind in IO:
-        ways = manual_merge(inputs, out, io=IO[kind]).read_ways
+    if kind == "ours":
+        manual_merge(inputs, out)
+    elif kind == "ties":
+        manual_merge(inputs, out, method="ties", base=inputs[0], params={"density": 0.2})
     elif kind == "naive":
         models = [load_file(str(Path(p) / "model.safetensors")) for p in inputs]
         merged = {}
@@ -261,7 +254,8 @@ def child(argv: list[str]) -> None:
             merged[name] = (acc / len(models)).to(models[0][name].dtype)
         os.makedirs(out, exist_ok=True)
         save_file(merged, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-    print(json.dumps({"inner_s": time.perf_counter() - t0, "read_ways": ways}))
+    os.sync()  # the output on the disk, inside this merge's time, not the next measurement's
+    print(json.dumps({"inner_s": time.perf_counter() - t0}))
 
 
 # Children are started by a small launcher process, not by this one: on Linux a child's peak RSS
@@ -383,15 +377,14 @@ def main() -> None:
             else:
                 warm(fs)
 
-        kinds = ["ours", "ours-plain", "ours-direct", "ours-buffered", "naive"] + (["mergekit"] if args.mergekit else [])
+        kinds = ["ours", "ours-plain", "naive"] + (["mergekit"] if args.mergekit else [])
         if not args.mergekit:
             print("mergekit: not installed (pip install mergekit, then --mergekit PATH); skipped", flush=True)
 
         startup: dict[str, tuple[float, int]] = {}
 
-        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int, float, float | None, dict | None]:
-            """(wall s, peak RSS, CPU s, the merge's own time and its input files by the way they
-            were read, when it reports them) of one merge."""
+        def measure(kind: str, k: int, big: bool = True) -> tuple[float, int, float, float | None]:
+            """(wall s, peak RSS, CPU s, the merge's own time when it reports it) of one merge."""
             ins = (dirs if big else tiny)[:k]
             out = folder / f"out-{kind}"
             shutil.rmtree(out, ignore_errors=True)
@@ -404,9 +397,9 @@ def main() -> None:
                 hide_manifests(ins, False)
                 shutil.rmtree(out, ignore_errors=True)
             report = json.loads(stdout.strip().splitlines()[-1]) if tool != "mergekit" else {}
-            return wall, rss, cpu, report.get("inner_s"), report.get("read_ways")
+            return wall, rss, cpu, report.get("inner_s")
 
-        for kind in kinds:  # start-up: the same tool merging 2 tiny checkpoints (median of 3)
+        for kind in [*kinds, "ours-ties"]:  # start-up: the same tool merging 2 tiny checkpoints (median of 3)
             runs = [measure(kind, 2, big=False) for _ in range(3)]
             startup[kind] = (sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1], sorted(r[2] for r in runs)[1])
         results["startup"] = {k: {"s": round(v[0], 3), "rss": v[1], "cpu_s": round(v[2], 2)} for k, v in startup.items()}
@@ -416,7 +409,7 @@ def main() -> None:
         k = args.k
         in_bytes = size * k
         raw: dict[str, list[float]] = {mode: [] for mode in RAW_MODES}
-        runs: dict[str, list[tuple[float, int, float, float | None, dict | None]]] = {kind: [] for kind in kinds}
+        runs: dict[str, list[tuple[float, int, float, float | None]]] = {kind: [] for kind in kinds}
         limits: list[float] = []
         read_write: list[float] = []
         for rep in range(args.repeats):  # the disk drifts: each repeat is raw reads, then every merge
@@ -433,11 +426,9 @@ def main() -> None:
                     continue
                 runs[kind].append(measure(kind, k))
                 net = runs[kind][-1][0] - startup[kind][0]
-                ways = runs[kind][-1][4]
                 print(f"  {kind:>13}: {net:.1f}s, {in_bytes / net / 1e9:.3f} GB/s = "
                       f"{in_bytes / net / 1e9 / limits[-1]:.2f} x this repeat's fastest raw read, "
-                      f"{runs[kind][-1][2]:.1f} CPU-s" + ("" if not ways else f", inputs read {ways}"),
-                      flush=True)
+                      f"{runs[kind][-1][2]:.1f} CPU-s", flush=True)
         results["raw_read_gbps"] = {m: [round(x, 3) for x in v] for m, v in raw.items()}
         results["read_write_gbps"] = [round(x, 3) for x in read_write]
 
@@ -454,7 +445,7 @@ def main() -> None:
             inner = got[0][3] is not None and statistics.median(r[3] for r in got)
             rate, net = statistics.median(rates), statistics.median(nets)
             rows.append({"kind": kind, "k": k, "merge_s": [round(n, 2) for n in nets], "gbps": round(rate, 3),
-                         "cpu_s": [round(r[2], 2) for r in got], "read_ways": [r[4] for r in got],
+                         "cpu_s": [round(r[2], 2) for r in got],
                          "ratio_to_raw": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
                          "ratio_to_read_write": round(statistics.median(rw), 3),
                          "inner_s": inner and round(inner, 2),
@@ -470,8 +461,8 @@ def main() -> None:
 
         sweep = []
         for kk in rss_ks:
-            for kind in kinds:
-                if kind in ("ours-plain", "ours-buffered") or (kind == "naive" and kk > args.naive_max_k):
+            for kind in [*kinds, "ours-ties"]:
+                if kind == "ours-plain" or (kind == "naive" and kk > args.naive_max_k):
                     continue
                 done = next((r for r in rows if r["kind"] == kind and r["k"] == kk), None)
                 if done is not None:

@@ -2,31 +2,23 @@
 
 K contributions (fp32, shaped like a small Llama: bench.merge_throughput's shapes) and the round's
 global weights and outer state are written to a run-like layout on local disk. One DiLoCo round
-(Nesterov outer step, the outer state read and written) is then merged three ways, alternating,
-each with every file evicted from the page cache first (posix_fadvise DONTNEED), so every read
-comes from the disk:
+(Nesterov outer step, the outer state read and written) is then merged two ways, alternating, each
+with every file evicted from the page cache first (posix_fadvise DONTNEED), so every read comes
+from the disk:
 
 - streamed: the round's global weights and outer state are read into memory and contributions
   0..K-2 folded into the running sum before the clock starts (the service does that while it
-  waits for the last worker); timed: `merge_round`, which folds the last one while the outer step
-  takes the mean slice by slice and writes the new global; the latency ends when the new global
-  is published. The new outer state is written after that, as the service does after the round's
-  record (`defer_state`): the time until it is written too is reported beside. The step runs in
-  place in the held global weights and state. For reference, the same merge with the step on
-  copies of them, then also writing the state before it returns (as until 2026-11-23), and
-  folding one contribution alone (`RunningSum.add`);
-- at the end: `merge_round` with no running sum (`round.stream_merge: false`, or a resumed service):
-  K - 1 folded after the last one landed, the last beside the outer step;
-- all at once: the merge engine streaming the K inputs side by side (the round merge before the
-  running sum; merge.rounds._merge_once), for reference.
+  waits for the last worker); timed: `merge_round`, which folds the last one, takes the outer step
+  tensor by tensor and writes the new global weights and outer state; the latency ends when both
+  are published. For reference, folding one contribution alone (`RunningSum.add`);
+- at the end: `merge_round` with no running sum (`round.stream_merge: false`, or a resumed
+  service): all K folded after the last one landed, then the step.
 
-The baseline is the raw read of one checkpoint (16 MiB `readinto`), measured in the same run: the
-streamed latency should be about one checkpoint read plus the outer step's maths and the global's
-write. So a second reference is what the disk needs for that I/O alone: one checkpoint read
-(dropped behind) while a file of its size is written with O_DIRECT, as the new global is
-(bench.merge_throughput's "read + write").
-Every output is deleted before each merge, as in a run, where round r+1's files do not exist yet
-(replacing a file by rename makes ext4 flush the new one first, which a run never pays).
+The baseline is the raw read of one checkpoint (16 MiB `readinto`), measured in the same run; a
+second reference is what the disk needs for the streamed merge's I/O: one checkpoint read (dropped
+behind) while a file of its size is written, as the new global is (bench.merge_throughput's
+"read + write"). Every output is deleted before each merge, as in a run, where round r+1's files do
+not exist yet.
 
     python -m bench.stream_merge [--k 8] [--hidden 1024 --layers 4] [--repeats 2] [--dir /tmp]
 """
@@ -48,8 +40,7 @@ from bench.merge_throughput import raw_read as read_and_write
 from core.checkpoint import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
-from merge.rounds import Contribution, _merge_once, merge_round
-from merge.incremental import RunningSum
+from merge.rounds import Contribution, RunningSum, merge_round
 
 OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
 
@@ -84,12 +75,10 @@ def raw_read(p: Path) -> float:
     return time.perf_counter() - t0
 
 
-def merged(s: Storage, contribs: list[Contribution], out: str, acc: RunningSum | None = None,
-           defer: bool = True) -> Any:
+def merged(s: Storage, contribs: list[Contribution], out: str, acc: RunningSum | None = None) -> None:
     res = merge_round(s, "g1.safetensors", contribs, out, OUTER, state_in_key="s1.safetensors",
-                      state_out_key="s2.safetensors", accumulator=acc, defer_state=defer)
+                      state_out_key="s2.safetensors", accumulator=acc)
     assert res.merged == [c.worker for c in contribs], res.rejected
-    return res.pending_state
 
 
 def fresh(root: Path, out: str) -> None:
@@ -100,26 +89,19 @@ def fresh(root: Path, out: str) -> None:
     evict(files(root))
 
 
-def timed(run: Callable[[], Any]) -> tuple[float, float, float]:
-    """(seconds until `run` returns: the new global published, CPU seconds of the process meanwhile,
-    seconds until the outer state it left pending is written too)."""
+def timed(run: Callable[[], Any]) -> tuple[float, float]:
+    """(seconds until `run` returns: the new global and state published, CPU seconds meanwhile)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    pending = run()
-    lat, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if pending is not None:
-        pending.wait()
-    return lat, cpu, time.perf_counter() - t0
+    run()
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def streamed(s: Storage, root: Path, contribs: list[Contribution], defer: bool = True,
-             in_place: bool = True) -> tuple[float, float, float]:
-    acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True,  # as the service does
-                     step_in_place=in_place)
+def streamed(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
+    acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True)  # as the service does
     for c in contribs[:-1]:
         assert acc.add(c)
     fresh(root, "streamed.safetensors")
-    # the last contribution folds beside the outer step
-    return timed(lambda: merged(s, contribs, "streamed.safetensors", acc, defer))
+    return timed(lambda: merged(s, contribs, "streamed.safetensors", acc))
 
 
 def fold_alone(s: Storage, root: Path, contribs: list[Contribution]) -> float:
@@ -130,15 +112,9 @@ def fold_alone(s: Storage, root: Path, contribs: list[Contribution]) -> float:
     return time.perf_counter() - t0
 
 
-def at_the_end(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float, float]:
+def at_the_end(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
     fresh(root, "end.safetensors")
     return timed(lambda: merged(s, contribs, "end.safetensors"))
-
-
-def all_at_once(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float, float]:
-    fresh(root, "engine.safetensors")
-    return timed(lambda: _merge_once(s, "g1.safetensors", contribs, "engine.safetensors", OUTER, "s1.safetensors",
-                                     "s2.safetensors", "average", None, None, True).pending_state)
 
 
 def main() -> None:
@@ -154,39 +130,32 @@ def main() -> None:
     try:
         s, contribs = setup(root, args.k, dims)
         size = (root / "w0.safetensors").stat().st_size
-        names = ["streamed: last fold beside the outer step in place, state written after",
-                 "streamed, the step on copies, state written after",
-                 "streamed, the step on copies, state written before the global is published",
-                 "(for reference: folding one contribution alone)",
-                 "at the end: K folds + outer step", "all at once: engine, K lanes"]
-        times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+        names = ["streamed: the last fold, then the outer step (global and state written)",
+                 "(for reference: folding one contribution alone)", "at the end: K folds + outer step"]
+        times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
         raws, rws = [], []
         for _ in range(args.repeats):
             evict(files(root))
             raws.append(raw_read(root / "w0.safetensors"))
             evict(files(root))
             rws.append(read_and_write([root / "w0.safetensors"], READ_WRITE))
-            runs = [streamed(s, root, contribs), streamed(s, root, contribs, in_place=False),
-                    streamed(s, root, contribs, defer=False, in_place=False)]
-            alone = fold_alone(s, root, contribs)
-            runs += [(alone, float("nan"), float("nan")), at_the_end(s, root, contribs), all_at_once(s, root, contribs)]
+            runs = [streamed(s, root, contribs), (fold_alone(s, root, contribs), float("nan")),
+                    at_the_end(s, root, contribs)]
             for n, r in zip(names, runs):
                 times[n].append(r)
-            print(f"repeat: raw {raws[-1]:.2f}s, read + write {rws[-1]:.2f}s, streamed {runs[0][0]:.2f}s (state written at {runs[0][2]:.2f}s), "
-                  f"on copies {runs[1][0]:.2f}s, state before publishing {runs[2][0]:.2f}s, one fold alone {alone:.2f}s, "
-                  f"at the end {runs[4][0]:.2f}s, all at once {runs[5][0]:.2f}s", flush=True)
+            print(f"repeat: raw {raws[-1]:.2f}s, read + write {rws[-1]:.2f}s, streamed {runs[0][0]:.2f}s, "
+                  f"one fold alone {runs[1][0]:.2f}s, at the end {runs[2][0]:.2f}s", flush=True)
         same = (root / "streamed.safetensors").read_bytes() == (root / "end.safetensors").read_bytes()
         raw, rw = statistics.median(raws), statistics.median(rws)
-        end_t = statistics.median(t[0] for t in times[names[4]])
+        end_t = statistics.median(t[0] for t in times[names[2]])
         print(f"K={args.k} contributions of {size / 2**20:.0f} MiB (fp32), Nesterov outer step with state; "
               f"median of {args.repeats}, page cache evicted before each; raw read of one checkpoint "
               f"{raw:.2f} s ({size / raw / 1e9:.2f} GB/s); read while one is written {rw:.2f} s\n")
-        print("| merge latency after the last worker lands (new global published) | seconds | x one raw read | "
-              "x read + write | x at the end | CPU-s | outer state written at |")
-        print("|---|---|---|---|---|---|---|")
+        print("| merge latency after the last worker lands | seconds | x one raw read | x read + write | x at the end | CPU-s |")
+        print("|---|---|---|---|---|---|")
         for n in names:
-            lat, cpu, done = (statistics.median(t[i] for t in times[n]) for i in range(3))
-            print(f"| {n} | {lat:.2f} | {lat / raw:.1f} | {lat / rw:.1f} | {lat / end_t:.2f} | {cpu:.1f} | {done:.2f} |")
+            lat, cpu = (statistics.median(t[i] for t in times[n]) for i in range(2))
+            print(f"| {n} | {lat:.2f} | {lat / raw:.1f} | {lat / rw:.1f} | {lat / end_t:.2f} | {cpu:.1f} |")
         print(f"\nstreamed and at-the-end results bitwise identical (same order): {same}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

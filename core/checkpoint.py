@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -179,7 +180,7 @@ def parse_header(raw: bytes, label: str) -> tuple[dict[str, str], dict[str, Tens
         raise CheckpointError(f"{label}: safetensors header is not valid JSON ({type(exc).__name__}): the file is damaged") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{label}: safetensors header is not a JSON object: the file is damaged")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CheckpointError(f"{label}: safetensors __metadata__ must map strings to strings: the file is damaged")
     specs = {}
@@ -187,14 +188,14 @@ def parse_header(raw: bytes, label: str) -> tuple[dict[str, str], dict[str, Tens
         try:
             dtype, shape, (start, end) = e["dtype"], e["shape"], e["data_offsets"]
             ok = (dtype in TORCH_DTYPES and isinstance(shape, list) and all(_is_count(d) for d in shape)
-                  and _is_count(start) and _is_count(end) and end - start == math.prod(shape) * _ITEMSIZE[dtype])
+                  and _is_count(start) and _is_count(end) and end - start == math.prod(shape) * ITEMSIZE[dtype])
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
             raise CheckpointError(f"{label}: header entry for tensor {name[:100]!r} is malformed ({str(e)[:200]}): "
                                   "the file is damaged or not a safetensors file")
         specs[name] = TensorSpec(name, dtype, tuple(shape), start, end)
-    ordered = dict(sorted(specs.items(), key=lambda kv: kv[1].start))
+    ordered = dict(sorted(specs.items(), key=lambda kv: (kv[1].start, kv[1].end)))
     pos = 0
     for spec in ordered.values():
         if spec.start != pos:
@@ -208,81 +209,157 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
 
 
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
-class LazyCheckpoint:
-    """A safetensors file opened for lazy per-tensor reads, checked against its manifest.
+PIECE = 1 << 20
+"""Bytes read, then hashed, at a time: small enough to be hashed while still in the core's cache."""
+DROP_BEHIND_BYTES = 64 << 20
+"""Local files at least this large are read with the kernel's read-ahead and dropped from the page
+cache once read: a merge reads each input once, and on the development machine filling the cache
+cost a cold 8 GiB read 10-15 CPU-s where dropping behind cost 1.3 (docs/benchmarks.md)."""
 
-    Reading tensors in file order hashes the bytes on the way; `verify()` then costs nothing
-    extra. Out-of-order reads fall back to one sequential pass when `verify()` is called.
+
+class TensorFile:
+    """One safetensors file opened for reading: the only reader of the format in islands.
+
+    Opening reads and checks the whole header (parse_header) and the file's size against it, before
+    any tensor data is read. Tensors, or slices of them, are then read on demand, into a buffer the
+    caller gives or a new one, so that memory does not grow with the number of files open at once.
+    Bytes read in file order are hashed on the way (with the hash the manifest names); `verify()`
+    then reads whatever was skipped and compares the digest and size with the manifest. A file
+    without a manifest (safetensors from elsewhere) has nothing to verify. One thread at a time.
     """
 
     def __init__(self, storage: Storage, key: str, manifest: Mapping[str, Any] | None = None, label: str = "") -> None:
         self.storage, self.key, self.label = storage, key, label or storage.display(key)
         self.manifest = dict(manifest) if manifest is not None else None
+        self._fd: int | None = None
+        self._f: Any = None
         try:
-            self.f = storage.open_read(key)
+            if storage.is_local:
+                self._fd = storage.open_fd(key)
+                actual = os.fstat(self._fd).st_size
+            else:
+                self._f = storage.open_read(key)
+                actual = storage.size(key)
         except FileNotFoundError:
             raise CheckpointError(f"{self.label}: checkpoint file is missing") from None
-        self._sha = new_hasher(self.manifest)
+        except OSError as exc:
+            raise CheckpointError(f"{self.label}: cannot be opened ({exc}); check the path and its permissions") from None
+        self._sha = new_hasher(self.manifest) if self.manifest is not None else None
         self._pos = 0  # bytes hashed so far, always a prefix of the file
-        self.metadata, self.specs, self.data_start = self._read_header()
-        self.size = self.data_start + max((s.end for s in self.specs.values()), default=0)
+        self._drop = self._fd is not None and actual >= DROP_BEHIND_BYTES
+        try:
+            self.metadata, self.specs, self.data_start = self._read_header(actual)
+        except BaseException:
+            self.close()
+            raise
+        self.size = self.data_start + max((sp.end for sp in self.specs.values()), default=0)
+        if actual != self.size:
+            self.close()
+            raise CheckpointError(f"{self.label}: " + (
+                f"file is truncated: its header describes {self.size} bytes, the file has {actual}" if actual < self.size
+                else f"file has {actual - self.size} bytes after the last tensor: damaged or not a safetensors file")
+                + "; copy or download it again")
+        if self._drop:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
-    def __enter__(self) -> LazyCheckpoint:
+    def __enter__(self) -> TensorFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        self.f.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
-    def _read_header(self) -> tuple[dict[str, str], dict[str, TensorSpec], int]:
-        """Parse and check the whole header before any tensor data is read (parse_header)."""
-        head = self._read_at(0, 8)
+    def _read_header(self, actual: int) -> tuple[dict[str, str], dict[str, TensorSpec], int]:
+        if actual < 8:
+            raise CheckpointError(f"{self.label}: file is truncated ({actual} bytes): not a whole safetensors file")
+        head = bytearray(8)
+        self.read_into(0, memoryview(head))
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER:
-            raise CheckpointError(f"{self.label}: header length {n} is implausible: not a safetensors file, or damaged")
-        return (*parse_header(self._read_at(8, n), self.label), 8 + n)
+        if n > min(_MAX_HEADER, actual - 8):
+            raise CheckpointError(f"{self.label}: header length {n} is implausible for a file of {actual} bytes: "
+                                  "not a safetensors file, or truncated")
+        raw = bytearray(n)
+        self.read_into(8, memoryview(raw))
+        return (*parse_header(bytes(raw), self.label), 8 + n)
 
-    def _read_at(self, offset: int, n: int, into: memoryview | None = None) -> bytearray | memoryview:
-        """n bytes at offset, read into `into` (n bytes long) or a fresh buffer that get() hands to
-        torch without a copy."""
-        self.f.seek(offset)
-        data: bytearray | memoryview = bytearray(n) if into is None else into
-        got, view = 0, memoryview(data)
-        while got < n and (k := self.f.readinto(view[got:])):
-            got += k
-        if got != n:
-            raise CheckpointError(f"{self.label}: file is truncated (wanted {n} bytes at offset {offset}, got {got})")
-        if offset == self._pos:
-            self._sha.update(data)
-            self._pos += n
-        return data
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` with the file's bytes at `offset`, PIECE bytes at a time, each hashed as soon as
+        it is read if it continues the hashed prefix; a large local file's pages are then dropped."""
+        n = len(out)
+        for o in range(0, n, PIECE):
+            view = out[o:o + PIECE]
+            self._read_exact(offset + o, view)
+            if self._sha is not None and offset + o == self._pos:
+                self._sha.update(view)
+                self._pos += len(view)
+        if self._drop and n:
+            os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
+
+    def _read_exact(self, offset: int, view: memoryview) -> None:
+        want, got = len(view), 0
+        try:
+            while got < want:
+                if self._fd is not None:
+                    k = os.preadv(self._fd, [view[got:]], offset + got)
+                else:
+                    self._f.seek(offset + got)
+                    k = self._f.readinto(view[got:])
+                if not k:
+                    break
+                got += k
+        except OSError as exc:
+            raise CheckpointError(f"{self.label}: read failed at offset {offset} ({exc}); check the storage and retry") from None
+        if got != want:
+            raise CheckpointError(f"{self.label}: file is truncated (wanted {want} bytes at offset {offset}, got {got})")
 
     def keys(self) -> list[str]:
         return list(self.specs)
 
-    def get(self, name: str, alloc: Alloc | None = None) -> torch.Tensor:
-        """Tensor `name`, read into a new CPU tensor, or into `alloc(name, shape, dtype)` (reused
-        buffers, e.g. page-locked ones a GPU copies from at full speed) when that fits."""
+    def spec(self, name: str) -> TensorSpec:
         spec = self.specs.get(name)
         if spec is None:
             raise CheckpointError(f"{self.label}: has no tensor {name}")
-        if not spec.nbytes:
-            self._read_at(self.data_start + spec.start, 0)
-            return torch.empty(spec.shape, dtype=spec.torch_dtype)
-        out = alloc(name, spec.shape, spec.torch_dtype) if alloc is not None else None
-        if out is not None and (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != spec.torch_dtype
-                                or tuple(out.shape) != spec.shape):
+        return spec
+
+    def read(self, name: str, start: int = 0, stop: int | None = None, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [start, stop) of tensor `name`: the whole tensor (its shape) by default, else a
+        1-D slice. Read into `buf` (a CPU uint8 tensor of at least that many bytes, the caller's to
+        reuse) or a new buffer; the result is a view of it in the tensor's dtype."""
+        spec = self.spec(name)
+        numel = math.prod(spec.shape)
+        stop = numel if stop is None else stop
+        item = ITEMSIZE[spec.dtype]
+        nbytes = (stop - start) * item
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        raw = buf[:nbytes]
+        if nbytes:
+            self.read_into(self.data_start + spec.start + start * item, memoryview(raw.numpy()))
+        t = raw.view(spec.torch_dtype)
+        return t.reshape(spec.shape) if (start, stop) == (0, numel) else t
+
+    def get(self, name: str, alloc: Alloc | None = None) -> torch.Tensor:
+        """Tensor `name`, read into a new CPU tensor, or into `alloc(name, shape, dtype)` (reused
+        buffers, e.g. page-locked ones a GPU copies from at full speed) when that gives one."""
+        spec = self.spec(name)
+        out = alloc(name, spec.shape, spec.torch_dtype) if alloc is not None and spec.nbytes else None
+        if out is None:
+            return self.read(name)
+        if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != spec.torch_dtype or tuple(out.shape) != spec.shape:
             raise CheckpointError(f"{self.label}: the buffer given for tensor {name} is not a contiguous CPU "
                                   f"{spec.torch_dtype} {list(spec.shape)} tensor (a bug in the caller)")
-        if out is None:
-            data = self._read_at(self.data_start + spec.start, spec.nbytes)
-            return torch.frombuffer(data, dtype=spec.torch_dtype).reshape(spec.shape)
-        self._read_at(self.data_start + spec.start, spec.nbytes, memoryview(out.view(-1).view(torch.uint8).numpy()))
+        self.read(name, buf=out.view(-1).view(torch.uint8))
         return out
 
     def load_all(self, verify: bool = True, alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
@@ -292,32 +369,33 @@ class LazyCheckpoint:
         return out
 
     def verify(self) -> None:
-        """Raise unless the whole file hashes to the manifest's digest (and has its size)."""
-        if self.manifest is None:
-            raise CheckpointError(f"{self.label}: no manifest, so the checkpoint may be incomplete; it was never published")
+        """Raise unless the whole file hashes to the manifest's digest and has its size; bytes not
+        read in file order are read now, in one pass. Nothing to check without a manifest."""
+        if self.manifest is None or self._sha is None:
+            return
+        buf = memoryview(bytearray(min(16 << 20, max(1, self.size - self._pos))))
         while self._pos < self.size:
-            self._read_at(self._pos, min(16 << 20, self.size - self._pos))
-        if self.f.read(1):
-            raise CheckpointError(f"{self.label}: file has bytes after the last tensor: damaged")
+            self.read_into(self._pos, buf[: min(len(buf), self.size - self._pos)])
         if self.manifest.get("bytes") not in (None, self.size):
-            raise CheckpointError(f"{self.label}: size {self.size} differs from the manifest's {self.manifest['bytes']}: truncated or replaced")
+            raise CheckpointError(f"{self.label}: size {self.size} differs from the manifest's {self.manifest['bytes']}: "
+                                  "truncated or replaced")
         if self._sha.hexdigest() != self.manifest["digest"]:
             raise CheckpointError(f"{self.label}: checksum does not match the manifest: the file is corrupt; "
                                   "delete it and its .json so it is written again")
 
 
-def open_checkpoint(storage: Storage, key: str, label: str = "") -> LazyCheckpoint:
+def open_checkpoint(storage: Storage, key: str, label: str = "") -> TensorFile:
     """Open a published checkpoint (its manifest must exist)."""
-    manifest = read_manifest(storage, key)
+    manifest = read_manifest(storage, key, label)
     if manifest is None:
         raise CheckpointError(f"{label or storage.display(key)}: no manifest, so the checkpoint is incomplete or absent")
-    return LazyCheckpoint(storage, key, manifest, label)
+    return TensorFile(storage, key, manifest, label)
 
 
 def load_checkpoint(storage: Storage, key: str, label: str = "",
                     alloc: Alloc | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
     """Read and verify a whole checkpoint: (tensors, safetensors metadata, manifest). `alloc`:
-    see LazyCheckpoint.get."""
+    see TensorFile.get."""
     with open_checkpoint(storage, key, label) as ck:
         tensors = ck.load_all(verify=True, alloc=alloc)
         return tensors, ck.metadata, ck.manifest or {}

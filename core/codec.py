@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.checkpoint import DTYPES, Alloc, LazyCheckpoint, load_checkpoint, read_manifest
+from core.checkpoint import DTYPES, Alloc, TensorFile, load_checkpoint, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
 
@@ -169,7 +169,7 @@ def decode_tensor(name: str, shape: tuple[int, ...], enc: Encoding, get: Callabl
     return v.reshape(shape)
 
 
-def outer_gradient(ck: LazyCheckpoint, name: str, base: torch.Tensor) -> torch.Tensor:
+def outer_gradient(ck: TensorFile, name: str, base: torch.Tensor) -> torch.Tensor:
     """base - weights for tensor `name` of the contribution `ck` (coded or not; relative to `base`,
     the checkpoint it was trained from), in float64 for statistics."""
     enc = encoding_of(ck.metadata, ck.label)
@@ -183,7 +183,7 @@ def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0,
     """A checkpoint's weights, whole and verified: plain weights as stored; a delta contribution
     decoded as base - delta, with its base (named in its manifest, checked by digest) loaded the
     same way, so a worker may continue from its own coded contribution of an earlier round.
-    `alloc` (LazyCheckpoint.get) gives the buffers the file's tensors are read into."""
+    `alloc` (TensorFile.get) gives the buffers the file's tensors are read into."""
     label = label or storage.display(key)
     tensors, meta, manifest = load_checkpoint(storage, key, label, alloc=alloc)
     enc = encoding_of(meta, label)

@@ -29,6 +29,11 @@ class CheckpointError(IslandsError):
     """A checkpoint is missing, truncated, corrupt, or does not match what it should be."""
 
 
+class NotARegularFile(CheckpointError):
+    """A path in a run directory is a link, a FIFO, a device or a folder, or resolves outside the
+    run: islands reads only regular files inside the run directory (core.storage)."""
+
+
 class ContributionRejected(CheckpointError):
     """One worker's contribution cannot be merged; the round goes on without it."""
 

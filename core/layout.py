@@ -12,9 +12,10 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     rounds/00003/jobs.json                        jobs submitted for round 3 (ids, attempts, bases)
     rounds/00003/contrib/worker_001.safetensors   worker 1's weights after round 3 (+ .json manifest)
     rounds/00003/record.json                      the round's commit record, written last
-    rounds/00003/rejected/                        contributions refused by the merge, with why
+    rounds/00003/rejected/                        contributions refused by the merge, each with .reason.json
     rounds/00003/folded/worker_001_from_00002...  a late contribution of round 2 folded into round 3
-    rounds/00003/rebuild/global.safetensors       round 3's merge redone to rebuild outer/state_00004 (removed after)
+    rounds/00003/rebuild/global.safetensors       round 3's merge redone to rebuild outer/state_00004 (+ state;
+                                                  removed after)
     workers/worker_001/state_00003.safetensors    worker 1's inner optimizer state after round 3
     workers/worker_001/inflight_00003.safetensors mid-round checkpoint of a preempted worker
     workers/worker_001/progress.json              heartbeat of the running worker (step, loss)
@@ -80,6 +81,10 @@ class RunLayout:
         """Where a rejected contribution is set aside (kept as evidence, never merged)."""
         return posixpath.join(self.round_dir(round_), "rejected", f"worker_{worker:03d}_attempt{attempt}{SAFETENSORS}")
 
+    def rejected_reason(self, round_: int, worker: int, attempt: int) -> str:
+        """Why that contribution was rejected (JSON), beside it."""
+        return posixpath.join(self.round_dir(round_), "rejected", f"worker_{worker:03d}_attempt{attempt}.reason.json")
+
     def folded_contribution(self, round_: int, worker: int, from_round: int) -> str:
         """A late contribution of `from_round` re-based onto round `round_`'s global weights, the
         merge input that folds it in (round.late_policy: fold); kept so the merge can be replayed."""
@@ -94,6 +99,10 @@ class RunLayout:
     def rebuilt_global(self, round_: int) -> str:
         """The redone merge's global output, compared with the published one."""
         return posixpath.join(self.rebuild_dir(round_), f"global{SAFETENSORS}")
+
+    def rebuilt_state(self, round_: int) -> str:
+        """The redone merge's outer state, moved to outer/state_{round_+1} if the global matches."""
+        return posixpath.join(self.rebuild_dir(round_), f"state{SAFETENSORS}")
 
     def worker_dir(self, worker: int) -> str:
         return f"workers/worker_{worker:03d}"

@@ -7,6 +7,7 @@ CheckpointError saying what is wrong and how to recover (delete it, so it is wri
 from __future__ import annotations
 
 import json
+import logging
 import math
 import posixpath
 import re
@@ -17,6 +18,8 @@ from core.errors import CheckpointError
 from core.layout import manifest_key
 from core.storage import Storage
 
+log = logging.getLogger(__name__)
+
 DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
 """The hashes a manifest may name, with the length of their hex digests (core.checkpoint hashes
 with the first; the others are read so that checkpoints written before stay loadable)."""
@@ -26,17 +29,25 @@ UNNAMED_HASH = "blake3"
 (whose manifests _upgrade renames), so only a hand-written one lacks it."""
 
 
-def read_manifest(storage: Storage, key: str) -> dict[str, Any] | None:
+def read_manifest(storage: Storage, key: str, label: str = "", *, plain: bool = False) -> dict[str, Any] | None:
     """The manifest of checkpoint `key`, or None when there is none (not yet, or never, whole).
 
     Everything in it is checked (check_manifest) before anyone uses it: it comes from shared
-    storage that any worker, or anyone else with write access, may have written."""
-    label = storage.display(key)
+    storage that any worker, or anyone else with write access, may have written. `plain`: `key` is
+    a safetensors file from elsewhere (`orchestrate merge`'s inputs), whose neighbour `X.json` may
+    be anything: one that is not a manifest of ours (no digest) is ignored, not refused."""
+    label = label or storage.display(key)
     try:
-        raw = storage.read_bytes(manifest_key(key))
+        raw = storage.read_bytes(manifest_key(key), limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
-    return check_manifest(parse_manifest(raw, label), label, key)
+    except CheckpointError as exc:  # too big, or not a regular file
+        raise CheckpointError(f"manifest of {label}: {exc}") from None
+    m = parse_manifest(raw, label)
+    if plain and not (isinstance(m, dict) and ("digest" in m or "sha256" in m)):
+        log.warning("%s: ignoring %s, which is not a manifest (no digest)", label, manifest_key(key))
+        return None
+    return check_manifest(m, label, key)
 
 
 def parse_manifest(raw: bytes, label: str) -> Any:

@@ -6,6 +6,11 @@ no rename (fsspec's `mv` is copy + delete), data goes straight to its key, becau
 appears only when its upload completes and a failed upload is aborted. Either way readers also
 trust only checkpoints whose manifest, written last, exists (see core.checkpoint). Transient I/O
 errors are retried with back-off; a full disk is reported at once and leaves no partial file.
+Everything read from a local run directory is opened without following a symbolic link and
+without blocking (a FIFO would block an open for good), and only a regular file whose real path
+lies inside the run's root is read: a co-tenant's link to elsewhere, a named pipe or a device
+planted in the run is refused with a CheckpointError naming it (`follow_links=True` lifts the
+first and last rule for paths a user names, such as a Hugging Face cache's links to its blobs).
 Reliability figures and S3 setup: docs/reliability.md.
 """
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import logging
 import os
 import posixpath
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,7 +29,7 @@ from typing import IO, Any, TypeVar
 
 import fsspec
 
-from core.errors import StorageError
+from core.errors import CheckpointError, NotARegularFile, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,13 +47,20 @@ _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a"}
 # Where create_exclusive is a real conditional write (S3 `If-None-Match: *`, honoured by AWS S3
 # since 2024-08, MinIO, moto); elsewhere off the local filesystem it is check-then-write.
 _CONDITIONAL_PUT_PROTOCOLS = {"s3", "s3a"}
+DROP_EVERY = 32 << 20
+"""Bytes a staged local write writes between two drops of its pages from the page cache."""
 
 
 class Storage:
     """A run root (any fsspec URL) and atomic, retried operations on keys below it."""
 
-    def __init__(self, url: str, retries: int = 4, backoff_s: float = 0.2, **storage_options: Any) -> None:
+    def __init__(self, url: str, retries: int = 4, backoff_s: float = 0.2, *, follow_links: bool = False,
+                 **storage_options: Any) -> None:
+        """`follow_links`: read through symbolic links, wherever they point (for files a user names,
+        never for a run directory, whose files anyone with write access may have planted)."""
         self.url = url.rstrip("/") or url
+        self.follow_links = follow_links
+        self._real_root: str | None = None
         protocol = fsspec.core.split_protocol(url)[0]
         if protocol not in (None, "file", "local") and "::" not in url:
             # A cached listing would hide files other processes publish from a poller (s3fs caches
@@ -110,13 +123,21 @@ class Storage:
     def size(self, key: str) -> int:
         return int(self._retry(f"stat {key}", lambda: self.fs.size(self.path(key))))
 
-    def read_bytes(self, key: str) -> bytes:
-        return self._retry(f"read {key}", lambda: self.fs.cat_file(self.path(key)))
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """The bytes at `key`; with `limit`, a CheckpointError instead of reading more than that."""
+        def read() -> bytes:
+            with self.open_read(key) as f:
+                data = f.read() if limit is None else f.read(limit + 1)
+            if limit is not None and len(data) > limit:
+                raise CheckpointError(f"{self.display(key)} is over the limit of {limit} bytes for it: it was not "
+                                      "written by islands; delete it")
+            return data
+        return self._retry(f"read {key}", read)
 
-    def read_json(self, key: str) -> Any | None:
+    def read_json(self, key: str, limit: int | None = None) -> Any | None:
         """Parsed JSON at `key`, or None when absent. Corrupt JSON raises StorageError."""
         try:
-            data = self.read_bytes(key)
+            data = self.read_bytes(key, limit)
         except FileNotFoundError:
             return None
         try:
@@ -126,7 +147,49 @@ class Storage:
                                "islands: restore it or delete it and `orchestrate resume` the run") from None
 
     def open_read(self, key: str) -> IO[bytes]:
+        """A binary file to read `key` from (local: a regular file inside the run, see open_fd)."""
+        if self.is_local:
+            return os.fdopen(self.open_fd(key), "rb")
         return self._retry(f"open {key}", lambda: self.fs.open(self.path(key), "rb"))
+
+    def open_fd(self, key: str) -> int:
+        """A read-only descriptor of the local file at `key`, opened without blocking and (unless
+        `follow_links`) without following a link; NotARegularFile unless it is a regular file whose
+        real path is inside the root. FileNotFoundError when absent."""
+        path = self.path(key)
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if self.follow_links else os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotARegularFile(f"{path} is a symbolic link: islands reads only regular files inside the run "
+                                      "directory; delete the link") from None
+            raise
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a device",
+                        stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a regular file")
+                raise NotARegularFile(f"{path} is {kind}, not a regular file: islands reads only regular files; delete it")
+            if not self.follow_links:
+                self._check_inside(fd, path)
+            os.set_blocking(fd, True)  # a regular file: reads wait for the disk as usual
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _check_inside(self, fd: int, path: str) -> None:
+        """The opened file's real path (a linked folder on the way resolves elsewhere) is in the root."""
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self.root)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc: resolve the name instead (a race away from exact)
+            real = os.path.realpath(path)
+        if not real.startswith(self._real_root.rstrip("/") + "/"):
+            raise NotARegularFile(f"{path} resolves to {real}, outside the run directory {self._real_root} (a linked "
+                                  "folder on the way): islands reads only files inside the run; remove the link")
 
     def list(self, prefix: str) -> list[str]:
         """Names (not keys) directly under `prefix`, without temporaries; [] when it is absent."""
@@ -139,46 +202,22 @@ class Storage:
         return [n for n in self._retry(f"list {prefix}", ls) if not n.startswith(TMP_PREFIX)]
 
     # -- writing --------------------------------------------------------------------------------
+    def stage(self, key: str) -> Staged:
+        """Begin writing `key`: write to the returned Staged's `file`, then `publish()` it (readers
+        see the old content or the whole new one, never a part) or `discard()` it. Several staged
+        files may be published one after another once all are written (a merge's outputs)."""
+        return Staged(self, key)
+
     @contextlib.contextmanager
     def open_atomic(self, key: str) -> Iterator[IO[bytes]]:
-        """Write `key` so that readers see the old content or the whole new one, never a part.
-
-        Filesystems: write a hidden temporary name, rename it into place on clean exit, delete it
-        on error (a SIGKILLed writer leaves a temporary, which `list` never shows). S3: write the
-        key itself and abort the upload on error, since S3 shows an object only once its upload
-        completes (a SIGKILLed writer leaves an incomplete multipart upload, invisible to readers).
-        """
-        if self.atomic_put:
-            with self._open_put(key) as f:
-                yield f
-            return
-        final = self.path(key)
-        tmp = posixpath.join(posixpath.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(final)}")
-        self._retry(f"create the folder of {key}", lambda: self.makedirs_path(posixpath.dirname(final)))
+        """Write `key` atomically: a Staged write published on clean exit, discarded on error."""
+        staged = self.stage(key)
         try:
-            with self.fs.open(tmp, "wb") as f:
-                self.make_private(tmp)
-                yield f
-            self._retry(f"publish {key}", lambda: self.fs.mv(tmp, final))
+            yield staged.file
         except BaseException:
-            # A killed or failed write leaves nothing behind that could be taken for whole.
-            with contextlib.suppress(Exception):
-                self.fs.rm(tmp)
+            staged.discard()
             raise
-
-    @contextlib.contextmanager
-    def _open_put(self, key: str) -> Iterator[IO[bytes]]:
-        # Not `with fs.open(...)`: a buffered fsspec file's __exit__ closes, i.e. commits, the
-        # upload even when the body raised, which would publish a truncated object.
-        f = self._retry(f"open {key} for writing", lambda: self.fs.open(self.path(key), "wb"))
-        try:
-            yield f
-            f.close()  # the single PUT, or the multipart upload's completion: the publication
-        except BaseException:
-            with contextlib.suppress(Exception):
-                f.discard()  # abort the multipart upload; drop the buffer
-            f.closed = True  # so that its __del__ does not try to upload what is left
-            raise
+        staged.publish()
 
     def write_bytes(self, key: str, data: bytes) -> None:
         def write() -> None:
@@ -279,6 +318,17 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    def move(self, src: str, dst: str) -> None:
+        """Rename `src` to `dst` without reading it (whatever it is: a FIFO planted in the run moves
+        like a file); object stores copy then delete."""
+        def mv() -> None:
+            if self.is_local:
+                self.makedirs_path(posixpath.dirname(self.path(dst)))
+                os.replace(self.path(src), self.path(dst))
+            else:
+                self.fs.mv(self.path(src), self.path(dst))
+        self._retry(f"move {src} to {dst}", mv)
+
     def copy(self, src: str, dst: str) -> None:
         with self.open_read(src) as fin, self.open_atomic(dst) as fout:
             while chunk := fin.read(16 << 20):
@@ -312,6 +362,75 @@ class Storage:
         hint = _FATAL_ERRNOS.get(exc.errno or 0, "check that the storage is reachable and retry")
         tries = f" after {attempts} attempts over {seconds:.1f}s" if attempts > 1 else ""
         return StorageError(f"could not {what} in {self.display()}{tries}: {exc.strerror or exc}; {hint}")
+
+
+class Staged:
+    """One file being written to `key` of a Storage, invisible to readers until `publish()`.
+
+    Filesystems (local, NFS, anything with a rename): a hidden temporary name beside the key
+    (`.tmp-<random>-<name>`, which `list` never shows and `sweep_temporaries` deletes once a killed
+    writer left it), renamed into place, with retries, by `publish()`. S3: the key itself, because
+    an object appears only when its upload completes: `publish()` completes it, `discard()` aborts
+    it (a killed writer leaves an incomplete multipart upload, which no reader sees)."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self.storage, self.key = storage, key
+        final = storage.path(key)
+        self._tmp = None if storage.atomic_put else posixpath.join(
+            posixpath.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(final)}")
+        self.file: Any = None
+        self._fd: int | None = None  # a local file's descriptor, for dropping what is written behind
+        self._written = self._dropped = 0
+
+        def create() -> Any:
+            if self._tmp is None:
+                return storage.fs.open(final, "wb")
+            storage.makedirs_path(posixpath.dirname(final))
+            f = storage.fs.open(self._tmp, "wb")
+            storage.make_private(self._tmp)
+            return f
+        self.file = storage._retry(f"create {key}", create)
+        if storage.is_local:
+            self._fd = self.file.fileno()
+
+    def write(self, data: Any) -> None:
+        """Write the next bytes. A local file's pages are dropped from the page cache behind the
+        writes (each call of posix_fadvise DONTNEED starts the write-back of what was written and
+        drops what is on disk already): a merge's large output would otherwise fill the cache, which
+        costs this machine more CPU than the merge's maths (docs/benchmarks.md)."""
+        self.file.write(data)
+        self._written += len(data)
+        if self._fd is not None and self._written - self._dropped >= DROP_EVERY:
+            os.posix_fadvise(self._fd, 0, self._written, os.POSIX_FADV_DONTNEED)
+            self._dropped = self._written
+
+    def publish(self) -> None:
+        """Close the file (its buffered bytes written now: a full disk may show only here) and make
+        it visible under its key; on failure nothing is visible and the temporary is gone."""
+        s = self.storage
+        try:
+            try:
+                self.file.close()  # S3: the single PUT, or the multipart upload's completion
+            except OSError as exc:
+                raise s.error(f"write {self.key}", exc) from exc
+            if self._tmp is not None:
+                s._retry(f"publish {self.key}", lambda: s.fs.mv(self._tmp, s.path(self.key)))
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Drop everything written: nothing that could be taken for whole stays behind."""
+        with contextlib.suppress(Exception):
+            if self._tmp is None:
+                # Not close(): a buffered fsspec file would commit the upload, publishing a part.
+                self.file.discard()  # aborts the multipart upload, drops the buffer
+                self.file.closed = True  # so that its __del__ does not upload what is left
+            else:
+                self.file.close()
+        if self._tmp is not None:
+            with contextlib.suppress(Exception):
+                self.storage.fs.rm(self._tmp)
 
 
 def _mtime(info: dict[str, Any], default: float) -> float:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import LazyCheckpoint, TensorSpec, load_checkpoint, open_checkpoint, write_checkpoint
+from core.checkpoint import TensorFile, TensorSpec, load_checkpoint, open_checkpoint, write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
 from merge.rounds import Contribution, MergeResult, QuorumError
@@ -136,16 +136,16 @@ def merge_lte_round(
         label = f"worker {c.worker} ({storage.display(c.key)})"
         try:
             tensors, _, m = load_checkpoint(storage, c.key, label=label)
-        except CheckpointError as exc:
-            rejected[c.worker] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
+            rejected[c.worker] = str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
             continue
         bytes_read += int(m.get("bytes", 0))
         ref, ref_name = expected, "those of an LTE contribution for this model and lte.rank"
         if ref is None and live:  # no model to say which: the first valid contribution does
             ref, ref_name = {n: tuple(t.shape) for n, t in live[0][1].items()}, f"worker {live[0][0].worker}'s"
         why = check_contribution(tensors, base_specs, rank, ref, ref_name)
-        if why is None and c.weight <= 0:
-            why = f"weight {c.weight} is not positive"
+        if why is None and not (math.isfinite(c.weight) and c.weight > 0):
+            why = f"its weight {c.weight} is not a positive finite number"
         if why is not None:
             rejected[c.worker] = f"{label}: {why}"
             continue
@@ -163,7 +163,7 @@ def merge_lte_round(
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal update_sq
-        with LazyCheckpoint(storage, base_key, base_manifest, base_label) as ck:
+        with TensorFile(storage, base_key, base_manifest, base_label) as ck:
             for name, spec in ck.specs.items():  # file order: hashed on the way
                 w = ck.get(name)
                 layer = name[: -len(".weight")] if name.endswith(".weight") else None

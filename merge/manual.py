@@ -8,30 +8,33 @@ manifest, so it is a checkpoint of ours); any other OUT is a model directory wit
 input's shard names and grouping, its safetensors metadata, its index (written last) and its
 other files (config, tokenizer, ...) copied, so `from_pretrained(OUT)` works.
 
-Every problem found before the maths (unreadable or truncated files, missing tensors, shape or
-dtype mismatches, bad parameters) is reported at once, each naming the file and tensor; a
-non-finite value found while streaming names its file and tensor too. Nothing is written unless
-the whole merge succeeds.
+Every problem found before the maths (unreadable or truncated files, malformed headers or indexes,
+missing tensors, shape or dtype mismatches, bad parameters) is reported at once, each naming the
+file and tensor; a non-finite value found while streaming names its file and tensor too. Nothing is
+written unless the whole merge succeeds, and nothing outside OUT (and the outer state) ever: an
+input's index may name only files of its own directory, and an output that is an input (the same
+file, by inode, whatever its name) is refused.
 """
 from __future__ import annotations
 
 import math
+import os
 import posixpath
-from collections import Counter
+import stat
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 
+from core.checkpoint import ITEMSIZE
 from core.config import OuterConfig
 from core.errors import CheckpointError, IslandsError, StorageError
 from core.storage import Storage
-from merge.directio import mode_problem
-from merge.engine import DEFAULT_BUFFER_BYTES, compare_specs, model_specs, run_merge
+from merge.engine import DEFAULT_BUFFER_BYTES, run_merge
+from merge.inputs import INDEX, InputError, Model, compare_specs, open_file_model, open_model, split_url
 from merge.methods import check_method_args
 from merge.outer import state_out_specs
-from merge.reader import INDEX, ITEMSIZE, InputError, Model, open_file_model, open_model, split_url
 from merge.writer import OutputFile
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
@@ -54,8 +57,6 @@ class ManualResult:
     seconds: float
     outputs: list[str]
     state: str | None
-    read_ways: dict[str, int] = field(default_factory=dict)
-    """Input files by how they were read (merge.directio.read_way: direct, dropbehind, buffered)."""
 
 
 def _norm(url: str) -> str:
@@ -75,13 +76,8 @@ def manual_merge(
     outer: OuterConfig | None = None,
     state: str | None = None,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    io: str = "auto",
 ) -> ManualResult:
-    """Merge the models at `inputs` into `out` (see the module docstring); return what was done.
-
-    `io` (merge.directio.IO_MODES): how local files are read and written; `auto` reads large
-    files that are not in the page cache through it, dropping each page once read, and writes
-    large files with O_DIRECT."""
+    """Merge the models at `inputs` into `out` (see the module docstring); return what was done."""
     params = dict(params or {})
     weights = [1.0] * len(inputs) if weights is None else [float(w) for w in weights]
     problems: list[str] = []
@@ -97,8 +93,6 @@ def manual_merge(
     for target in [out, *([state] if state else [])]:
         if _norm(target) in sources:
             problems.append(f"{target} is also an input: write the merge somewhere else")
-    if (problem := mode_problem(io)) is not None:
-        problems.append(problem)
     if problems:
         raise MergeError(problems)
 
@@ -106,42 +100,39 @@ def manual_merge(
     try:
         for i, url in enumerate(inputs):
             try:
-                models.append(open_model(url, ident=i, io=io))
+                models.append(open_model(url, ident=i))
             except CheckpointError as exc:
                 problems.append(str(exc))
         base_model = None
         if base:
             try:
-                base_model = open_model(base, ident="base", label=f"{base} (base)", io=io)
+                base_model = open_model(base, ident="base", label=f"{base} (base)")
             except CheckpointError as exc:
                 problems.append(str(exc))
         if problems:
             raise MergeError(problems)
         ref = models[0]
-        ref_specs = model_specs(ref)
         for m in [*models[1:], *([base_model] if base_model else [])]:
-            problems += [f"{m.label}: {p}" for p in compare_specs(ref_specs, model_specs(m), ref.label)]
+            problems += [f"{m.label}: {p}" for p in compare_specs(ref.specs, m.specs, ref.label)]
         if problems:
             raise MergeError(problems + ["merge models of the same architecture and dtype (convert them first)"])
 
         outputs, index_key, out_storage = _output_layout(ref, out, method, inputs, weights, params)
-        for o in outputs:
-            o.io = io
+        if clash := _clashes([(o.storage, o.key) for o in outputs], [*models, *([base_model] if base_model else [])]):
+            raise MergeError(clash)
         order = [(n, d, s) for o in outputs for n, d, s, _ in o.specs]
         state_in = state_out = None
         if method == "outer" and state:
             state_dir, state_name = split_url(state)
-            sst = Storage(state_dir)
+            sst = Storage(state_dir, follow_links=True)
             if sst.exists(state_name):
                 try:
-                    state_in = open_file_model(sst, state_name, f"{state} (outer state)", "state", require_manifest=False,
-                                               io=io)
+                    state_in = open_file_model(sst, state_name, f"{state} (outer state)", "state", require_manifest=False)
                 except CheckpointError as exc:
                     raise MergeError([str(exc)]) from None
                 models.append(state_in)
             state_out = OutputFile(sst, state_name, state_out_specs(order, params["optimizer"]), None,
-                                   {"optimizer": params["optimizer"].optimizer}, io=io)
-        ways = dict(Counter(f.way for m in [*models, *([base_model] if base_model else [])] for f in m.files))
+                                   {"optimizer": params["optimizer"].optimizer})
         try:
             stats = run_merge(models[: len(inputs)], weights, method, outputs, params=params, base=base_model,
                               state_in=state_in, state_out=state_out, buffer_bytes=buffer_bytes)
@@ -158,7 +149,7 @@ def manual_merge(
             index["weight_map"] = {n: o.key for o in outputs for n, *_ in o.specs}
             out_storage.write_json(index_key, index)  # last: the directory is whole from now on
         return ManualResult(method, len(inputs), stats.bytes_read, stats.seconds,
-                            [o.storage.display(o.key) for o in outputs], state, ways)
+                            [o.storage.display(o.key) for o in outputs], state)
     finally:
         for m in models:
             m.close()
@@ -186,6 +177,27 @@ def _output_layout(ref: Model, out: str, method: str, inputs: Sequence[str], wei
     return files, (INDEX if ref.index is not None else None), st
 
 
+def _clashes(outputs: list[tuple[Storage, str]], models: list[Model]) -> list[str]:
+    """An output file that is one of the inputs' files (same inode: a link, another name of the
+    same folder) would be overwritten while the merge reads it: refuse before reading anything."""
+    ids = {}
+    for m in models:
+        for f in m.files:
+            path = f.storage.local_path(f.key)
+            if path is not None:
+                st = os.stat(path)
+                ids[(st.st_dev, st.st_ino)] = f.label
+    problems = []
+    for storage, key in outputs:
+        path = storage.local_path(key)
+        if path is not None and os.path.exists(path):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) in ids:
+                problems.append(f"output {path} is input {ids[(st.st_dev, st.st_ino)]} (the same file): write the "
+                                "merge somewhere else")
+    return problems
+
+
 def _copy_other_files(ref: Model, dst: Storage) -> None:
     """Config, tokenizer, generation config...: every top-level non-weight file of the first input."""
     src = ref.storage
@@ -196,8 +208,9 @@ def _copy_other_files(ref: Model, dst: Storage) -> None:
             continue
         if name.endswith(".json") and name[: -len(".json")] in shard_stems:  # a shard's manifest, not the model's
             continue
-        if src.fs.isdir(src.path(name)):
-            continue
+        local = src.local_path(name)
+        if src.fs.isdir(src.path(name)) or local is not None and not stat.S_ISREG(os.stat(local).st_mode):
+            continue  # a folder, a FIFO, a device: not a file of the model
         try:
             with src.open_read(name) as fin, dst.open_atomic(name) as fout:
                 while chunk := fin.read(16 << 20):

@@ -6,9 +6,10 @@ Accumulation is always float32, whatever the inputs' dtype, so bf16 checkpoints 
 the sum. Methods that need the starting point of the inputs (task vectors are `input - base`)
 receive it as `base=`; the engine passes it only to methods registered with `needs_base`.
 
-Methods registered `elementwise` (the output element i depends only on element i of the inputs)
-are fed slices of big tensors, so memory stays at a few MiB per input whatever the tensor sizes;
-`ties` trims by magnitude over a whole tensor, so it is fed whole tensors (K of them at once).
+Every method is element-wise (output element i depends only on element i of the inputs), so the
+engine feeds slices of big tensors and memory stays at a few MiB per input whatever the tensor
+sizes; what `ties` needs of a whole tensor (each input's trim threshold) its `prepare` computes
+first, reading one whole tensor of one input at a time.
 
 | method          | result                                                                      |
 |-----------------|-----------------------------------------------------------------------------|
@@ -17,7 +18,6 @@ are fed slices of big tensors, so memory stays at a few MiB per input whatever t
 | ties            | base + scale * disjoint-mean(trim(t_i - base))   (Yadav et al. 2023)         |
 | median          | element-wise median of the inputs (mean of the middle two for even K)        |
 | outer           | one DiLoCo outer step from base with the pseudo-gradient base - average      |
-| outer-delta     | the same step, the inputs being pseudo-gradients: their average is the grad  |
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from core.config import OuterConfig
-from merge.outer import outer_step, outer_step_from_grad
+from core.checkpoint import FLOATS
+from merge.outer import outer_step
 
 MergeFn = Callable[..., torch.Tensor]
 
@@ -64,35 +65,54 @@ def task_arithmetic(tensors: Sequence[torch.Tensor], weights: Sequence[float], *
 
 
 def ties(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
-         density: float = 0.2, scale: float = 1.0, **_: object) -> torch.Tensor:
+         density: float = 0.2, scale: float = 1.0, aux: Sequence[float] | None = None, **_: object) -> torch.Tensor:
     """TIES: trim each task vector to its top `density` fraction by magnitude, elect each element's
     sign by the weighted sum of the trimmed vectors, then take the weighted mean of the entries
     that agree with the elected sign (zero where none does), scaled and added to base.
 
-    Trimming keeps ceil(density * n) entries of each task vector of n elements.
+    Trimming keeps the entries whose magnitude reaches the ceil(density * n)-th largest of their
+    task vector (entries tied with it are all kept). The engine feeds slices: `aux` then holds each
+    input's threshold over the whole tensor (`ties_thresholds`); without it the tensors are whole.
     """
     b = _f32(base)
-    n = b.numel()
-    if n == 0:
-        return b.clone()
-    k = min(n, max(1, math.ceil(density * n)))
+    thresholds = aux if aux is not None else [ties_threshold(t, b, density) for t in tensors]
     trimmed = []
-    for t in tensors:
+    for t, thr in zip(tensors, thresholds):
         tv = (_f32(t) - b).reshape(-1)
-        if k < n:
-            keep = torch.zeros(n, dtype=torch.bool)
-            keep[tv.abs().topk(k, sorted=False).indices] = True
-            tv = tv.where(keep, torch.zeros((), dtype=tv.dtype))
-        trimmed.append(tv)
+        trimmed.append(tv.where(tv.abs() >= thr, torch.zeros((), dtype=tv.dtype)))
     elected = torch.sign(_weighted_sum(trimmed, weights))
-    num = torch.zeros(n, dtype=torch.float32)
-    den = torch.zeros(n, dtype=torch.float32)
+    num = torch.zeros(b.numel(), dtype=torch.float32)
+    den = torch.zeros(b.numel(), dtype=torch.float32)
     for tv, w in zip(trimmed, weights):
         agree = (torch.sign(tv) == elected) & (tv != 0)
         num.add_(tv * agree, alpha=float(w))
         den.add_(agree.to(torch.float32), alpha=float(w))
     merged = torch.where(den != 0, num / den.where(den != 0, torch.ones((), dtype=den.dtype)), torch.zeros(()))
     return b.add(merged.reshape(b.shape), alpha=float(scale))
+
+
+def ties_threshold(t: torch.Tensor, base: torch.Tensor, density: float) -> float:
+    """The magnitude an entry of the task vector `t - base` must reach to survive TIES's trim: its
+    ceil(density * n)-th largest magnitude (found in place, without sorting a copy)."""
+    n = base.numel()
+    if n == 0:
+        return 0.0
+    k = min(n, max(1, math.ceil(density * n)))
+    tv = t.to(torch.float32, copy=True).reshape(-1).sub_(_f32(base).reshape(-1)).abs_()
+    a = tv.numpy()
+    a.partition(n - k)
+    return float(a[n - k])
+
+
+def ties_thresholds(inputs: Sequence[Any], base: Any, params: Mapping[str, Any]) -> dict[str, list[float]]:
+    """Every input's trim threshold of every float tensor, reading one whole tensor of one input
+    at a time (merge.inputs.Model): the engine then streams TIES slice by slice."""
+    out: dict[str, list[float]] = {}
+    for name, (f, spec) in base.tensors.items():
+        if spec.dtype in FLOATS:
+            b = f.read(name).to(torch.float32)
+            out[name] = [ties_threshold(m.tensors[name][0].read(name), b, params.get("density", 0.2)) for m in inputs]
+    return out
 
 
 def median(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: object) -> torch.Tensor:
@@ -106,28 +126,16 @@ def median(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: objec
 
 def outer(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
           state: dict[str, torch.Tensor], optimizer: OuterConfig, inner: str = "average",
-          stats: dict[str, float] | None = None, in_place: bool = False, **_: object) -> torch.Tensor:
+          stats: dict[str, float] | None = None, **_: object) -> torch.Tensor:
     """One DiLoCo outer step: the pseudo-gradient `base - inner(inputs)` goes into `.grad` of base
     and a real torch.optim optimizer (`optimizer`) steps it (merge.outer).
 
     `state` holds the optimizer's slots for this tensor (momentum buffer, Adam moments; empty on
     the first step); it is replaced in place by the slots after the step. `stats`, when given,
-    accumulates the squared norm of the pseudo-gradient under "grad_sq". `in_place`: base, the
-    state's tensors and a single input are the caller's to overwrite (merge.outer.outer_step).
+    accumulates the squared norm of the pseudo-gradient under "grad_sq".
     """
-    # one input (the round merge's mean) averages to itself, bit for bit: skip the copy
-    single = len(tensors) == 1 and inner == "average"
-    merged = tensors[0] if single else get_method(inner)(tensors, weights)
-    return _stepped(outer_step(_f32(base), merged, dict(state), optimizer, in_place=in_place and single), state, stats)
-
-
-def outer_delta(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
-                state: dict[str, torch.Tensor], optimizer: OuterConfig, stats: dict[str, float] | None = None,
-                in_place: bool = False, **_: object) -> torch.Tensor:
-    """`outer` for inputs that are outer gradients already (base - worker weights, as delta
-    contributions carry them): their weighted mean goes into `.grad` as it is."""
-    grad = tensors[0] if len(tensors) == 1 and tensors[0].dtype == torch.float32 else average(tensors, weights)
-    return _stepped(outer_step_from_grad(_f32(base), grad, dict(state), optimizer, in_place=in_place), state, stats)
+    merged = get_method(inner)(tensors, weights)
+    return _stepped(outer_step(_f32(base), merged, dict(state), optimizer), state, stats)
 
 
 def _stepped(step: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], state: dict[str, torch.Tensor],
@@ -169,12 +177,11 @@ def _uniform(w: Sequence[float]) -> list[str]:
 @dataclass(frozen=True)
 class Method:
     fn: MergeFn
+    """Merges one segment (a slice of a tensor, every input's same elements): element-wise."""
     needs_base: bool = False
     """The method is given `base=` (the inputs' common starting point)."""
-    elementwise: bool = True
-    """Output element i depends on element i of the inputs only: the engine may feed slices."""
     params: tuple[str, ...] = ()
-    """Keyword parameters it accepts (besides base, state, stats)."""
+    """Keyword parameters it accepts (besides base, state, stats, aux)."""
     checks: tuple[Callable[[Mapping[str, Any]], list[str]], ...] = ()
     weight_checks: tuple[Callable[[Sequence[float]], list[str]], ...] = (_positive_sum,)
     stateful: bool = False
@@ -182,23 +189,22 @@ class Method:
     propagates_nonfinite: bool = False
     """A NaN or Inf in any input (or base) always makes the result non-finite (sums do; a median
     does not): the engine then checks the result only, and the inputs only to name the culprit."""
-    internal: bool = False
-    """Used by the round merge only (merge/incremental.py), not offered by `orchestrate merge`."""
+    prepare: Callable[[Sequence[Any], Any, Mapping[str, Any]], dict[str, Any]] | None = None
+    """(inputs, base, params) -> per tensor name, what `fn` needs of the whole tensors (`aux=`),
+    computed before the stream starts."""
 
 
 METHODS: dict[str, Method] = {
     "average": Method(average, propagates_nonfinite=True),
     "task-arithmetic": Method(task_arithmetic, needs_base=True, params=("scale",), checks=(_check_scale,),
                               weight_checks=(), propagates_nonfinite=True),
-    "ties": Method(ties, needs_base=True, elementwise=False, params=("density", "scale"),
-                   checks=(_check_density, _check_scale)),
+    "ties": Method(ties, needs_base=True, params=("density", "scale"), checks=(_check_density, _check_scale),
+                   prepare=ties_thresholds),
     "median": Method(median, weight_checks=(_uniform,)),
-    "outer": Method(outer, needs_base=True, params=("optimizer", "inner", "in_place"), checks=(_check_optimizer,),
+    "outer": Method(outer, needs_base=True, params=("optimizer", "inner"), checks=(_check_optimizer,),
                     stateful=True, propagates_nonfinite=True),  # when `inner` does: see the engine
-    "outer-delta": Method(outer_delta, needs_base=True, params=("optimizer", "in_place"), checks=(_check_optimizer,),
-                          stateful=True, propagates_nonfinite=True, internal=True),
 }
-PUBLIC = sorted(name for name, m in METHODS.items() if not m.internal)
+PUBLIC = sorted(METHODS)
 
 
 def method_spec(name: str) -> Method:

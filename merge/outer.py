@@ -10,12 +10,13 @@ memory to one tensor's worth: these optimizers are element-wise, so per-tensor s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from core.config import OuterConfig
-from merge.reader import FLOATS, InputError, Model
+from core.checkpoint import FLOATS
+from core.errors import CheckpointError
 
 STATE_SEP = "::"
 
@@ -84,21 +85,22 @@ def state_slots(cfg: OuterConfig) -> list[tuple[str, bool]]:
     return [(slot, tuple(t.shape) == (2,)) for slot, t in st.items()]
 
 
-def state_in_specs(state_in: Model, order: list[tuple[str, str, tuple[int, ...]]],
-                    slots: list[tuple[str, bool]]) -> dict[str, list[tuple[str, bool]]]:
-    """Which slots the state file holds for each tensor, after checking it fits the model."""
+def state_in_specs(specs: Mapping[str, tuple[str, tuple[int, ...]]], order: Sequence[tuple[str, str, tuple[int, ...]]],
+                   slots: list[tuple[str, bool]], label: str) -> dict[str, list[tuple[str, bool]]]:
+    """Which slots a state file holds for each tensor, given its entries {key: (dtype, shape)},
+    after checking that it fits the model (`order`) and the optimizer (`slots`)."""
     shapes = {n: s for n, d, s in order if d in FLOATS}
     have: dict[str, list[str]] = {}
     problems = []
     want = dict(slots)
-    for key, (_, sp) in state_in.tensors.items():
+    for key, (dtype, shape) in specs.items():
         name, sep, slot = key.rpartition(STATE_SEP)
         if not sep or name not in shapes:
             problems.append(f"entry {key} names no floating-point tensor of the model")
         elif slot not in want:
             problems.append(f"entry {key} is not a state slot of this optimizer (it has {list(want) or 'none'})")
-        elif sp.dtype != "F32" or sp.shape != (shapes[name] if want[slot] else ()):
-            problems.append(f"entry {key} is {sp.dtype}{list(sp.shape)}, expected F32"
+        elif dtype != "F32" or tuple(shape) != (shapes[name] if want[slot] else ()):
+            problems.append(f"entry {key} is {dtype}{list(shape)}, expected F32"
                             f"{list(shapes[name]) if want[slot] else []}")
         else:
             have.setdefault(name, []).append(slot)
@@ -106,9 +108,9 @@ def state_in_specs(state_in: Model, order: list[tuple[str, str, tuple[int, ...]]
         if set(got) != set(want):
             problems.append(f"tensor {name} has state slots {sorted(got)}, the optimizer needs {sorted(want)}")
     if problems:
-        raise InputError(state_in.ident, f"{state_in.label}: does not fit this model and optimizer: "
-                                         + "; ".join(problems[:5]) + "; pass the state file written by the same "
-                                         "merge and optimizer, or none to start from zero state")
+        raise CheckpointError(f"{label}: does not fit this model and optimizer: " + "; ".join(problems[:5])
+                              + "; pass the state file written by the same merge and optimizer, or none to start "
+                              "from zero state")
     return {name: [(s, f) for s, f in slots] for name in have}
 
 

@@ -1,10 +1,25 @@
-"""One round's merge for the merge service: the contributions of a round and the global weights
-in, the next global weights (and outer optimizer state) out, bad contributions rejected.
+"""One round's merge for the merge service: the round's contributions and the global weights in,
+the next global weights and outer optimizer state out, bad contributions rejected.
 
-The linear merge (`average`, DiLoCo's and lo-fi's) sums the contributions first, one at a time
-(merge.incremental.RunningSum, which also decodes delta contributions) and streams that one mean
-through the outer step; the other methods stream every input at once through the engine
-(merge.engine.run_merge), retried without a contribution the engine refuses.
+The merge of a DiLoCo / FedAvg / lo-fi round is linear: the outer gradient is base - the workers'
+weighted mean. So each contribution is folded into a running sum S = sum_i w_i x_i the moment it
+lands (RunningSum.add, while the others still train), and the merge after the last one lands
+reads that one contribution, then takes one outer step per tensor from S.
+
+- Space: x_i are weights, or, when the contributions are deltas against this round's base
+  (round.contribution: delta, core/codec.py), the deltas themselves, whose mean is the outer
+  gradient. A contribution in the other space (a late worker's delta against an older base) is
+  decoded whole first.
+- Order: S is summed in the order contributions were folded (`order`); floating-point sums depend
+  on it. A merge without a running sum (a resumed service, a replay, `round.stream_merge: false`)
+  is this same code fed the list in its order, so the same inputs in that order give the same bytes.
+- Only validated contributions count: the weight, the header (core.checkpoint) and the names,
+  shapes and dtypes are checked before anything is added; values are checked finite and the
+  digest is checked as they stream. Anything that goes wrong while one contribution is read or
+  folded (whatever the exception) rejects it with the reason, and S is rebuilt from the accepted
+  ones if part of it was added (rare; exact).
+- Memory: S is one fp32 copy of the model; the global weights and outer state are held too when
+  preloaded (the service reads them while the workers train), so the step reads nothing then.
 """
 from __future__ import annotations
 
@@ -15,16 +30,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.checkpoint import TensorSpec
+import torch
+
+from core import codec
+from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, read_manifest
 from core.config import OuterConfig
-from core.errors import CheckpointError, ContributionRejected, RunError
+from core.errors import CheckpointError, RunError
+from core.failpoints import failpoint
 from core.storage import Storage
-from merge.engine import MergeStats, compare_specs, model_specs, run_merge
-from merge.outer import state_out_specs
-from merge.reader import ITEMSIZE, InputError, Model, open_file_model
-from merge.writer import OutputFile, PendingWrite
+from merge.engine import DEPTH, Prefetch, Read, _Buffer, finite, one_torch_thread
+from merge.inputs import compare_specs
+from merge.outer import outer_step_from_grad, state_in_specs, state_key, state_out_specs, state_slots
+from merge.writer import OutputFile, StreamWriter
 
 log = logging.getLogger(__name__)
+
+FOLD_CHUNK = 1 << 22
+"""Elements per read of a large tensor stored plain: read buffers of 16 MiB whatever the model (a
+coded tensor is read whole: its rows need their scales and indices)."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +66,7 @@ class MergeResult:
     outer_grad_norm: float
     manifest: dict[str, Any] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)
-    """The order the inputs were summed in (merge/incremental.py), when it matters to the bytes."""
-    pending_state: PendingWrite | None = None
-    """With `defer_state`: the new outer state, not written yet (PendingWrite.start / wait)."""
+    """The order the inputs were summed in, which the bytes depend on."""
 
 
 class QuorumError(RunError):
@@ -56,112 +77,288 @@ class QuorumError(RunError):
         self.rejected = rejected
 
 
-def merge_round(
-    storage: Storage,
-    base_key: str,
-    contributions: Sequence[Contribution],
-    out_key: str,
-    outer: OuterConfig,
-    *,
-    state_in_key: str | None,
-    state_out_key: str | None,
-    min_inputs: int = 1,
-    method: str = "average",
-    metadata: Mapping[str, str] | None = None,
-    manifest: Mapping[str, Any] | None = None,
-    accumulator: Any = None,
-    defer_state: bool = False,
-) -> MergeResult:
+@dataclass(frozen=True)
+class _Folded:
+    worker: int
+    key: str
+    weight: float
+    digest: str
+    """Of the file as summed: a contribution replaced since is summed again."""
+    nbytes: int
+
+
+class RunningSum:
+    """S = sum_i w_i x_i over the contributions folded so far, against the global weights at `base_key`.
+
+    `preload`: hold the global weights and the outer state at `state_key` in memory from now on
+    (the service does, while it waits for the workers), so that the outer step reads nothing."""
+
+    def __init__(self, storage: Storage, base_key: str, *, state_key: str | None = None, preload: bool = False) -> None:
+        self.storage, self.base_key, self.state_key = storage, base_key, state_key
+        with open_checkpoint(storage, base_key, f"global weights {storage.display(base_key)}") as base:
+            self.ref: dict[str, TensorSpec] = dict(base.specs)
+            self.base_digest: str = base.manifest["digest"]  # type: ignore[index]
+            self._sum = {n: base.read(n).clone() if sp.dtype not in FLOATS else torch.zeros(sp.shape)
+                         for n, sp in self.ref.items()}  # non-float tensors: every input must equal the base's
+        self._held: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}  # key -> (digest, tensors)
+        if preload:
+            for key, what in [(base_key, "the global weights"), *([(state_key, "the outer state")] if state_key else [])]:
+                try:
+                    tensors, _, m = load_checkpoint(storage, key)
+                    self._held[key] = (m["digest"], tensors)
+                except CheckpointError as exc:  # not held: the merge reads it, and reports it there if still bad
+                    log.warning("merge: cannot hold %s in memory: %s", what, exc)
+        self.space: str | None = None
+        """`weights` or `delta`; None: the space of the first contribution folded."""
+        self.folded: list[_Folded] = []
+        self.rejected: dict[int, tuple[str, str]] = {}
+        """worker -> (digest@written_at of the refused file's manifest, why): a republished file is tried again."""
+        self._dirty = False  # S holds a partial add, or was divided into the mean
+        self._buffers = [_Buffer() for _ in range(DEPTH)]  # reused by every fold: fresh pages cost more than reads
+
+    # -- folding ------------------------------------------------------------------------
+    def add(self, c: Contribution) -> bool:
+        """Fold `c` in; False (and the reason in `rejected`) if it cannot be merged."""
+        m = self._manifest(c.key)
+        ident = f"{m.get('digest')}@{m.get('written_at')}"  # a republished file is tried again
+        if c.worker in self.rejected and self.rejected[c.worker][0] == ident:
+            return False
+        if any(f.worker == c.worker for f in self.folded):
+            raise ValueError(f"worker {c.worker} is folded already: a contribution counts once")
+        if self._dirty:  # bring S back to the sum over `folded`
+            self._rebuild(list(self.folded))
+        t0 = time.perf_counter()
+        try:
+            with one_torch_thread():
+                digest, nbytes = self._fold(c)
+        except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
+            why = str(exc) if isinstance(exc, CheckpointError) else \
+                f"worker {c.worker} ({self.storage.display(c.key)}): {type(exc).__name__}: {exc}"
+            log.warning("merge: rejected worker %d: %s", c.worker, why)
+            self.rejected[c.worker] = (ident, why)
+            if self._dirty:  # part of it was added: rebuild S from the accepted ones, in order
+                self._rebuild(list(self.folded))
+            return False
+        self._dirty = False
+        self.rejected.pop(c.worker, None)
+        self.folded.append(_Folded(c.worker, c.key, c.weight, digest, nbytes))
+        log.info("merge: folded worker %d in %.2fs", c.worker, time.perf_counter() - t0)
+        return True
+
+    def _manifest(self, key: str) -> dict[str, Any]:
+        try:
+            return read_manifest(self.storage, key) or {}
+        except CheckpointError:  # damaged: _fold refuses the contribution, naming why
+            return {}
+
+    def _rebuild(self, todo: Sequence[_Folded]) -> None:
+        for n, t in self._sum.items():
+            if t.is_floating_point():
+                t.zero_()
+        self.folded, self._dirty = [], False
+        for f in todo:
+            self.add(Contribution(f.worker, f.key, f.weight))
+
+    def _fold(self, c: Contribution) -> tuple[str, int]:
+        label = f"worker {c.worker} ({self.storage.display(c.key)})"
+        if not (isinstance(c.weight, (int, float)) and math.isfinite(c.weight) and c.weight > 0):
+            raise CheckpointError(f"{label}: its weight {c.weight!r} is not a positive finite number")
+        with open_checkpoint(self.storage, c.key, label) as f:
+            enc = codec.encoding_of(f.metadata, label)
+            if enc is not None and enc.base_digest != self.base_digest or \
+                    self.space is not None and (enc is None) != (self.space == "weights"):
+                return self._fold_whole(c, label, f)  # a delta against another base, or the other space
+            self.space = self.space or ("weights" if enc is None else "delta")
+            want = {n: (s.dtype, s.shape) for n, s in self.ref.items()}
+            want = codec.stored_specs(want, enc) if enc else want
+            problems = compare_specs({n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in want.items()}, f.specs,
+                                     "the global weights" if enc is None else f"a {enc.codec} delta of the global weights")
+            if problems:
+                raise CheckpointError(f"{label}: {problems[0]}")
+            self._stream(c, label, f, enc)
+            f.verify()
+            return f.manifest["digest"], f.size  # type: ignore[index]
+
+    def _stream(self, c: Contribution, label: str, f: TensorFile, enc: codec.Encoding | None) -> None:
+        """Add `f` as it is read in file order: a tensor stored alone (plain, or a dense fp32/bf16
+        delta, whose decoding is the cast) slice by slice; one stored with its indices or scales
+        once all its entries are in (they are copied out of the read buffers, being small)."""
+        entries = {n: [e for e in (n, n + codec.INDEX, n + codec.SCALE) if e in f.specs] for n in self.ref}
+        owner = {e: n for n, es in entries.items() for e in es}
+        plan = []
+        for e, sp in f.specs.items():
+            numel = math.prod(sp.shape)
+            if sp.dtype in FLOATS and numel > FOLD_CHUNK and entries[owner[e]] == [e]:
+                plan += [[Read(e, f, e, a, min(a + FOLD_CHUNK, numel), (min(a + FOLD_CHUNK, numel) - a,))]
+                         for a in range(0, numel, FOLD_CHUNK)]
+            else:
+                plan.append([Read(e, f, e, 0, numel, sp.shape)])
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        reader = Prefetch(label, c.worker, plan, buffers=self._buffers)
+        try:
+            for (read,) in plan:
+                buf, got = reader.take()
+                name, t = owner[read.tag], got[read.tag]
+                if entries[name] == [read.tag]:
+                    self._add(c, label, name, t, read.start, read.stop)
+                else:
+                    groups.setdefault(name, {})[read.tag] = t.clone()
+                    if len(groups[name]) == len(entries[name]):
+                        got_all = groups.pop(name)
+                        self._add(c, label, name, codec.decode_tensor(name, self.ref[name].shape, enc, got_all.__getitem__))
+                reader.give_back(buf)
+        finally:
+            reader.close()
+
+    def _add(self, c: Contribution, label: str, name: str, x: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        """S[name][start:stop] += w x (a float tensor), or check that a non-float one equals the base's.
+        The product is rounded before the add, not fused into it, so that a sum of two is the same
+        in either order."""
+        s = self._sum[name]
+        if not s.is_floating_point():
+            if not torch.equal(x.reshape(-1), s.reshape(-1)[start:stop]):
+                raise CheckpointError(f"{label}: tensor {name} is {self.ref[name].dtype} (not floating point) and "
+                                      "differs from the global weights': such tensors are not merged, they must be "
+                                      "identical in every input")
+            return
+        if not finite(x):
+            raise CheckpointError(f"{label}: tensor {name} has NaN or Inf values: the model diverged or the file is "
+                                  "damaged; leave it out of the merge")
+        self._dirty = True
+        s.view(-1)[start:stop].add_(x.reshape(-1).to(torch.float32).mul(float(c.weight)))
+
+    def _fold_whole(self, c: Contribution, label: str, f: TensorFile) -> tuple[str, int]:
+        """An input in the other space: decode it whole (codec.load_weights), convert per tensor."""
+        weights = codec.load_weights(self.storage, c.key, label)
+        problems = compare_specs(self.ref, {n: TensorSpec(n, DTYPES[t.dtype], tuple(t.shape), 0, 0) for n, t in weights.items()},
+                                 "the global weights")
+        if problems:
+            raise CheckpointError(f"{label}: {problems[0]}")
+        self.space = self.space or "weights"
+        base = load_checkpoint(self.storage, self.base_key)[0] if self.space == "delta" else {}
+        for name, t in weights.items():
+            x = base[name].to(torch.float32) - t.to(torch.float32) if base and t.is_floating_point() else t
+            self._add(c, label, name, x)
+        return f.manifest["digest"], f.size  # type: ignore[index]
+
+    # -- the merge ----------------------------------------------------------------------
+    def merge(self, contributions: Sequence[Contribution], out_key: str, outer: OuterConfig, *,
+              state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
+              metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None) -> MergeResult:
+        """Make S the sum over exactly `contributions` (what is folded already, in its order, then
+        the rest in the given order), then one outer step into `out_key` (and the outer state)."""
+        t0 = time.perf_counter()
+        want = {c.worker: c for c in contributions}
+        keep = []
+        for f in self.folded:  # still wanted, with the same file and weight?
+            c = want.get(f.worker)
+            if c is None or c.key != f.key or c.weight != f.weight or self._manifest(f.key).get("digest") != f.digest:
+                break
+            keep.append(f)
+        if len(keep) != len(self.folded) or self._dirty:
+            self._rebuild(keep)
+        done = {f.worker for f in self.folded}
+        for c in contributions:
+            if c.worker not in done:
+                self.add(c)
+        rejected = {w: why for w, (_, why) in self.rejected.items() if w in want}
+        order = [f.worker for f in self.folded]
+        if len(order) < min_inputs:
+            raise QuorumError(f"only {len(order)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
+                              f"rejected: {rejected or 'none'}", rejected)
+        with one_torch_thread():
+            out_manifest, grad_sq = self._step(out_key, outer, state_in_key, state_out_key, metadata,
+                                               {**(manifest or {}), "merge_order": order})
+        return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=sum(f.nbytes for f in self.folded),
+                           seconds=time.perf_counter() - t0, outer_grad_norm=grad_sq ** 0.5, manifest=out_manifest,
+                           order=order)
+
+    def _source(self, key: str, label: str) -> tuple[Any, TensorFile | None]:
+        """Tensors of the checkpoint at `key` by name: the copy held in memory if it is still the
+        file on storage (same digest; it is given up, since the step overwrites it), else the file."""
+        held = self._held.pop(key, None)
+        if held is not None and self._manifest(key).get("digest") == held[0]:
+            return held[1], None
+        f = open_checkpoint(self.storage, key, label)
+        return f, f
+
+    def _step(self, out_key: str, outer: OuterConfig, state_in_key: str | None, state_out_key: str | None,
+              metadata: Mapping[str, str] | None, manifest: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """The outer step, tensor by tensor, from S into the new global (and state) files: the
+        pseudo-gradient `base - S / total` (the mean of deltas, for deltas) into a real torch.optim
+        step (merge.outer), over tensors this merge owns (held copies or fresh reads)."""
+        s, total = self.storage, float(sum(f.weight for f in self.folded))
+        self._dirty = True  # S becomes the mean
+        order = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
+        base, base_file = self._source(self.base_key, f"global weights {s.display(self.base_key)}")
+        state, state_file = ({}, None) if state_in_key is None else \
+            self._source(state_in_key, f"outer optimizer state {s.display(state_in_key)}")
+        writers = [StreamWriter([OutputFile(s, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in order],
+                                            metadata, dict(manifest))])]
+        if state_out_key is not None:
+            writers.append(StreamWriter([OutputFile(s, state_out_key, state_out_specs(order, outer), None,
+                                                    {"optimizer": outer.optimizer})]))
+        grad_sq = 0.0
+        try:
+            state_in_specs({k: (DTYPES[t.dtype], tuple(t.shape)) for k, t in state.items()} if isinstance(state, dict)
+                           else {k: (sp.dtype, sp.shape) for k, sp in state.specs.items()}, order, state_slots(outer),
+                           f"outer optimizer state {s.display(state_in_key)}" if state_in_key else "")
+            for name, sp in self.ref.items():
+                b = base[name] if isinstance(base, dict) else base.read(name)
+                if sp.dtype not in FLOATS:
+                    writers[0].put(name, b)
+                    continue
+                grad = self._sum[name].div_(total)
+                if self.space != "delta":
+                    torch.sub(b.to(torch.float32), grad, out=grad)
+                slots = {k.rpartition("::")[2]: (state[k] if isinstance(state, dict) else state.read(k))
+                         for k in _state_keys(state, name)}
+                new, new_state, _ = outer_step_from_grad(b, grad, slots, outer, in_place=True)
+                if not finite(new):  # every input was checked finite as it was folded
+                    raise CheckpointError(f"merged tensor {name} has NaN or Inf values although every input is "
+                                          "finite: the outer merge overflowed; check the weights and the outer "
+                                          "learning rate")
+                g = grad.reshape(-1)
+                grad_sq += float(torch.dot(g, g))
+                writers[0].put(name, new)
+                for slot, t in new_state.items():
+                    if len(writers) > 1:
+                        writers[1].put(state_key(name, slot), t.to(torch.float32))
+                failpoint("merge.while_reading")  # crash tests: half the step written, temporaries on disk
+            for w in writers:
+                w.finish()
+            for f in (base_file, state_file):
+                if f is not None:
+                    f.verify()
+            out = writers[0].commit()[0]
+            failpoint("merge.after_global")  # crash tests: the new global published, its outer state not yet
+            if len(writers) > 1:
+                writers[1].commit()
+            return out, grad_sq
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+        finally:
+            for f in (base_file, state_file):
+                if f is not None:
+                    f.close()
+
+
+def _state_keys(state: Any, name: str) -> list[str]:
+    keys = state.keys() if isinstance(state, dict) else state.specs
+    return [k for k in keys if k.rpartition("::")[0] == name]
+
+
+def merge_round(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,
+                outer: OuterConfig, *, state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
+                metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None,
+                accumulator: RunningSum | None = None) -> MergeResult:
     """Merge `contributions` into the weights at `base_key`; write `out_key` (and the outer state).
 
-    Rejected contributions are reported in the result, not raised; RunError if fewer than
-    `min_inputs` valid ones remain. `average` is summed in the contributions' order, or through
-    `accumulator` (a merge.incremental.RunningSum folded while they arrived), which decode delta
-    contributions (core/codec.py); the other methods stream every input at once, here.
-    `defer_state`: the new outer state is returned unwritten, as the result's `pending_state`
-    (the service writes it after the round's record: the next round needs only the new global).
-    """
-    if method == "average":
-        return merge_summed(storage, base_key, contributions, out_key, outer, accumulator=accumulator,
-                            state_in_key=state_in_key, state_out_key=state_out_key, min_inputs=min_inputs,
-                            metadata=metadata, manifest=manifest, defer_state=defer_state)
-    t0 = time.perf_counter()
-    rejected: dict[int, str] = {}
-    live = list(contributions)
-    while True:
-        if len(live) < min_inputs:
-            raise QuorumError(f"only {len(live)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
-                              f"rejected: {rejected or 'none'}", rejected)
-        try:
-            stats = _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key,
-                                method, metadata, manifest, defer_state)
-        except ContributionRejected as exc:
-            log.warning("merge: rejected worker %d: %s", exc.worker, exc.reason)
-            rejected[exc.worker] = exc.reason
-            live = [c for c in live if c.worker != exc.worker]
-            continue
-        return MergeResult(merged=[c.worker for c in live], rejected=rejected, bytes_read=stats.bytes_read,
-                           seconds=time.perf_counter() - t0, outer_grad_norm=stats.grad_sq ** 0.5,
-                           manifest=stats.manifests[0], pending_state=stats.pending_state)
-
-
-def _merge_once(storage, base_key, live, out_key, outer, state_in_key, state_out_key, method, metadata,
-                manifest, defer_state=False) -> MergeStats:
-    opened: list[Model] = []
-    try:
-        base = open_file_model(storage, base_key, f"global weights {storage.display(base_key)}", "base",
-                               require_manifest=True)
-        opened.append(base)
-        ref = model_specs(base)
-        inputs = []
-        for c in live:
-            try:
-                m = open_file_model(storage, c.key, f"worker {c.worker} ({storage.display(c.key)})", c.worker,
-                                    require_manifest=True)
-            except CheckpointError as exc:
-                raise ContributionRejected(c.worker, str(exc)) from None
-            opened.append(m)
-            problems = compare_specs(ref, model_specs(m), "the global weights")
-            if problems:
-                raise ContributionRejected(c.worker, problems[0])
-            inputs.append(m)
-        state_in = None
-        if state_in_key is not None:
-            state_in = open_file_model(storage, state_in_key, f"outer optimizer state {storage.display(state_in_key)}",
-                                       "state", require_manifest=True)
-            opened.append(state_in)
-    except BaseException:
-        for m in opened:
-            m.close()
-        raise
-    out, state_out = round_outputs(storage, ref, out_key, state_out_key, outer, metadata, manifest)
-    try:
-        return run_merge(inputs, [c.weight for c in live], "outer", [out], params={"optimizer": outer, "inner": method},
-                         base=base, state_in=state_in, state_out=state_out, defer_state=defer_state)
-    except InputError as exc:
-        if isinstance(exc.ident, int):
-            raise ContributionRejected(exc.ident, exc.reason) from None
-        raise CheckpointError(exc.reason) from None
-
-
-def round_outputs(storage: Storage, ref: Mapping[str, TensorSpec], out_key: str, state_out_key: str | None,
-                  outer: OuterConfig, metadata: Mapping[str, str] | None, manifest: Mapping[str, Any] | None
-                  ) -> tuple[OutputFile, OutputFile | None]:
-    """The files a round's merge writes: the next global weights, laid out as `ref` (the current
-    ones), and the outer optimizer's state if `state_out_key` is given."""
-    order = [(n, sp.dtype, sp.shape) for n, sp in ref.items()]
-    out = OutputFile(storage, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in order], metadata,
-                     dict(manifest or {}))
-    state_out = None if state_out_key is None else OutputFile(
-        storage, state_out_key, state_out_specs(order, outer), None, {"optimizer": outer.optimizer})
-    return out, state_out
-
-
-def merge_summed(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,
-                 outer: OuterConfig, *, accumulator: Any = None, **kw: Any) -> MergeResult:
-    """merge_round for the linear merge: through `accumulator` (a merge.incremental.RunningSum: what
-    a streaming service folded so far) or a fresh one fed `contributions` in their order."""
-    from merge.incremental import RunningSum  # it builds on this module's types
-
+    Rejected contributions are reported in the result, not raised; QuorumError if fewer than
+    `min_inputs` valid ones remain. Through `accumulator` (what a streaming service folded so far)
+    or a fresh RunningSum fed `contributions` in their order."""
     acc = accumulator if accumulator is not None else RunningSum(storage, base_key)
-    return acc.merge(contributions, out_key, outer, **kw)
+    return acc.merge(contributions, out_key, outer, state_in_key=state_in_key, state_out_key=state_out_key,
+                     min_inputs=min_inputs, metadata=metadata, manifest=manifest)

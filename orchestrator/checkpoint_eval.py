@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from core.checkpoint import LazyCheckpoint, read_manifest
+from core.checkpoint import TensorFile, read_manifest
 from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import SAFETENSORS, RunLayout, manifest_key
@@ -80,8 +80,8 @@ def load(target: Target) -> torch.nn.Module:
     """The model of a checkpoint: rebuilt from its metadata (global and final models carry it), or
     from its run's config (workers' contributions do not)."""
     root, name = posixpath.split(target.url)
-    storage = Storage(root or ".")
-    with LazyCheckpoint(storage, name, read_manifest(storage, name), label=target.label) as ck:
+    storage = Storage(root or ".", follow_links=True)  # a path the user names
+    with TensorFile(storage, name, read_manifest(storage, name), label=target.label) as ck:
         if MODEL_META in ck.metadata or target.run is None:
             tensors = None
         else:

@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import LazyCheckpoint, open_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import FLOATS, TensorFile, open_checkpoint, read_manifest, write_checkpoint
 from core.config import Config
 from core.errors import CheckpointError, ContributionRejected
 from core.layout import RunLayout
 from core.storage import Storage
-from merge.engine import compare_specs
+from merge.inputs import compare_specs
 from merge.rounds import Contribution
-from merge.reader import FLOATS
-from orchestrator.plan import Fold, fold_plan
+from orchestrator.plan import Fold, contribution_weight, fold_plan
 from orchestrator.runstate import arrived_workers, jobs_of_round
 
 log = logging.getLogger(__name__)
@@ -95,13 +94,16 @@ def _fold_one(storage: Storage, cfg: Config, r: int, f: Fold) -> Folded:
         raise ContributionRejected(f.worker, f"stale late contribution: manifest says round {m.get('round')} worker "
                                              f"{m.get('worker')} base {str(m.get('base_digest'))[:12]}, expected round "
                                              f"{f.from_round} worker {f.worker} base {str(want)[:12]}")
-    weight = float(m.get("tokens", 1)) if cfg.outer.weighting == "tokens" else 1.0
+    weight = contribution_weight(m, cfg)
+    if isinstance(weight, str):
+        raise ContributionRejected(f.worker, f"late contribution {storage.display(src)}: {weight}")
     out = L.folded_contribution(r, f.worker, f.from_round)
     try:
         rebase(storage, L.global_weights(r), src, base, out,
                manifest={"round": r, "worker": f.worker, "from_round": f.from_round, "source_digest": m["digest"]})
-    except CheckpointError as exc:
-        raise ContributionRejected(f.worker, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - whatever a bad file does, it is one rejection
+        raise ContributionRejected(f.worker, str(exc) if isinstance(exc, CheckpointError) else
+                                   f"{storage.display(src)}: {type(exc).__name__}: {exc}") from None
     return Folded(f.worker, f.from_round, f.staleness, weight * f.factor, out, src, base, m["digest"])
 
 
@@ -124,7 +126,7 @@ def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, ou
             ck.close()
 
 
-def _rebased(g: LazyCheckpoint, w: LazyCheckpoint, b: LazyCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+def _rebased(g: TensorFile, w: TensorFile, b: TensorFile) -> Iterator[tuple[str, torch.Tensor]]:
     for name, spec in g.specs.items():
         gt, wt, bt = g.get(name), w.get(name), b.get(name)
         if spec.dtype not in FLOATS:

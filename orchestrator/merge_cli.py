@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from merge.directio import IO_MODES
 from merge.engine import DEFAULT_BUFFER_BYTES
 from merge.methods import PUBLIC
 
@@ -38,10 +37,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="outer: optimizer state file, read if it exists and replaced by the new state")
     p.add_argument("--buffer-mib", type=int, default=DEFAULT_BUFFER_BYTES >> 20,
                    help=f"read buffers of all inputs together, MiB (default {DEFAULT_BUFFER_BYTES >> 20})")
-    p.add_argument("--io", choices=IO_MODES, default="auto",
-                   help="how local files are read and written: auto (default) reads large files that are not "
-                        "in the page cache dropping each page once read, and writes large files with O_DIRECT, "
-                        "bypassing the cache; direct (O_DIRECT both ways) or buffered force one way")
     p.set_defaults(merge_handler=cmd_merge)
     return p
 
@@ -62,8 +57,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
                                     ("momentum", args.outer_momentum)) if v is not None}
     outer = OuterConfig(**outer_opts) if outer_opts else None
     res = manual_merge(args.inputs, args.out, method=args.method, weights=weights, base=args.base, params=params,
-                       outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20,
-                       io=args.io)
+                       outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20)
     rate = res.bytes_read / res.seconds / 1e9 if res.seconds else 0.0
     console.print(f"merged {res.inputs} input(s) with {res.method}: {res.bytes_read / 1e9:.2f} GB read in "
                   f"{res.seconds:.2f}s ({rate:.2f} GB/s)")

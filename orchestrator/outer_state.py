@@ -1,10 +1,8 @@
-"""The outer optimizer state a round's merge writes after the round is committed.
+"""Rebuilding the outer optimizer state of a committed round when it is missing or damaged.
 
-The next round's workers need only the new global weights, so the merge service publishes those,
-commits the round (its record) and only then writes `outer/state_{r+1}` in the background
-(merge.writer.PendingWrite); the merge of round r+1 is the first reader, many inner steps later.
-If that write fails (a full disk) or the service dies before it ends, the state is missing while
-the round is committed. It is then rebuilt here: round r's merge is done again from what its
+A round's merge writes `outer/state_{r+1}` beside the new global weights, before the round's record
+commits it. Should it be gone or damaged afterwards (deleted by hand, a disk fault, a run begun by
+an islands that wrote it after the record), it is rebuilt here: round r's merge is done again from what its
 record names (the same contributions and late folds, with the same weights, summed in the
 recorded order, from global_r and state_r), which gives the same bytes; the redone global must
 hash to the published one, or nothing is written. Contributions and folds are never deleted from
@@ -13,13 +11,14 @@ the run directory, so the inputs are there.
 from __future__ import annotations
 
 import logging
+import posixpath
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from core.checkpoint import LazyCheckpoint, read_manifest
+from core.checkpoint import TensorFile, read_manifest
 from core.config import Config
 from core.errors import CheckpointError, RunError
-from core.layout import RunLayout
+from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
 
@@ -81,21 +80,22 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
     if problem or changed:
         raise RunError(f"cannot rebuild {target}: " + (problem or f"the contributions of workers {changed} "
                        f"changed or disappeared since round {r} merged them") + f"; {fix}")
-    scratch = L.rebuilt_global(r)
+    scratch, scratch_state = L.rebuilt_global(r), L.rebuilt_state(r)
     try:
-        result = merge_round(storage, L.global_weights(r), contribs, scratch, cfg.outer,
-                             state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
-                             min_inputs=len(contribs), metadata=metadata, manifest={"round": r + 1}, defer_state=True)
-    except (RunError, CheckpointError) as exc:
-        raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
-    try:
-        pending = result.pending_state
+        try:
+            result = merge_round(storage, L.global_weights(r), contribs, scratch, cfg.outer,
+                                 state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=scratch_state,
+                                 min_inputs=len(contribs), metadata=metadata, manifest={"round": r + 1})
+        except (RunError, CheckpointError) as exc:
+            raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
         if result.rejected or not _is_published(storage, scratch, result.manifest, published, L.global_weights(r + 1)):
-            pending.discard()
             raise RunError(f"cannot rebuild {target}: round {r}'s merge done again does not give the published "
                            f"{storage.display(L.global_weights(r + 1))} (digest {result.manifest['digest'][:12]}, "
                            f"recorded {published[:12]}; refused {result.rejected or 'none'}); {fix}")
-        pending.wait()
+        manifest = read_manifest(storage, scratch_state)
+        storage.move(scratch_state, L.outer_state(r + 1))
+        storage.write_json(manifest_key(L.outer_state(r + 1)), {**(manifest or {}), "file": posixpath.basename(
+            L.outer_state(r + 1))})  # the manifest last: the state is whole from here on
     finally:
         storage.remove(L.rebuild_dir(r), recursive=True)
     log.info("outer optimizer state %s rebuilt from round %d's inputs", target, r)
@@ -113,7 +113,7 @@ def _is_published(storage: Storage, redone: str, redone_manifest: Mapping[str, A
         named = (read_manifest(storage, published_key) or {}).get("hash")
         if named is None or named == redone_manifest.get("hash"):
             return False
-        with LazyCheckpoint(storage, redone, {"hash": named, "digest": published}) as ck:
+        with TensorFile(storage, redone, {"hash": named, "digest": published}) as ck:
             ck.verify()
         return True
     except CheckpointError:

@@ -43,7 +43,7 @@ def create_run(storage: Storage, cfg: Config) -> None:
     model = build_model(cfg.model)
     if cfg.model.init_from:
         root, _, name = cfg.model.init_from.rstrip("/").rpartition("/")
-        tensors, _, _ = load_checkpoint(Storage(root or "."), name, label=f"model.init_from {cfg.model.init_from}")
+        tensors, _, _ = load_checkpoint(Storage(root or ".", follow_links=True), name, label=f"model.init_from {cfg.model.init_from}")
         load_weights(model, tensors, f"model.init_from {cfg.model.init_from}")
     write_checkpoint(storage, L.global_weights(0), weights_of(model), metadata=model_metadata(cfg.model),
                      manifest={"round": 0, "init_from": cfg.model.init_from})

@@ -1,16 +1,21 @@
 """The merge service: drives a run from storage alone.
 
 For each round: submit the workers (one batch), poll the run directory and the scheduler, decide
-(orchestrator.plan) whether to wait, resubmit or merge, merge (merge.engine), evaluate the new
+(orchestrator.plan) whether to wait, resubmit or merge, merge (merge.rounds), evaluate the new
 global model, and commit the round by writing its record last. Everything it knows is in the run
 directory, so a killed service is resumed by starting it again: a round with a record is never
 redone, a round without one is merged again from the same inputs (the outer-optimizer state of
-round r is read from state_r and written to state_r+1, so it is never applied twice). state_r+1
-is written after round r's record, in the background (the next round needs only the new global);
-a resumed service rebuilds it if it is missing (orchestrator.outer_state).
+round r is read from state_r and written to state_r+1, so it is never applied twice); a resumed
+service rebuilds a committed round's missing state (orchestrator.outer_state).
+
+Every contribution is untrusted: its weight is derived from what the service asked of its worker
+(orchestrator.plan.contribution_weight), never taken from its manifest, and whatever goes wrong
+while it is read or folded rejects it with the reason in the round's record; the file is moved to
+the round's `rejected/` folder, and the round goes on.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -26,15 +31,13 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.outer import outer_step
-from merge.rounds import Contribution, QuorumError, merge_round
-from merge.incremental import RunningSum
+from merge.rounds import Contribution, QuorumError, RunningSum, merge_round
 from merge.lte import merge_lte_round
-from merge.writer import PendingWrite
 from orchestrator.executor import Executor, JobStatus
-from orchestrator.plan import Decision, WorkerView, decide, next_bases
+from orchestrator.plan import Decision, WorkerView, contribution_weight, decide, next_bases
 from orchestrator import late
 from orchestrator.metrics import write_round_metrics
-from orchestrator.outer_state import ensure_outer_state, rebuild_outer_state
+from orchestrator.outer_state import ensure_outer_state
 from orchestrator.runstate import Evaluator, arrived_workers, export_final, jobs_of_round
 
 log = logging.getLogger(__name__)
@@ -60,8 +63,6 @@ class RoundService:
         self._sched_interval = cfg.round.poll_s
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
-        self._spent_sum: RunningSum | None = None  # the last merged round's, until its evaluation
-        self._state_write: tuple[int, PendingWrite] | None = None  # (round it was merged in, its outer state)
         # torch.optim's first step pays ~1.5 s of lazy imports: pay it now, not inside round 0's merge.
         outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)
 
@@ -73,34 +74,13 @@ class RoundService:
         r = self.first_open_round()
         ensure_outer_state(self.storage, self.cfg, r, self.evaluator.metadata)  # a service that died writing it
         self._evaluate_missing(r)
-        try:
-            while r < self.cfg.rounds:
-                record = self.run_round(r)
-                if r + 1 < self.cfg.rounds:  # the next round's workers queue while we evaluate this one
-                    self._ensure_submitted(r + 1)
-                self._evaluate(record)
-                r += 1
-        except BaseException:
-            try:  # finish writing the last state before leaving; a resumed service rebuilds it otherwise
-                self._settle_outer_state()
-            except Exception as exc:  # noqa: BLE001 - the error that stopped the run is the one to report
-                log.warning("the last outer optimizer state is not written (%s); `orchestrate resume` rebuilds it", exc)
-            raise
+        while r < self.cfg.rounds:
+            record = self.run_round(r)
+            if r + 1 < self.cfg.rounds:  # the next round's workers queue while we evaluate this one
+                self._ensure_submitted(r + 1)
+            self._evaluate(record)
+            r += 1
         export_final(self.storage, self.cfg)
-
-    def _settle_outer_state(self) -> None:
-        """Wait for the outer state the last merge writes in the background; if that write failed,
-        rebuild the state from its round's inputs (they are all on storage)."""
-        if self._state_write is None:
-            return
-        r, pending = self._state_write
-        self._state_write = None
-        try:
-            pending.wait()
-        except Exception as exc:  # noqa: BLE001 - any failure: the state can be made again from the inputs
-            log.warning("round %d: the outer optimizer state %s was not written (%s); rebuilding it", r,
-                        self.storage.display(L.outer_state(r + 1)), exc)
-            rebuild_outer_state(self.storage, self.cfg, r, self.evaluator.metadata)
 
     def _ensure_submitted(self, r: int) -> dict[str, Any]:
         jobs = jobs_of_round(self.storage, r)
@@ -132,10 +112,8 @@ class RoundService:
 
     def _evaluate(self, record: dict[str, Any]) -> None:
         """Add the new global model's eval loss to a committed round record (off the critical path)."""
-        self._spent_sum = None  # the next round is submitted by now; the evaluation wants the memory
         r = record["round"]
         record["eval_loss"] = self.evaluator.loss(self.storage, L.global_weights(r + 1))
-        self._settle_outer_state()  # the metrics count its bytes
         self.storage.write_json(L.round_record(r), record)
         write_round_metrics(self.storage, self.cfg, record)  # metrics/round_r.jsonl (docs/observability.md)
         self.on_round(record)
@@ -267,10 +245,11 @@ class RoundService:
             entry = jobs["workers"][str(w)]
             dest = L.rejected_contribution(r, w, entry["attempts"])
             src = L.contribution(r, w)
-            self.storage.remove(manifest_key(src))  # unpublish first
-            if self.storage.exists(src):
-                self.storage.copy(src, dest)
-                self.storage.remove(src)
+            for a, b in ((manifest_key(src), manifest_key(dest)), (src, dest)):  # unpublish first
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.move(a, b)  # a rename: whatever it is (a FIFO too), it is not read
+            self.storage.write_json(L.rejected_reason(r, w, entry["attempts"]), {"worker": w, "reason": why,
+                                    "job_id": entry["job_ids"][-1], "at": time.time()})
             entry.setdefault("failures", []).append({"job_id": entry["job_ids"][-1], "rejected": why})
         self.storage.write_json(L.round_jobs(r), jobs)
 
@@ -285,7 +264,6 @@ class RoundService:
 
     # -- merge + commit ---------------------------------------------------------------------
     def _merge(self, r: int, jobs: dict[str, Any], decision: Decision) -> dict[str, Any]:
-        self._settle_outer_state()  # state_r, which this merge reads
         self._idle: dict[int, float] = {}
         self._digests: dict[int, str] = {}  # of each contribution merged: what a replay must find (bench/chaos.py)
         stale, contribs = self._contributions(r, jobs, decision.workers)
@@ -306,13 +284,11 @@ class RoundService:
                     self.cfg.outer,
                     state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
                     min_inputs=self.cfg.quorum, metadata=self.evaluator.metadata, manifest={"round": r + 1},
-                    accumulator=self._sum if self._sum_round == r else None, defer_state=True)
+                    accumulator=self._sum if self._sum_round == r else None)
         except QuorumError as exc:
             exc.rejected = {w: why for w, why in {**exc.rejected, **stale}.items() if w >= 0}  # < 0: folds
             raise
-        # spent (it holds the mean now); freed after the record and the next submission, not before
-        # them: freeing the sum and held copies of a 242 MiB model took 0.12-0.13 s here
-        self._spent_sum, self._sum, self._sum_round = self._sum, None, -1
+        self._sum, self._sum_round = None, -1  # spent: it holds the mean now
         merged, on_time_rejected, merged_folds, refused = late.split_merged(result.merged, result.rejected, folded)
         if len(merged) < self.cfg.quorum:  # folds never make up a quorum: not committed, global_r+1 is redone
             raise QuorumError(f"only {len(merged)} on-time contribution(s) merged, the quorum is {self.cfg.quorum}",
@@ -345,9 +321,7 @@ class RoundService:
         failpoint("service.before_record")
         self.storage.write_json(L.round_record(r), record)  # the commit point of the round
         failpoint("service.after_record")
-        if result.pending_state is not None:  # written while the next round starts; waited for before it is read
-            result.pending_state.start()  # (an uncommitted merge's is never started: it is redone, state included)
-            self._state_write = (r, result.pending_state)
+        self._set_aside(r, jobs, rejected)  # after the commit: a resumed round finds them where the merge did
         return record
 
     def _why_dropped(self, r: int, jobs: dict[str, Any], dropped: list[int]) -> dict[str, str]:
@@ -394,7 +368,9 @@ class RoundService:
         if m.get("round") != r or m.get("worker") != w or (want and m.get("base_digest") != want):
             return None, (f"stale contribution: manifest says round {m.get('round')} worker {m.get('worker')} base "
                           f"{str(m.get('base_digest'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}"), m
-        weight = float(m.get("tokens", 1)) if self.cfg.outer.weighting == "tokens" else 1.0
+        weight = contribution_weight(m, self.cfg)
+        if isinstance(weight, str):  # a manifest whose figures do not add up: refused like a bad file
+            return None, f"worker {w} ({self.storage.display(key)}): {weight}", m
         return Contribution(w, key, weight), "", m
 
     def _stream(self, r: int, jobs: dict[str, Any]) -> None:
@@ -402,8 +378,7 @@ class RoundService:
         if not self.cfg.round.stream_merge or self.cfg.algorithm == "lte":
             return
         if self._sum_round != r:
-            self._settle_outer_state()  # state_r is read into memory now
-            self._spent_sum = self._sum = None  # the last round's copies go before this round's come
+            self._sum = None  # the last round's copies go before this round's come
             # held in memory while the workers train: the outer step after the last fold reads nothing
             self._sum = RunningSum(self.storage, L.global_weights(r), state_key=L.outer_state(r) if r > 0 else None,
                                    preload=True)

@@ -1,4 +1,4 @@
-"""Compressed contributions (core/codec.py) and the running-sum merge (merge/incremental.py).
+"""Compressed contributions (core/codec.py) and the running-sum merge (merge/rounds.py).
 
 Codec maths on hand-worked tensors; round merges from coded deltas against an independent oracle:
 plain torch on the full tensors and torch.optim.SGD(nesterov=True) stepped directly.
@@ -15,8 +15,8 @@ from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.rounds import Contribution, merge_round
-from merge import fold_reader, incremental
-from merge.incremental import RunningSum
+from merge import rounds
+from merge.rounds import RunningSum
 
 NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
 
@@ -201,33 +201,11 @@ def test_a_contribution_found_corrupt_after_being_added_never_counts(mem):
     assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
 
 
-def test_the_last_fold_beside_the_outer_step_gives_the_same_bytes(mem, monkeypatch):
-    """Folding the last contribution while the outer step consumes the mean tensor by tensor is
-    the same sum and the same step as folding everything first."""
-    beside_calls = []
-    real = RunningSum._fold_during_step
-    monkeypatch.setattr(RunningSum, "_fold_during_step", lambda self, c, step: beside_calls.append(c.worker) or real(self, c, step))
-    g, workers, sha = _setup(mem, k=3, seed=14)
-    cs = [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha), float(3 + i)) for i, w in enumerate(workers)]
-    threads = torch.get_num_threads()
-    first = RunningSum(mem, "g0.safetensors")
-    for c in cs:
-        assert first.add(c)
-    _merge(mem, cs, "g1.safetensors", accumulator=first)  # nothing left to fold: the step alone
-    beside = RunningSum(mem, "g0.safetensors")
-    assert beside.add(cs[0]) and beside.add(cs[1])
-    res = _merge(mem, cs, "h1.safetensors", accumulator=beside)  # worker 2 folds beside the step
-    assert res.order == [0, 1, 2] and res.merged == [0, 1, 2] and beside_calls == [2]
-    assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
-    assert _bytes(mem, "state_g1.safetensors") == _bytes(mem, "state_h1.safetensors")
-    assert torch.get_num_threads() == threads  # the two threads' torch settings did not leak
-
-
-def test_a_last_contribution_found_corrupt_beside_the_step_publishes_nothing_of_it(mem):
+def test_a_last_contribution_found_corrupt_publishes_nothing_of_it(mem):
     g, workers, sha = _setup(mem, seed=15)
     cs = [Contribution(i, _publish(mem, f"w{i}.safetensors", g, w, sha), 1.0) for i, w in enumerate(workers)]
     raw = bytearray(mem.read_bytes("w2.safetensors"))
-    raw[-3] ^= 0xFF  # the digest fails only after every tensor was added and handed to the step
+    raw[-3] ^= 0xFF  # the digest fails only after every tensor was added
     mem.fs.pipe_file(mem.path("w2.safetensors"), bytes(raw))
     acc = RunningSum(mem, "g0.safetensors")
     assert acc.add(cs[0]) and acc.add(cs[1])
@@ -270,7 +248,7 @@ def test_held_global_and_state_are_stepped_in_place_and_give_the_same_bytes(mem)
     cs = _second_round(mem, seed=11)
     acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
     assert set(acc._held) == {"g1.safetensors", "state_g1.safetensors"}
-    held = {key: m.files[0] for key, m in acc._held.items()}
+    held = {key: tensors for key, (_, tensors) in acc._held.items()}
     for c in cs[:2]:
         assert acc.add(c)
     _round1(mem, cs, "g2.safetensors", acc)
@@ -281,35 +259,18 @@ def test_held_global_and_state_are_stepped_in_place_and_give_the_same_bytes(mem)
     # tensors: the files hold nothing else here), and are no longer held as round 1's
     for old_key, new_key in [("g1.safetensors", "g2.safetensors"), ("state_g1.safetensors", "state_g2.safetensors")]:
         f, new = held[old_key], load_checkpoint(mem, new_key)[0]
-        assert all(torch.equal(f.view(n), new[n]) for n in f.specs), old_key
+        assert all(torch.equal(f[n], new[n]) for n in f), old_key
     assert acc._held == {}
     _round1(mem, cs, "k2.safetensors", acc)  # the same merge again reads round 1's files
     assert _bytes(mem, "k2.safetensors") == _bytes(mem, "h2.safetensors")
     assert _bytes(mem, "state_k2.safetensors") == _bytes(mem, "state_h2.safetensors")
 
 
-def test_the_copies_stepped_in_place_are_freed_with_the_sum_not_by_the_merge(mem):
-    """Unmapping them is slow, and the merge's caller (the service) has the round's record and
-    the next submission to do first: the spent sum keeps them until it is itself let go."""
-    import gc
-    import weakref
-    cs = _second_round(mem, seed=16)
-    acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
-    held = [weakref.ref(m.files[0].data) for m in acc._held.values()]
-    result = _round1(mem, cs, "g2.safetensors", acc)
-    del result
-    gc.collect()
-    assert acc._held == {} and all(r() is not None for r in held)
-    del acc
-    gc.collect()
-    assert all(r() is None for r in held)
-
-
-def test_a_last_contribution_refused_during_the_in_place_step_is_left_out_exactly(mem):
+def test_a_last_contribution_refused_is_left_out_exactly(mem):
     cs = _second_round(mem, seed=14)
     g1 = load_checkpoint(mem, "g1.safetensors")[0]
     bad = {n: t + 0.03 for n, t in g1.items()}
-    bad["c"] = torch.tensor(float("nan"))  # the last tensor: the step has consumed the others by then
+    bad["c"] = torch.tensor(float("nan"))  # the last tensor: the others were added by then
     _publish(mem, cs[2].key, g1, bad, "unused")
     acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
     for c in cs[:2]:
@@ -426,8 +387,7 @@ def test_a_delta_against_another_base_is_decoded_whole_and_rebased_on_the_global
 
 @pytest.mark.parametrize("coding", [None, "fp32", "bf16", "int8"])
 def test_a_fold_in_slices_gives_the_bytes_of_whole_tensors(mem, monkeypatch, coding):
-    """Large plain tensors are folded (and handed to the step beside the last fold) in slices of
-    FOLD_CHUNK elements: made 100 here, a.w (8 x 33 = 264 elements) is cut unevenly (100, 100, 64),
+    """Large tensors stored alone are folded in slices of FOLD_CHUNK elements: made 100 here, a.w (8 x 33 = 264 elements) is cut unevenly (100, 100, 64),
     the smaller ones are read whole, and int8 tensors (rows with their scales) always are. Same
     bytes as whole tensors, same oracle."""
     g, workers, sha = _setup(mem, k=3, seed=21)
@@ -435,14 +395,18 @@ def test_a_fold_in_slices_gives_the_bytes_of_whole_tensors(mem, monkeypatch, cod
     whole = RunningSum(mem, "g0.safetensors")
     assert whole.add(cs[0]) and whole.add(cs[1])
     _merge(mem, cs, "g1.safetensors", accumulator=whole)
-    monkeypatch.setattr(fold_reader, "FOLD_CHUNK", 100)
+    monkeypatch.setattr(rounds, "FOLD_CHUNK", 100)
     sliced = RunningSum(mem, "g0.safetensors")
     assert sliced.add(cs[0]) and sliced.add(cs[1])
     reads = []
-    real = incremental.RunningSum._add_slice
-    monkeypatch.setattr(incremental.RunningSum, "_add_slice", lambda self, c, l, n, a, b, t: reads.append((n, a, b)) or
-                        real(self, c, l, n, a, b, t))
-    res = _merge(mem, cs, "h1.safetensors", accumulator=sliced)  # worker 2 folds beside the step, in slices
+    real = rounds.RunningSum._add
+
+    def add(self, c, label, name, x, start=0, stop=None):
+        if stop is not None and stop - start < math.prod(self.ref[name].shape):  # a slice
+            reads.append((name, start, stop))
+        return real(self, c, label, name, x, start, stop)
+    monkeypatch.setattr(rounds.RunningSum, "_add", add)
+    res = _merge(mem, cs, "h1.safetensors", accumulator=sliced)  # worker 2 folds at the merge, in slices
     assert res.merged == [0, 1, 2]
     assert _bytes(mem, "g1.safetensors") == _bytes(mem, "h1.safetensors")
     assert _bytes(mem, "state_g1.safetensors") == _bytes(mem, "state_h1.safetensors")

@@ -21,6 +21,9 @@ from test_late import G0, ThreadExecutor
 
 L = RunLayout()
 pytestmark = pytest.mark.slow
+WORK = {"steps": 25, "tokens": 25 * 16 * 128}
+"""What a worker of the default config reports: inner.steps x inner.batch_size x model.block_size
+tokens (the service derives a contribution's weight from the same figures: orchestrator.plan)."""
 
 
 class Scripted(ThreadExecutor):
@@ -42,7 +45,7 @@ class Scripted(ThreadExecutor):
 def publish(s: Storage, r: int, w: int, base_key: str, delta: float, **manifest) -> None:
     base = load_checkpoint(s, base_key)[0]
     write_checkpoint(s, L.contribution(r, w), {k: v + delta for k, v in base.items()},
-                     manifest={"round": r, "worker": w, "tokens": 100,
+                     manifest={"round": r, "worker": w, **WORK,
                                "base_digest": read_manifest(s, base_key)["digest"], **manifest})
 
 

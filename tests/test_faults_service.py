@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--executor", "local", "--workers", "2", "--rounds", "3", "--inner-steps", "2",
         "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
         "--set", "inner.batch_size=4", "--set", "data.eval_batches=1", "--set", "round.poll_s=0.1"]
-POINTS = ["merge.while_reading", "merge.after_global", "service.before_record", "service.after_record",
-          "merge.before_pending_write"]
+POINTS = ["merge.while_reading", "merge.after_global", "service.before_record", "service.after_record"]
 
 
 def _shas(run: Path) -> list[str]:

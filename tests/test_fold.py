@@ -1,8 +1,8 @@
-"""Folding contributions on local disk into the running sum (merge.incremental through merge.lanes).
+"""Folding contributions on local disk into the running sum (merge.rounds.RunningSum).
 
-Real files under tmp_path, read by a lane's reader threads (positional reads) and, with
-`io` direct where the filesystem offers it, around the page cache. The oracle is plain torch on
-whole tensors in the same order: S = sum_i (w_i * x_i) in float32, each product rounded first.
+Real files under tmp_path, read by a reader thread (merge.engine.Prefetch) through the one reader
+of the format (core.checkpoint.TensorFile). The oracle is plain torch on whole tensors in the same
+order: S = sum_i (w_i * x_i) in float32, each product rounded first.
 """
 from __future__ import annotations
 
@@ -10,27 +10,21 @@ import pytest
 import torch
 
 from core.checkpoint import read_manifest, write_checkpoint
-from core.errors import CheckpointError
 from core.storage import Storage
-from merge import directio
-from merge.rounds import Contribution
-from merge import fold_reader
-from merge.fold_reader import FOLD_SLOTS
-from merge.incremental import RunningSum
+from merge import rounds
+from merge.rounds import Contribution, RunningSum
 
 WEIGHTS = [1.0, 2.0, 0.5]
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
-    """bf16 tensors of awkward sizes (offsets anywhere in a page), and one that is not summed."""
+    """bf16 tensors of awkward sizes, and one that is not summed."""
     g = torch.Generator().manual_seed(seed)
     return {"a": torch.randn(3001, generator=g).bfloat16(), "b": torch.randn(7, 5, generator=g).bfloat16(),
             "c": torch.randn(70_000, generator=g).bfloat16(), "d": torch.tensor([1, 2, 3], dtype=torch.uint8)}
 
 
-def _setup(tmp_path, monkeypatch, direct: bool) -> Storage:
-    if direct:
-        monkeypatch.setattr(directio, "DIRECT_MIN_BYTES", 1)  # every file is "large": read around the cache
+def _setup(tmp_path) -> Storage:
     s = Storage(str(tmp_path))
     write_checkpoint(s, "g.safetensors", _model(0), manifest={"round": 0})
     for i in range(len(WEIGHTS)):
@@ -39,38 +33,36 @@ def _setup(tmp_path, monkeypatch, direct: bool) -> Storage:
 
 
 @pytest.mark.parametrize("chunk", [None, 1000])
-@pytest.mark.parametrize("direct", [False, True])
-def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, direct, chunk):
+def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, chunk):
     """chunk 1000: tensors a and c are read and added in slices of 1000 elements (c in 70)."""
     if chunk:
-        monkeypatch.setattr(fold_reader, "FOLD_CHUNK", chunk)
-    s = _setup(tmp_path, monkeypatch, direct)
+        monkeypatch.setattr(rounds, "FOLD_CHUNK", chunk)
+    s = _setup(tmp_path)
     acc = RunningSum(s, "g.safetensors")
     buffers = []
     for i, w in enumerate(WEIGHTS):
         assert acc.add(Contribution(i, f"w{i}.safetensors", w))
-        buffers.append(sorted(sl.raw.data_ptr() for sl in acc._slots))
+        buffers.append(sorted(b.raw.data_ptr() for b in acc._buffers))
     want = {n: torch.zeros(t.shape) for n, t in _model(0).items() if t.is_floating_point()}
     for i, w in enumerate(WEIGHTS):
         for n, t in _model(i + 1).items():
             if n in want:
                 want[n] += t.float() * w
     for n, t in want.items():
-        assert torch.equal(acc.sum.view(n), t), n
-    assert torch.equal(acc.sum.view("d"), torch.tensor([1, 2, 3], dtype=torch.uint8))
+        assert torch.equal(acc._sum[n], t), n
+    assert torch.equal(acc._sum["d"], torch.tensor([1, 2, 3], dtype=torch.uint8))
     assert [f.digest for f in acc.folded] == [read_manifest(s, f"w{i}.safetensors")["digest"] for i in range(3)]
     # the sum's own read buffers served every fold: grown by the first, the very same ones after
-    assert len(acc._slots) == FOLD_SLOTS and all(sl.raw.numel() > 0 for sl in acc._slots)
     assert buffers[0] == buffers[1] == buffers[2]
-    # a slot holds one read: a slice of 1000 bf16, or all of c (70,000 bf16)
-    assert max(sl.raw.numel() for sl in acc._slots) == directio.region_bytes(2 * (chunk or 70_000))
+    # a buffer holds one read: a slice of 1000 bf16, or all of c (70,000 bf16)
+    assert max(b.raw.numel() for b in acc._buffers) == 2 * (chunk or 70_000)
 
 
-def test_a_nan_in_a_local_contribution_is_refused_and_the_sum_is_what_it_was(tmp_path, monkeypatch):
-    s = _setup(tmp_path, monkeypatch, direct=False)
+def test_a_nan_in_a_local_contribution_is_refused_and_the_sum_is_what_it_was(tmp_path):
+    s = _setup(tmp_path)
     acc = RunningSum(s, "g.safetensors")
     assert acc.add(Contribution(0, "w0.safetensors", 1.0))
-    before = {n: acc.sum.view(n).clone() for n in ("a", "b", "c")}
+    before = {n: acc._sum[n].clone() for n in ("a", "b", "c")}
     bad = _model(2)
     bad["c"][69_999] = float("nan")  # the last value of the last summed tensor: the rest was added already
     write_checkpoint(s, "bad.safetensors", bad, manifest={"round": 0, "worker": 1})
@@ -78,11 +70,11 @@ def test_a_nan_in_a_local_contribution_is_refused_and_the_sum_is_what_it_was(tmp
     assert "tensor c has NaN or Inf values" in acc.rejected[1][1] and "worker 1" in acc.rejected[1][1]
     assert acc.add(Contribution(2, "w2.safetensors", 1.0))  # S was rebuilt from worker 0 before this
     for n, t in before.items():
-        assert torch.equal(acc.sum.view(n), t + _model(3)[n].float()), n
+        assert torch.equal(acc._sum[n], t + _model(3)[n].float()), n
 
 
-def test_a_truncated_local_contribution_is_refused_naming_the_worker(tmp_path, monkeypatch):
-    s = _setup(tmp_path, monkeypatch, direct=False)
+def test_a_truncated_local_contribution_is_refused_naming_the_worker(tmp_path):
+    s = _setup(tmp_path)
     raw = (tmp_path / "w1.safetensors").read_bytes()
     (tmp_path / "w1.safetensors").write_bytes(raw[:-100])
     acc = RunningSum(s, "g.safetensors")
@@ -90,36 +82,56 @@ def test_a_truncated_local_contribution_is_refused_naming_the_worker(tmp_path, m
     assert "worker 1" in acc.rejected[1][1] and "truncated" in acc.rejected[1][1]
 
 
-def test_a_gated_sum_hands_over_each_slice_once_it_is_final():
-    """The outer step reads the running sum through a GatedFile while the last fold adds to it: a
-    read returns once the bytes it covers are final, not before, and not only at the tensor's end."""
-    import threading
-    from merge.memory import GatedFile, MemoryFile
-    mem = MemoryFile("sum", [("a", "F32", (100,)), ("b", "F32", (10,))])
-    mem.view("a").copy_(torch.arange(100.0))
-    gate = GatedFile(mem)
-    start = mem.specs["a"].start
-    got: list[torch.Tensor] = []
-    reader = threading.Thread(target=lambda: got.append(gate.read_tensor(start + 160, 40, None).clone()))
-    gate.advance("a", 160)  # elements 0..39 final
-    assert torch.equal(gate.read_tensor(start, 160, None).view(torch.float32), torch.arange(40.0))
-    reader.start()  # wants elements 40..49
-    reader.join(0.2)
-    assert reader.is_alive() and got == []
-    gate.advance("a", 200)
-    reader.join(5)
-    assert torch.equal(got[0].view(torch.float32), torch.arange(40.0, 50.0))
-    errors: list[Exception] = []
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_weight_that_is_not_positive_and_finite_is_one_rejection(tmp_path, weight):
+    s = _setup(tmp_path)
+    acc = RunningSum(s, "g.safetensors")
+    assert acc.add(Contribution(0, "w0.safetensors", 1.0))
+    assert not acc.add(Contribution(1, "w1.safetensors", weight))
+    assert "not a positive finite number" in acc.rejected[1][1]
+    assert [f.worker for f in acc.folded] == [0]
 
-    def read_b() -> None:
-        try:
-            gate.read_tensor(mem.specs["b"].start, 40, None)
-        except CheckpointError as exc:
-            errors.append(exc)
-    late = threading.Thread(target=read_b)
-    late.start()
-    gate.finish(False)  # the fold was refused: a waiting reader is woken with the reason
-    late.join(5)
-    assert not late.is_alive() and "refused" in str(errors[0])
-    with pytest.raises(CheckpointError, match="refused"):
-        gate.verify()
+
+def test_any_exception_while_folding_is_one_rejection_not_a_crash(tmp_path, monkeypatch):
+    """Whatever goes wrong with one contribution (here a bug-like TypeError deep in the read), it
+    is refused with the reason and the sum stays that of the others."""
+    s = _setup(tmp_path)
+    acc = RunningSum(s, "g.safetensors")
+    assert acc.add(Contribution(0, "w0.safetensors", 1.0))
+    real = rounds.RunningSum._add
+
+    def explode(self, c, label, name, x, start=0, stop=None):
+        if c.worker == 1 and name == "c":
+            raise TypeError("unhashable type: 'list'")
+        return real(self, c, label, name, x, start, stop)
+    monkeypatch.setattr(rounds.RunningSum, "_add", explode)
+    assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
+    assert "TypeError: unhashable type" in acc.rejected[1][1] and "worker 1" in acc.rejected[1][1]
+    assert torch.equal(acc._sum["a"], _model(1)["a"].float())
+
+
+def test_a_read_that_stalls_rejects_its_contribution_instead_of_hanging(tmp_path, monkeypatch):
+    """A contribution whose storage stops answering (a hung NFS server, simulated by a read that
+    blocks) is refused once no data came for engine.STALL_S; the service goes on. The blocked
+    read keeps its thread until it returns (released at the end here)."""
+    import threading
+
+    from core.checkpoint import TensorFile
+    from merge import engine
+    s = _setup(tmp_path)
+    monkeypatch.setattr(engine, "STALL_S", 0.5)
+    release = threading.Event()
+    real = TensorFile._read_exact
+
+    def hang(self, offset, view):
+        if self.key == "w1.safetensors" and offset >= self.data_start:
+            release.wait(30)
+        return real(self, offset, view)
+    monkeypatch.setattr(TensorFile, "_read_exact", hang)
+    acc = RunningSum(s, "g.safetensors")
+    try:
+        assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
+        assert "no data came from the storage for 0 s" in acc.rejected[1][1] or "stalls" in acc.rejected[1][1]
+        assert acc.add(Contribution(0, "w0.safetensors", 1.0))
+    finally:
+        release.set()

@@ -60,7 +60,7 @@ class ThreadExecutor:
         s = Storage(t.run_url)
         base, _, _ = load_checkpoint(s, t.base_key)
         write_checkpoint(s, L.contribution(t.round, t.worker), {k: v + DELTA[t.worker] for k, v in base.items()},
-                         manifest={"round": t.round, "worker": t.worker, "tokens": 100,
+                         manifest={"round": t.round, "worker": t.worker, "steps": 25, "tokens": 25 * 16 * 128,
                                    "base_digest": read_manifest(s, t.base_key)["digest"]})
 
     def status(self, ids):
@@ -153,7 +153,7 @@ def _late_round(s: Storage, base_sha: str | None = None) -> None:
                                                                   "job_ids": ["7"], "attempts": 1}}})
     s.write_json(L.round_record(0), {"round": 0, "merged": [0, 1], "rejected": [], "dropped": [2]})
     write_checkpoint(s, L.contribution(0, 2), {k: v - 1.0 for k, v in G0.items()},
-                     manifest={"round": 0, "worker": 2, "tokens": 100, "base_digest": base_sha or sha})
+                     manifest={"round": 0, "worker": 2, "steps": 25, "tokens": 25 * 16 * 128, "base_digest": base_sha or sha})
 
 
 def test_late_contribution_from_the_wrong_base_is_not_folded(mem):
@@ -166,7 +166,7 @@ def test_late_contribution_from_the_wrong_base_is_not_folded(mem):
 def test_late_contribution_with_nan_is_not_folded_and_nothing_is_published(mem):
     _late_round(mem)
     bad = {"w": torch.tensor([1.0, float("nan"), 3.0]), "b": torch.tensor([0.5])}
-    write_checkpoint(mem, L.contribution(0, 2), bad, manifest={"round": 0, "worker": 2, "tokens": 100,
+    write_checkpoint(mem, L.contribution(0, 2), bad, manifest={"round": 0, "worker": 2, "steps": 25, "tokens": 25 * 16 * 128,
                      "base_digest": read_manifest(mem, L.global_weights(0))["digest"]})
     folded, refused = prepare_folds(mem, load_config(None, {"workers": 3}, ["round.late_policy=fold"]), 1)
     assert folded == [] and "NaN or Inf" in refused[0]["reason"]

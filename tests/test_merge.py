@@ -175,20 +175,6 @@ def test_an_in_place_step_gives_the_same_bytes_in_the_callers_tensors(name):
     assert all(again[k].data_ptr() == held[k].data_ptr() for k in held)  # the state stepped where it lies
 
 
-def test_the_engine_refuses_in_place_over_files(mem):
-    from merge.engine import run_merge
-    from merge.reader import open_file_model
-    from merge.writer import OutputFile
-    _write(mem, "g0.safetensors", {"w": torch.zeros(2, 2)})
-    _write(mem, "a.safetensors", {"w": torch.ones(2, 2)})
-    models = [open_file_model(mem, k, k, k, require_manifest=True) for k in ("a.safetensors", "g0.safetensors")]
-    out = OutputFile(mem, "o.safetensors", [("w", "F32", (2, 2), 16)], None, {})
-    with pytest.raises(ValueError, match="in_place needs every input held in memory"):
-        run_merge(models[:1], [1.0], "outer", [out], base=models[1],
-                  params={"optimizer": OuterConfig(), "inner": "average", "in_place": True})
-    assert not mem.exists("o.safetensors")
-
-
 # -- validation: a bad contribution is rejected with a reason, the round goes on -------------
 def _round_with(mem, bad: dict):
     _write(mem, "g0.safetensors", {"w": torch.zeros(2, 2), "b": torch.zeros(2)})

@@ -1,11 +1,7 @@
-"""The round merge's outer state, written after the round is committed, and rebuilt when missing.
-
-merge_round(defer_state=True) publishes the new global and hands back the outer state unwritten
-(merge.writer.PendingWrite); the service starts it after the round's record. These tests check
-that a deferred state is the same bytes as one written in the merge, that nothing of it is
-visible before it is whole (a real full disk: a small tmpfs, as root), and that a missing state of
-a committed round is rebuilt from the round's inputs, bit for bit, or refused with the reason when
-those inputs changed (orchestrator.outer_state).
+"""The round merge's outer state: written beside the new global before the round is committed,
+never half; and rebuilt, bit for bit, when a committed round's state is missing, or refused with
+the reason when the round's inputs changed (orchestrator.outer_state). A full disk is real: a
+small tmpfs, as root.
 """
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ from core.config import OuterConfig
 from core.errors import RunError, StorageError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from merge.rounds import Contribution, merge_round
-from merge.incremental import RunningSum
+from merge.rounds import Contribution, RunningSum, merge_round
 from orchestrator.cli import main
 from orchestrator.outer_state import ensure_outer_state, recorded_inputs
 from orchestrator.runstate import load_run
@@ -49,38 +44,22 @@ def _inputs(s: Storage, n: int = 3, size: int = 1000) -> list[Contribution]:
     return out
 
 
-def _merge(s: Storage, contribs, outer=NESTEROV, *, defer: bool, acc=None, state_in="s1.safetensors"):
-    return merge_round(s, "g1.safetensors", contribs, "g2.safetensors", outer, state_in_key=state_in,
-                       state_out_key="s2.safetensors", accumulator=acc, defer_state=defer)
-
-
 @pytest.mark.parametrize("outer, state_in", [(NESTEROV, "s1.safetensors"), (ADAM, None)])
-@pytest.mark.parametrize("streamed", [False, True])
-def test_deferred_state_is_written_only_when_asked_and_is_the_same_bytes(tmp_path, outer, state_in, streamed):
-    now, later = Storage(str(tmp_path / "now")), Storage(str(tmp_path / "later"))
-    contribs = _inputs(now)
-    _inputs(later)
-    _merge(now, contribs, outer, defer=False, state_in=state_in)
-    acc = None
-    if streamed:  # as the service does: all but the last folded while it waits
-        acc = RunningSum(later, "g1.safetensors", state_key=state_in, preload=True)
-        for c in contribs[:-1]:
-            assert acc.add(c)
-    res = _merge(later, contribs, outer, defer=True, acc=acc, state_in=state_in)
-    assert (tmp_path / "later" / "g2.safetensors").read_bytes() == (tmp_path / "now" / "g2.safetensors").read_bytes()
-    assert read_manifest(later, "g2.safetensors") is not None
-    assert not any(p.name.startswith(("s2", ".")) for p in (tmp_path / "later").iterdir())  # not even a temporary
-    manifest = res.pending_state.wait()[0]
-    assert (tmp_path / "later" / "s2.safetensors").read_bytes() == (tmp_path / "now" / "s2.safetensors").read_bytes()
-    assert read_manifest(later, "s2.safetensors")["digest"] == manifest["digest"] == \
-        read_manifest(now, "s2.safetensors")["digest"]
-
-
-def test_a_discarded_state_writes_nothing(tmp_path):
-    s = Storage(str(tmp_path))
-    res = _merge(s, _inputs(s), defer=True)
-    res.pending_state.discard()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("s2", "."))) == []
+def test_a_streamed_merge_over_held_copies_writes_the_bytes_of_one_over_files(tmp_path, outer, state_in):
+    files, held = Storage(str(tmp_path / "files")), Storage(str(tmp_path / "held"))
+    contribs = _inputs(files)
+    _inputs(held)
+    merge_round(files, "g1.safetensors", contribs, "g2.safetensors", outer, state_in_key=state_in,
+                state_out_key="s2.safetensors")
+    acc = RunningSum(held, "g1.safetensors", state_key=state_in, preload=True)  # as the service does
+    for c in contribs[:-1]:  # all but the last folded while it waits
+        assert acc.add(c)
+    merge_round(held, "g1.safetensors", contribs, "g2.safetensors", outer, state_in_key=state_in,
+                state_out_key="s2.safetensors", accumulator=acc)
+    for name in ("g2", "s2"):
+        assert (tmp_path / "held" / f"{name}.safetensors").read_bytes() == \
+            (tmp_path / "files" / f"{name}.safetensors").read_bytes()
+        assert read_manifest(held, f"{name}.safetensors")["digest"] == read_manifest(files, f"{name}.safetensors")["digest"]
 
 
 @pytest.fixture
@@ -89,15 +68,14 @@ def full_outer_dir(tmp_path, mount_tmpfs):
     return mount_tmpfs(tmp_path / "run" / "outer")
 
 
-def test_a_deferred_state_that_does_not_fit_fails_at_wait_and_leaves_nothing(tmp_path, full_outer_dir):
+def test_a_state_that_does_not_fit_publishes_nothing_not_even_the_global(tmp_path, full_outer_dir):
     s = Storage(str(tmp_path / "run"))
     contribs = _inputs(s, size=400_000)  # a 1.6 MB state for a 1 MiB disk
-    res = merge_round(s, "g1.safetensors", contribs, "global/g2.safetensors", NESTEROV, state_in_key="s1.safetensors",
-                      state_out_key="outer/s2.safetensors", defer_state=True)
-    assert read_manifest(s, "global/g2.safetensors") is not None  # the global is published all the same
     with pytest.raises(StorageError, match=r"outer/s2\.safetensors.*No space left on device"):
-        res.pending_state.wait()
+        merge_round(s, "g1.safetensors", contribs, "global/g2.safetensors", NESTEROV, state_in_key="s1.safetensors",
+                    state_out_key="outer/s2.safetensors")
     assert os.listdir(full_outer_dir) == []  # no temporary, no file, no manifest
+    assert not s.exists("global/g2.safetensors") and s.list("global") == []
 
 
 # -- rebuilding a committed round's state --------------------------------------------------------
@@ -230,36 +208,25 @@ def test_a_global_published_with_an_older_hash_is_compared_with_that_hash(run_co
     assert not s.exists(L.rebuild_dir(1))
 
 
-def test_a_state_write_that_fails_in_the_service_is_rebuilt_there(tmp_path, mount_tmpfs, corpus_cache):
-    """The service writes round 0's outer state after the record, onto a disk that is full then
-    (a real 1 MiB tmpfs at run/outer, filled up to 4 KiB); the space is freed when the service
-    says it rebuilds the state, and the run goes on. Its states are those of an offline replay of
-    its recorded merges (bench.chaos_replay: its own chain of states, from global_0): with 3
-    workers the sums' order is the arrival order, so another run may differ in the last bit."""
+def test_a_state_write_that_fails_in_the_service_commits_nothing_and_resume_finishes(tmp_path, mount_tmpfs,
+                                                                                   corpus_cache, capsys):
+    """Round 0's outer state does not fit its disk (a real 1 MiB tmpfs at run/outer, filled up to
+    4 KiB): the merge publishes nothing, the round is not committed, and the run stops with the
+    error and what to do. Once space is freed, `orchestrate resume` merges round 0 again and
+    finishes; its states are those of an offline replay of its recorded merges (bench.chaos_replay:
+    its own chain of states, from global_0)."""
     from bench.chaos_replay import replay
-    import logging
     outer = mount_tmpfs(tmp_path / "run" / "outer")
     st = os.statvfs(outer)
     filler = outer / "filler"
     filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 4096))
-
-    said: list[str] = []
-
-    class FreeOnRebuild(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            said.append(record.getMessage())
-            if "was not written" in said[-1]:
-                filler.unlink(missing_ok=True)
-
-    handler = FreeOnRebuild(logging.WARNING)
-    logging.getLogger("orchestrator.service").addHandler(handler)
-    try:
-        assert main(["submit", "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
-    finally:
-        logging.getLogger("orchestrator.service").removeHandler(handler)
-    assert any("round 0: the outer optimizer state" in m and "No space left on device" in m for m in said), said
-    assert not filler.exists()
+    assert main(["submit", "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={corpus_cache}", *TINY]) != 0
+    said = capsys.readouterr()
+    assert "disk is full" in said.out and "orchestrate resume" in said.out and "Traceback" not in said.out + said.err
     s = Storage(str(tmp_path / "run"))
+    assert not s.exists(L.round_record(0)) and read_manifest(s, L.global_weights(1)) is None
+    filler.unlink()
+    assert main(["resume", str(tmp_path / "run")]) == 0
     assert replay(s, load_run(s), 2)["identical"]
     for r in (1, 2):
         assert s.read_bytes(L.outer_state(r)) == s.read_bytes(f"replay/{L.outer_state(r)}")

@@ -19,13 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.checkpoint import LazyCheckpoint, open_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import TensorFile, open_checkpoint, read_manifest, write_checkpoint
 from core.config import Config, config_from_dict, load_config
 from core.errors import CheckpointError, ConfigError
 from core.layout import manifest_key
 from core.manifest import check_manifest
 from core.storage import Storage
-from merge.reader import TensorFile
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA = "a" * 64
@@ -120,7 +119,7 @@ def _raw_file(header: object, data: bytes = b"\0" * 16) -> bytes:
 def test_bad_headers_are_refused_before_reading_data(mem, header, why):
     mem.write_bytes("x.safetensors", _raw_file(header))
     with pytest.raises(CheckpointError, match=why):
-        LazyCheckpoint(mem, "x.safetensors", {"digest": SHA})
+        TensorFile(mem, "x.safetensors", {"digest": SHA})
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -128,12 +127,10 @@ def test_bad_headers_are_refused_before_reading_data(mem, header, why):
 def test_fuzzed_headers_give_a_clear_checkpoint_error(header, data):
     s = Storage("memory://fuzz-header")
     s.write_bytes("x.safetensors", _raw_file(header, data))
-    for opener in (lambda: LazyCheckpoint(s, "x.safetensors", {"digest": SHA}),
-                   lambda: TensorFile(s, "x.safetensors", "x", {"digest": SHA})):
-        try:
-            opener().close()
-        except CheckpointError:
-            pass
+    try:
+        TensorFile(s, "x.safetensors", {"digest": SHA}).close()
+    except CheckpointError:
+        pass
 
 
 # -- configs -----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 import xxhash
 from safetensors.torch import load as st_load
 
-from core.checkpoint import LazyCheckpoint, load_checkpoint, open_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import TensorFile, load_checkpoint, open_checkpoint, read_manifest, write_checkpoint
 from core.errors import CheckpointError, StorageError
 from core.storage import Storage
 
@@ -142,7 +142,7 @@ class TestCheckpointContract:
     def test_garbage_is_not_a_checkpoint(self, storage):
         storage.write_bytes("g.safetensors", b"\xff" * 64)
         with pytest.raises(CheckpointError, match="implausible"):
-            LazyCheckpoint(storage, "g.safetensors")
+            TensorFile(storage, "g.safetensors")
 
     def test_lazy_reads_only_what_is_asked(self, storage):
         write_checkpoint(storage, "w.safetensors", TENSORS)
@@ -181,12 +181,12 @@ def test_full_disk_is_reported_at_once_with_the_fix(tmp_path, monkeypatch):
 def test_transient_errors_are_retried(tmp_path, monkeypatch):
     s = Storage(str(tmp_path / "run"), backoff_s=0.001)
     s.write_bytes("x.bin", b"data")
-    real = s.fs.cat_file
+    real = s.open_fd  # local reads open a descriptor themselves (core.storage)
     fails = [OSError(errno.EIO, "I/O error"), OSError(errno.ESTALE, "Stale file handle")]
 
-    def flaky(path, *a, **k):
+    def flaky(key, *a, **k):
         if fails:
             raise fails.pop(0)
-        return real(path, *a, **k)
-    monkeypatch.setattr(s.fs, "cat_file", flaky)
+        return real(key, *a, **k)
+    monkeypatch.setattr(s, "open_fd", flaky)
     assert s.read_bytes("x.bin") == b"data"

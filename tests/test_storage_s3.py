@@ -130,3 +130,27 @@ def test_whole_run_on_s3(s3_server, corpus_cache, tmp_path, monkeypatch, capsys)
     objects = s3_server.objects(s)
     assert not [k for k in objects if ".tmp-" in k or "upload in progress" in k], objects
     assert "rounds/00001/contrib/worker_001.json" in objects and not s.exists("lock.json")
+
+
+def test_merge_outputs_on_s3_are_whole_or_absent(s3_server, s3_small_parts, tmp_path, monkeypatch):
+    """`orchestrate merge` into s3:// writes through the storage's staged writes: the output and
+    its manifest appear once the merge succeeded; a merge that fails half way (a NaN in the last
+    tensor of an input, after several 5 MiB parts of the output went up) leaves no object, no
+    temporary and no upload in progress."""
+    import fsspec
+
+    from merge.manual import MergeError, manual_merge
+    for k, v in s3_server.env().items():  # the merge opens the URL itself: credentials from the environment
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"default_block_size": 5 << 20, "skip_instance_cache": True})
+    s = s3_small_parts
+    url = f"s3://{s.root}"
+    local = Storage(str(tmp_path))
+    write_checkpoint(local, "g.safetensors", {"a": torch.ones(3 << 20), "z": torch.ones(4)})
+    write_checkpoint(local, "b.safetensors", {"a": torch.ones(3 << 20), "z": torch.tensor([1.0, float("nan"), 1.0, 1.0])})
+    with pytest.raises(MergeError, match="NaN"):
+        manual_merge([str(tmp_path / "g.safetensors"), str(tmp_path / "b.safetensors")], f"{url}/out.safetensors")
+    assert s3_server.objects(s) == []
+    manual_merge([str(tmp_path / "g.safetensors"), str(tmp_path / "g.safetensors")], f"{url}/out.safetensors")
+    assert s3_server.objects(s) == ["out.json", "out.safetensors"]
+    assert torch.equal(load_checkpoint(s, "out.safetensors")[0]["a"], torch.ones(3 << 20))

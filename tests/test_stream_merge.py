@@ -19,7 +19,7 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
 from orchestrator.service import RoundService
-from test_contributions import Scripted, publish
+from test_contributions import WORK, Scripted, publish
 
 L = RunLayout()
 pytestmark = pytest.mark.slow
@@ -48,7 +48,8 @@ def _run(tmp_path, behaviour, stream: bool, quorum: int = 3) -> Storage:
 
 def _same_as_replay(s: Storage, order: list[int]) -> bool:
     """The committed global equals, bit for bit, a non-streamed merge of the same inputs in `order`."""
-    contribs = [Contribution(w, L.contribution(0, w), 100.0) for w in order]
+    weights = s.read_json(L.round_record(0))["weights"]
+    contribs = [Contribution(w, L.contribution(0, w), weights[str(w)]) for w in order]
     merge_round(s, L.global_weights(0), contribs, "replay.safetensors", load_config().outer, state_in_key=None,
                 state_out_key="replay_state.safetensors")
     got, again = load_checkpoint(s, L.global_weights(1))[0], load_checkpoint(s, "replay.safetensors")[0]
@@ -73,7 +74,7 @@ def test_a_corrupt_contribution_folded_while_waiting_never_counts(tmp_path):
         tmp = Storage(str(tmp_path / "scratch"))
         key = L.contribution(t.round, t.worker)
         write_checkpoint(tmp, key, {k: v + 5.0 for k, v in load_checkpoint(s, t.base_key)[0].items()},
-                         manifest={"round": t.round, "worker": t.worker, "tokens": 100,
+                         manifest={"round": t.round, "worker": t.worker, **WORK,
                                    "base_digest": read_manifest(s, t.base_key)["digest"]})
         raw = bytearray(tmp.read_bytes(key))
         raw[-2] ^= 0x55
@@ -85,19 +86,3 @@ def test_a_corrupt_contribution_folded_while_waiting_never_counts(tmp_path):
     assert rec["merged"] == [0, 2] and rec["rejected"] == [1]
     assert "checksum does not match" in rec["rejected_reasons"]["1"]
     assert _same_as_replay(s, rec["merge_order"])
-
-
-def test_the_spent_sum_is_let_go_at_the_evaluation_after_the_record(tmp_path, monkeypatch):
-    """Freeing the round's sum and held copies takes a while: not between the merge and the
-    round's record, but once the record is written and the next round submitted."""
-    seen = []
-    evaluate = RoundService._evaluate
-
-    def spy(self, record):
-        seen.append((self.storage.exists(L.round_record(record["round"])), self._spent_sum is not None))
-        evaluate(self, record)
-        seen.append(self._spent_sum is None)
-
-    monkeypatch.setattr(RoundService, "_evaluate", spy)
-    _run(tmp_path, {}, stream=True)
-    assert seen == [(True, True), True]

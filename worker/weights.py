@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import LazyCheckpoint, read_manifest
+from core.checkpoint import TensorFile, read_manifest
 from core.config import ModelConfig
 from core.errors import CheckpointError
 from core.storage import Storage
@@ -130,10 +130,10 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label
 def load_model(url: str, **overrides: Any) -> torch.nn.Module:
     """Rebuild the model (built-in or Hugging Face) from a checkpoint written by islands (any fsspec URL)."""
     root, name = posixpath.split(url.rstrip("/"))
-    storage = Storage(root or ".")
+    storage = Storage(root or ".", follow_links=True)  # a path the user names
     # A manifest, when the file still sits beside it, lets the bytes be checked; a file copied
     # elsewhere on its own is still a valid safetensors file.
-    with LazyCheckpoint(storage, name, read_manifest(storage, name), label=url) as ck:
+    with TensorFile(storage, name, read_manifest(storage, name), label=url) as ck:
         tensors = ck.load_all(verify=ck.manifest is not None)
         meta = ck.metadata
     if MODEL_META not in meta:

@@ -1,0 +1,208 @@
+"""Files a buggy worker, a half-synced client or a co-tenant can plant in a run, against the live
+merge service and against `orchestrate merge`: each is one rejection with its reason, never a
+crash, a hang or a merge (the checkpoint contract: core.checkpoint, core.storage).
+
+Live: the real RoundService and storage on local disk, with a fake executor whose "jobs" are
+threads (tests/test_contributions.py's Scripted): worker 0 publishes the global weights - 0.5,
+worker 1 plants the hostile file with a manifest whose digest matches its bytes, the quorum is 1.
+The run finishes by itself; the new global is worker 0's alone (outer SGD at lr 1 makes it the mean
+of what was merged); the reason is in the round's record and the file is moved to `rejected/`.
+Offline: `orchestrate merge` of a good file and the hostile one exits non-zero with the reason
+naming the file, no traceback, and writes nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.config import load_config
+from core.errors import RunError
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from orchestrator.cli import main
+from orchestrator.service import RoundService
+from test_contributions import WORK, Scripted
+
+L = RunLayout()
+G0 = {"b": torch.tensor([0.5]), "w": torch.tensor([1.0, 2.0, 3.0])}
+F32 = lambda shape, a, b: {"dtype": "F32", "shape": shape, "data_offsets": [a, b]}  # noqa: E731
+DATA = struct.pack("<4f", 0.5, 1.0, 2.0, 3.0)
+
+
+def _raw(header: object, data: bytes = DATA) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+# name -> (the planted file's bytes, or a callable planting it; what the reason must say)
+HEADERS = {
+    "dtype-list": (_raw({"b": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}, "w": F32([3], 4, 16)}), "malformed"),
+    "deep-header": (_raw(b"[" * 100_000 + b"]" * 100_000, b""), "not valid JSON"),
+    "list-metadata": (_raw({"__metadata__": ["x"], "b": F32([1], 0, 4), "w": F32([3], 4, 16)}), "__metadata__"),
+    "overlapping-offsets": (_raw({"b": F32([1], 0, 4), "w": F32([3], 0, 12)}, DATA[:12]), "overlap or leave gaps"),
+    "float-shape": (_raw({"b": F32([1.0], 0, 4), "w": F32([3], 4, 16)}), "malformed"),
+}
+
+
+def _manifest(raw: bytes, r: int, w: int, base_digest: str, **extra) -> dict:
+    return {"round": r, "worker": w, **WORK, "base_digest": base_digest, "hash": "xxh3_128",
+            "digest": xxhash.xxh3_128(raw).hexdigest(), "bytes": len(raw), "file": f"worker_{w:03d}.safetensors",
+            **extra}
+
+
+def _plant_bytes(raw: bytes, **extra):
+    def plant(s: Storage, t) -> None:
+        key = L.contribution(t.round, t.worker)
+        s.write_bytes(key, raw)
+        s.write_json(manifest_key(key), _manifest(raw, t.round, t.worker, read_manifest(s, t.base_key)["digest"], **extra))
+    return plant
+
+
+def _plant_fifo(s: Storage, t) -> None:
+    key = L.contribution(t.round, t.worker)
+    os.makedirs(os.path.dirname(s.path(key)), exist_ok=True)
+    os.mkfifo(s.path(key))  # opening it to read would block until someone writes: forever
+    s.write_json(manifest_key(key), _manifest(b"", t.round, t.worker, read_manifest(s, t.base_key)["digest"]))
+
+
+def _plant_symlink(s: Storage, t) -> None:
+    """A link to a valid checkpoint outside the run (a co-tenant's), with its manifest beside the link."""
+    outside = Storage(str(Path(s.root).parent / "elsewhere"))
+    write_checkpoint(outside, "w.safetensors", {n: v + 100.0 for n, v in G0.items()})
+    key = L.contribution(t.round, t.worker)
+    os.makedirs(os.path.dirname(s.path(key)), exist_ok=True)
+    os.symlink(outside.path("w.safetensors"), s.path(key))
+    raw = Path(outside.path("w.safetensors")).read_bytes()
+    s.write_json(manifest_key(key), _manifest(raw, t.round, t.worker, read_manifest(s, t.base_key)["digest"]))
+
+
+def _plant_tokens(tokens: float):
+    def plant(s: Storage, t) -> None:  # a valid all-zero checkpoint whose manifest claims `tokens`
+        write_checkpoint(s, L.contribution(t.round, t.worker), {n: torch.zeros_like(v) for n, v in G0.items()},
+                         manifest={"round": t.round, "worker": t.worker, **WORK, "tokens": tokens,
+                                   "base_digest": read_manifest(s, t.base_key)["digest"]})
+    return plant
+
+
+LIVE = {
+    **{name: (_plant_bytes(raw), why) for name, (raw, why) in HEADERS.items()},
+    "fifo": (_plant_fifo, "named pipe (FIFO)"),
+    "symlink-outside": (_plant_symlink, "symbolic link"),
+    "tokens-1e30": (_plant_tokens(1e30), "claims 1e+30 tokens"),
+    "tokens-0": (_plant_tokens(0), "claims 0 tokens"),
+}
+
+
+def _run(tmp_path, behaviour, workers: int = 2, quorum: int = 1) -> Storage:
+    s = Storage(str(tmp_path / "run"))
+    cfg = load_config(None, {"workers": workers, "rounds": 1, "executor.kind": "local", "run_dir": s.url}, [
+        f"round.min_workers={quorum}", "round.poll_s=0.05", "round.max_retries=0", "outer.optimizer=sgd",
+        "outer.lr=1.0"])
+    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
+    service = RoundService(s, cfg, Scripted(behaviour))
+    service.evaluator.loss = lambda storage, key: 0.0
+    service.run()
+    return s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(LIVE))
+def test_a_planted_contribution_is_one_rejection_and_the_run_finishes(tmp_path, case):
+    plant, why = LIVE[case]
+    s = _run(tmp_path, {1: plant})
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0] and rec["rejected"] == [1], rec
+    assert why in rec["rejected_reasons"]["1"] and "worker_001" in rec["rejected_reasons"]["1"], rec["rejected_reasons"]
+    got = load_checkpoint(s, L.global_weights(1))[0]
+    assert all(torch.equal(got[n], G0[n] - 0.5) for n in G0)  # worker 0's alone
+    assert s.list(L.contributions_dir(0)) == ["worker_000.json", "worker_000.safetensors"]  # set aside
+    reason = s.read_json(L.rejected_reason(0, 1, 1))
+    assert reason["worker"] == 1 and why in reason["reason"]
+
+
+@pytest.mark.slow
+def test_a_round_whose_every_manifest_says_zero_tokens_fails_cleanly_and_resume_is_not_poisoned(tmp_path):
+    """Both workers' contributions are refused: the quorum cannot be met, so the run stops with
+    the reasons (not a ValueError in the weighting), and the planted files are out of the round,
+    so starting the service again does not die on them either."""
+    with pytest.raises(RunError, match="round 0 cannot be merged") as info:
+        _run(tmp_path, {0: _plant_tokens(0), 1: _plant_tokens(0)})
+    assert "Traceback" not in str(info.value)
+    s = Storage(str(tmp_path / "run"))
+    assert s.list(L.contributions_dir(0)) == []
+    jobs = s.read_json(L.round_jobs(0))
+    assert all("claims 0 tokens" in e["failures"][0]["rejected"] for e in jobs["workers"].values())
+
+
+# -- offline: orchestrate merge ------------------------------------------------------------------
+def _good(tmp_path: Path) -> str:
+    write_checkpoint(Storage(str(tmp_path)), "good.safetensors", G0)
+    return str(tmp_path / "good.safetensors")
+
+
+def _merge_cli(capsys, *args: str) -> tuple[int, str]:
+    rc = main(["merge", *args])
+    said = capsys.readouterr()
+    return rc, said.out + said.err
+
+
+@pytest.mark.parametrize("case", sorted(HEADERS))
+def test_orchestrate_merge_refuses_a_bad_header_naming_the_file_and_writes_nothing(tmp_path, capsys, case):
+    raw, why = HEADERS[case]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(raw)
+    rc, out = _merge_cli(capsys, _good(tmp_path), str(bad), "--out", str(tmp_path / "out.safetensors"))
+    assert rc == 2 and "Traceback" not in out
+    assert any(str(bad) in line and why in line for line in out.splitlines()), out
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("out", ".tmp"))]
+
+
+def test_orchestrate_merge_refuses_a_fifo_at_once(tmp_path, capsys):
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    rc, out = _merge_cli(capsys, _good(tmp_path), str(fifo), "--out", str(tmp_path / "out.safetensors"))
+    assert rc == 2 and any(str(fifo) in line and "named pipe (FIFO)" in line for line in out.splitlines()), out
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def _hf_dir(tmp_path: Path, shard: str) -> Path:
+    d = tmp_path / "hf"
+    d.mkdir()
+    write_checkpoint(Storage(str(d)), "model-00001.safetensors", G0)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"b": shard, "w": shard}}))
+    return d
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_an_index_naming_a_shard_outside_its_directory_is_refused_and_nothing_outside_out_is_written(
+        tmp_path, capsys, where):
+    victim = tmp_path / "victim.safetensors"
+    write_checkpoint(Storage(str(tmp_path)), "victim.safetensors", G0)
+    before = victim.read_bytes()
+    shard = str(victim) if where == "absolute" else "../victim.safetensors"
+    hf = _hf_dir(tmp_path, shard)
+    other = tmp_path / "other"
+    other.mkdir()
+    write_checkpoint(Storage(str(other)), "model.safetensors", G0)
+    rc, out = _merge_cli(capsys, str(hf), str(other), "--out", str(tmp_path / "out"))
+    assert rc == 2 and "not plain .safetensors file names in the model directory" in out and "Traceback" not in out
+    assert victim.read_bytes() == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_an_output_that_is_an_input_by_another_name_is_refused(tmp_path, capsys, how):
+    good = _good(tmp_path)
+    write_checkpoint(Storage(str(tmp_path)), "b.safetensors", {n: v + 1 for n, v in G0.items()})
+    alias = tmp_path / "alias.safetensors"
+    (os.symlink if how == "symlink" else os.link)(good, alias)
+    before = Path(good).read_bytes()
+    rc, out = _merge_cli(capsys, good, str(tmp_path / "b.safetensors"), "--out", str(alias))
+    assert rc == 2 and "(the same file)" in out
+    assert Path(good).read_bytes() == before
