@@ -79,7 +79,7 @@ def replay(storage: Storage, cfg: Config, rounds: int) -> dict[str, Any]:
             if f["base"] != L.global_weights(f["from_round"]):
                 problems.append(f"round {r}: folded {f['source']} was trained from {f['base']}, not a global checkpoint")
             rebase(storage, _g(r), f["source"], _g(f["from_round"]), _folded(r, f))
-        # the same inputs in the same order as the run: a float sum depends on it (merge/incremental.py)
+        # the same inputs in the same order as the run: a float sum depends on it (merge/rounds.py)
         contribs, problem = recorded_inputs(rec, fold_key=lambda f: _folded(r, f))
         if problem:
             problems.append(f"round {r}: {problem}")

@@ -104,7 +104,10 @@ class OuterConfig:
     eps: float = 0.1
     """Adam epsilon; the DiLoCo paper needed 0.1 to keep outer Adam stable."""
     weighting: Literal["tokens", "uniform"] = "tokens"
-    """Average workers weighted by the tokens each actually consumed, or uniformly."""
+    """Average workers weighted by the tokens each trained on, or uniformly. The service derives
+    the tokens itself: the steps a contribution's manifest reports (a whole number in [1,
+    inner.steps]) x the worker's batch x model.block_size; a manifest whose own `tokens` figure
+    differs is refused as not written by its worker."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,15 +180,13 @@ class RoundConfig:
     below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
     stream_merge: bool = True
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
-    worker lands reads one contribution instead of K, folded while the outer step runs. The
-    service also holds the round's global weights and outer state in memory from the round's
-    start, so the step reads nothing from storage: about 3 fp32 copies of the model in all (sum,
-    global, state). The step runs in place in the held copies, which become the new global and
-    outer state: the new state waits there for its write (after the round's record) without a
-    4th copy. The sum is in arrival order (recorded
-    as the round record's `merge_order`; a resumed service rebuilds it from the contributions), so
-    with 3+ workers two runs may differ in the last bit; `false` merges in worker order at the end
-    (bitwise reproducible from run to run). Linear merges only: not `lte`."""
+    worker lands reads one contribution instead of K. The service also holds the round's global
+    weights and outer state in memory from the round's start, so the step reads nothing from
+    storage: about 3 fp32 copies of the model in all (sum, global, state); the step runs in place
+    in the held copies. The sum is in arrival order (recorded as the round record's `merge_order`;
+    a resumed service rebuilds it from the contributions), so with 3+ workers two runs may differ in
+    the last bit; `false` merges in worker order at the end (bitwise reproducible from run to run).
+    Linear merges only: not `lte`."""
 
 
 @dataclass(frozen=True, kw_only=True)

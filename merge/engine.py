@@ -61,7 +61,7 @@ class Read:
     shape: tuple[int, ...]
 
 
-class _Buffer:
+class Buffer:
     """Reusable memory of one segment: raw bytes as read, and float32 for widened bf16/f16."""
 
     def __init__(self) -> None:
@@ -91,11 +91,11 @@ class Prefetch:
     thread. take() hands over the next payload (tag -> tensor, views of a reused buffer) and the
     buffer, which goes back with give_back() once the maths are done with it."""
 
-    def __init__(self, label: str, ident: Any, plan: list[list[Read]], buffers: list[_Buffer] | None = None) -> None:
+    def __init__(self, label: str, ident: Any, plan: list[list[Read]], buffers: list[Buffer] | None = None) -> None:
         """`buffers`: the caller's to reuse from one reader to the next (DEPTH new ones by default)."""
         self.label, self.ident, self.plan = label, ident, plan
-        self._free: queue.Queue[_Buffer | None] = queue.Queue()
-        for buf in buffers if buffers is not None else [_Buffer() for _ in range(DEPTH)]:
+        self._free: queue.Queue[Buffer | None] = queue.Queue()
+        for buf in buffers if buffers is not None else [Buffer() for _ in range(DEPTH)]:
             self._free.put(buf)
         self._ready: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"merge-read-{ident}", daemon=True)
@@ -112,7 +112,7 @@ class Prefetch:
                 self._ready.put(exc if isinstance(exc, InputError) else InputError(self.ident, _reason(self.label, exc)))
                 return
 
-    def take(self) -> tuple[_Buffer, dict[str | None, torch.Tensor]]:
+    def take(self) -> tuple[Buffer, dict[str | None, torch.Tensor]]:
         try:
             item = self._ready.get(timeout=STALL_S)
         except queue.Empty:
@@ -122,7 +122,7 @@ class Prefetch:
             raise item
         return item
 
-    def give_back(self, buf: _Buffer) -> None:
+    def give_back(self, buf: Buffer) -> None:
         self._free.put(buf)
 
     def close(self) -> None:

@@ -58,7 +58,7 @@ def outer_step_from_grad(
     By default neither input nor `state` is written to (they may be views of read buffers or of a
     model held in memory): the step works on copies of the global tensor and of the state, which
     it returns. `in_place`: the caller owns them and lets the step overwrite them (the round merge
-    over models it holds in memory: merge.incremental): a float32 global tensor becomes the new
+    over models it holds in memory: merge.rounds): a float32 global tensor becomes the new
     one, and the state's tensors the new state, without a copy of either.
     """
     own = in_place and global_t.dtype == torch.float32

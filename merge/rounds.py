@@ -38,7 +38,7 @@ from core.config import OuterConfig
 from core.errors import CheckpointError, RunError
 from core.failpoints import failpoint
 from core.storage import Storage
-from merge.engine import DEPTH, Prefetch, Read, _Buffer, finite, one_torch_thread
+from merge.engine import DEPTH, Buffer, Prefetch, Read, finite, one_torch_thread
 from merge.inputs import compare_specs
 from merge.outer import outer_step_from_grad, state_in_specs, state_key, state_out_specs, state_slots
 from merge.writer import OutputFile, StreamWriter
@@ -114,7 +114,7 @@ class RunningSum:
         self.rejected: dict[int, tuple[str, str]] = {}
         """worker -> (digest@written_at of the refused file's manifest, why): a republished file is tried again."""
         self._dirty = False  # S holds a partial add, or was divided into the mean
-        self._buffers = [_Buffer() for _ in range(DEPTH)]  # reused by every fold: fresh pages cost more than reads
+        self._buffers = [Buffer() for _ in range(DEPTH)]  # reused by every fold: fresh pages cost more than reads
 
     # -- folding ------------------------------------------------------------------------
     def add(self, c: Contribution) -> bool:

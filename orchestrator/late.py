@@ -11,6 +11,7 @@ merges reads it, or rebuilds it from W, B and G_r bit for bit) and checked here 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -111,19 +112,16 @@ def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, ou
            manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write V = G + (W - B) tensor by tensor (fp32 maths, stored in G's dtypes); non-float tensors
     are G's. Raises CheckpointError if the three do not match or a value is not finite."""
-    g = open_checkpoint(storage, global_key, f"global weights {storage.display(global_key)}")
-    w = open_checkpoint(storage, source_key, f"late contribution {storage.display(source_key)}")
-    b = open_checkpoint(storage, base_key, f"its base {storage.display(base_key)}")
-    try:
+    with contextlib.ExitStack() as opened:
+        g = opened.enter_context(open_checkpoint(storage, global_key, f"global weights {storage.display(global_key)}"))
+        w = opened.enter_context(open_checkpoint(storage, source_key, f"late contribution {storage.display(source_key)}"))
+        b = opened.enter_context(open_checkpoint(storage, base_key, f"its base {storage.display(base_key)}"))
         problems = compare_specs(g.specs, w.specs, "the global weights") + compare_specs(g.specs, b.specs, "the global weights")
         if problems:
             raise CheckpointError(f"{w.label}: {problems[0]}")
         specs = [(n, s.dtype, s.shape, s.nbytes) for n, s in g.specs.items()]
         return write_checkpoint(storage, out_key, specs=specs, stream=lambda: _rebased(g, w, b),
                                 metadata=g.metadata, manifest=manifest)
-    finally:
-        for ck in (g, w, b):
-            ck.close()
 
 
 def _rebased(g: TensorFile, w: TensorFile, b: TensorFile) -> Iterator[tuple[str, torch.Tensor]]:

@@ -138,7 +138,7 @@ class RoundService:
         while True:
             self._check_cancel(r, jobs)
             decision = self._decide(r, jobs)
-            if decision.action != "merge":  # fold what landed; what lands last is folded beside the outer step
+            if decision.action != "merge":  # fold what landed; what lands last is folded at the merge
                 self._stream(r, jobs)
             if decision.action == "merge":
                 try:

@@ -206,3 +206,49 @@ def test_an_output_that_is_an_input_by_another_name_is_refused(tmp_path, capsys,
     rc, out = _merge_cli(capsys, good, str(tmp_path / "b.safetensors"), "--out", str(alias))
     assert rc == 2 and "(the same file)" in out
     assert Path(good).read_bytes() == before
+
+
+# -- fuzzing the manual merge's inputs ---------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=20)
+_fuzz_dirs = iter(range(10**9))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.dictionaries(st.sampled_from(["b", "w", "__metadata__", "x"]), JSON, max_size=3) | JSON,
+       data=st.binary(max_size=32))
+def test_fuzzed_headers_through_orchestrate_merge_give_a_merge_error(tmp_path, header, data):
+    """Any header and data section where an input should be: the merge succeeds or raises the
+    project's own MergeError, nothing else, and writes nothing when it fails."""
+    from merge.manual import MergeError, manual_merge
+    d = tmp_path / f"f{next(_fuzz_dirs)}"
+    d.mkdir()
+    write_checkpoint(Storage(str(d)), "good.safetensors", G0)
+    (d / "bad.safetensors").write_bytes(_raw(header, data))
+    try:
+        manual_merge([str(d / "good.safetensors"), str(d / "bad.safetensors")], str(d / "out.safetensors"))
+    except MergeError:
+        assert not (d / "out.safetensors").exists()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(index=st.dictionaries(st.sampled_from(["weight_map", "metadata"]), JSON | st.dictionaries(
+    st.sampled_from(["b", "w", "x"]), st.sampled_from(["model-00001.safetensors", "../x.safetensors", "/etc/passwd",
+                                                     "a/b.safetensors", "", "model-00001.json"]) | JSON), max_size=2) | JSON)
+def test_fuzzed_hf_indexes_give_a_merge_error_and_write_nothing_outside_out(tmp_path, index):
+    from merge.manual import MergeError, manual_merge
+    d = tmp_path / f"i{next(_fuzz_dirs)}"
+    (d / "hf").mkdir(parents=True)
+    write_checkpoint(Storage(str(d / "hf")), "model-00001.safetensors", G0)
+    (d / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_checkpoint(Storage(str(d)), "other.safetensors", G0)
+    try:
+        manual_merge([str(d / "hf"), str(d / "other.safetensors")], str(d / "out"))
+    except MergeError:
+        assert not (d / "out").exists()
+    assert sorted(p.name for p in d.iterdir()) in (["hf", "other.json", "other.safetensors"],
+                                                    ["hf", "other.json", "other.safetensors", "out"])

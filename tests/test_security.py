@@ -218,3 +218,38 @@ def test_nothing_read_from_storage_is_unpickled():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if banned.search(line) and "SafeLoader" not in line]  # yaml.load(..., Loader=SafeLoader) is safe
     assert hits == []
+
+
+# -- only regular files inside the run directory are read ----------------------------------------
+def test_a_linked_folder_inside_the_run_is_not_followed_out_of_it(tmp_path):
+    """O_NOFOLLOW guards the last name only: a folder of the run replaced by a link to elsewhere
+    is caught by the opened file's real path. A run directory that is itself reached through a
+    link (a scratch file system mounted elsewhere) is fine."""
+    elsewhere = Storage(str(tmp_path / "elsewhere"))
+    write_checkpoint(elsewhere, "contrib/worker_000.safetensors", {"w": torch.ones(2)})
+    run = tmp_path / "run"
+    (run / "rounds" / "00000").mkdir(parents=True)
+    os.symlink(tmp_path / "elsewhere" / "contrib", run / "rounds" / "00000" / "contrib")
+    s = Storage(str(run))
+    with pytest.raises(CheckpointError, match="worker_000.json resolves to .*elsewhere.*outside the run directory"):
+        open_checkpoint(s, "rounds/00000/contrib/worker_000.safetensors")  # its manifest is the first read
+    with pytest.raises(CheckpointError, match="worker_000.safetensors resolves to .*outside the run directory"):
+        TensorFile(s, "rounds/00000/contrib/worker_000.safetensors", None)
+    os.symlink(run, tmp_path / "link-to-run")
+    linked = Storage(str(tmp_path / "link-to-run"))
+    write_checkpoint(linked, "global/round_00000.safetensors", {"w": torch.ones(2)})
+    assert open_checkpoint(linked, "global/round_00000.safetensors").load_all()["w"].sum() == 2
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "symlink"])
+def test_reads_of_a_run_refuse_what_is_not_a_regular_file_without_blocking(tmp_path, kind):
+    from core.errors import NotARegularFile
+    s = Storage(str(tmp_path / "run"))
+    s.write_bytes("real.json", b"{}")
+    target = tmp_path / "run" / "x.json"
+    {"fifo": lambda: os.mkfifo(target), "folder": lambda: target.mkdir(),
+     "symlink": lambda: os.symlink(tmp_path / "run" / "real.json", target)}[kind]()
+    with pytest.raises(NotARegularFile, match={"fifo": "named pipe", "folder": "a folder", "symlink": "symbolic link"}[kind]):
+        s.read_json("x.json")
+    with pytest.raises(CheckpointError, match="over the limit of 1 bytes"):
+        s.read_bytes("real.json", limit=1)

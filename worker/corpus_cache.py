@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from core.checkpoint import TensorFile, write_checkpoint
+from core.storage import Storage
 
 if TYPE_CHECKING:
     from worker.data import Corpus
@@ -26,26 +25,18 @@ TOKEN_DTYPES = {"uint8": torch.uint8, "int32": torch.int32}
 """Token dtypes a cache may hold: bytes (vocab 256), or a tokenizer's ids (any vocabulary < 2**31)."""
 
 
-def atomic_write(path: Path, write: Callable[[str], object]) -> None:
-    # temp name in the same directory, so os.replace is a rename on one filesystem: readers see
-    # the old state or the whole new file, never a prefix of it
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def tokens_sha256(tokens: torch.Tensor) -> str:
     return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
 
 
+def _storage(directory: Path) -> Storage:
+    return Storage(str(directory), follow_links=True)  # the user's cache folder, wherever it links
+
+
 def save_cache(corpus: Corpus, directory: Path, tokenizer: str | None) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / "tokens.safetensors", lambda p: save_file({"tokens": corpus.tokens}, p))
+    """Written through the storage's atomic writes: readers see the old state or the whole new file."""
+    storage = _storage(directory)
+    write_checkpoint(storage, "tokens.safetensors", {"tokens": corpus.tokens})
     st = (directory / "tokens.safetensors").stat()
     index = {
         "format": FORMAT_VERSION,
@@ -57,13 +48,14 @@ def save_cache(corpus: Corpus, directory: Path, tokenizer: str | None) -> None:
         "documents": [[d.name, d.group, d.start, d.end] for d in corpus.documents],
     }
     # index.json is written last and is the manifest: without it the tokens are not trusted
-    atomic_write(directory / "index.json", lambda p: Path(p).write_text(json.dumps(index, separators=(",", ":"))))
+    storage.write_bytes("index.json", json.dumps(index, separators=(",", ":")).encode())
 
 
 def load_cache(directory: Path, fingerprint: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[list]]:
     """(tokens, [[name, group, start, end], ...]) of a cache written by save_cache, checked."""
     index = json.loads((directory / "index.json").read_text())
-    tokens = load_file(str(directory / "tokens.safetensors"))["tokens"]
+    with TensorFile(_storage(directory), "tokens.safetensors") as f:
+        tokens = f.read("tokens")
     if index.get("format") != FORMAT_VERSION or index.get("fingerprint") != fingerprint:
         raise ValueError("index.json belongs to another corpus format or fingerprint")
     if tokens.dtype != dtype or tokens.dim() != 1 or tokens.numel() != index["num_tokens"]:
