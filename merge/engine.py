@@ -98,13 +98,14 @@ class Prefetch:
         for buf in buffers if buffers is not None else [Buffer() for _ in range(DEPTH)]:
             self._free.put(buf)
         self._ready: queue.Queue[Any] = queue.Queue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"merge-read-{ident}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         for reads in self.plan:
             buf = self._free.get()
-            if buf is None:
+            if buf is None or self._closed:
                 return
             try:
                 self._ready.put((buf, buf.fill(reads)))
@@ -125,10 +126,13 @@ class Prefetch:
     def give_back(self, buf: Buffer) -> None:
         self._free.put(buf)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop reading; True once the thread has ended, so that its buffers may be used again. A
+        read stuck in the kernel (a hung NFS server) keeps its daemon thread, and its buffer."""
+        self._closed = True
         self._free.put(None)
-        # a read stuck in the kernel (a hung NFS server) keeps its thread: it is a daemon, let it be
         self._thread.join(timeout=5)
+        return not self._thread.is_alive()
 
 
 def _reason(label: str, exc: BaseException) -> str:
@@ -146,9 +150,9 @@ def nonfinite(label: str, name: str) -> str:
 
 
 @contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """The maths are memory-bound; the cores are the readers' (I/O, digests) and the writer's.
-    And the objects alive so far (torch's ~170 000) leave the garbage collector's view for good
+def merging() -> Iterator[None]:
+    """While a merge runs, torch uses one thread: the maths are memory-bound, the cores are the
+    readers' (I/O, digests) and the writer's. And the objects alive so far (torch's ~170 000) leave the garbage collector's view for good
     (gc.freeze): a merge makes garbage fast, and every full collection walked them all while
     holding the GIL that the reader threads need (~7% of a K = 8 merge's CPU, measured with perf)."""
     gc.freeze()
@@ -195,7 +199,7 @@ def run_merge(inputs: Sequence[Model], weights: Sequence[float], method: str, ou
         problems = check_method_args(method, list(weights), params, base is not None)
         if problems:
             raise ValueError("; ".join(problems))
-        with one_torch_thread():
+        with merging():
             return _run_merge(inputs, list(weights), spec, method, list(outputs), params, base, state_in, state_out,
                               buffer_bytes)
     finally:

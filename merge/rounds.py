@@ -38,7 +38,7 @@ from core.config import OuterConfig
 from core.errors import CheckpointError, RunError
 from core.failpoints import failpoint
 from core.storage import Storage
-from merge.engine import DEPTH, Buffer, Prefetch, Read, finite, one_torch_thread
+from merge.engine import DEPTH, Buffer, Prefetch, Read, finite, merging
 from merge.inputs import compare_specs
 from merge.outer import outer_step_from_grad, state_in_specs, state_key, state_out_specs, state_slots
 from merge.writer import OutputFile, StreamWriter
@@ -129,7 +129,7 @@ class RunningSum:
             self._rebuild(list(self.folded))
         t0 = time.perf_counter()
         try:
-            with one_torch_thread():
+            with merging():
                 digest, nbytes = self._fold(c)
         except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
             why = str(exc) if isinstance(exc, CheckpointError) else \
@@ -208,7 +208,8 @@ class RunningSum:
                         self._add(c, label, name, codec.decode_tensor(name, self.ref[name].shape, enc, got_all.__getitem__))
                 reader.give_back(buf)
         finally:
-            reader.close()
+            if not reader.close():  # a read still running may yet fill one of them: new ones for the next fold
+                self._buffers = [Buffer() for _ in range(DEPTH)]
 
     def _add(self, c: Contribution, label: str, name: str, x: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         """S[name][start:stop] += w x (a float tensor), or check that a non-float one equals the base's.
@@ -266,7 +267,7 @@ class RunningSum:
         if len(order) < min_inputs:
             raise QuorumError(f"only {len(order)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
                               f"rejected: {rejected or 'none'}", rejected)
-        with one_torch_thread():
+        with merging():
             out_manifest, grad_sq = self._step(out_key, outer, state_in_key, state_out_key, metadata,
                                                {**(manifest or {}), "merge_order": order})
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=sum(f.nbytes for f in self.folded),

@@ -135,3 +135,31 @@ def test_a_read_that_stalls_rejects_its_contribution_instead_of_hanging(tmp_path
         assert acc.add(Contribution(0, "w0.safetensors", 1.0))
     finally:
         release.set()
+
+
+def test_after_a_stalled_read_the_next_fold_gets_buffers_of_its_own(tmp_path, monkeypatch):
+    """The stalled read's thread may still write into the buffer it was filling: the sum must not
+    hand that buffer to the next contribution."""
+    import threading
+
+    from core.checkpoint import TensorFile
+    from merge import engine
+    s = _setup(tmp_path)
+    monkeypatch.setattr(engine, "STALL_S", 0.3)
+    release = threading.Event()
+    real = TensorFile._read_exact
+
+    def hang(self, offset, view):
+        if self.key == "w1.safetensors" and offset >= self.data_start:
+            release.wait(30)
+        return real(self, offset, view)
+    monkeypatch.setattr(TensorFile, "_read_exact", hang)
+    acc = RunningSum(s, "g.safetensors")
+    before = list(acc._buffers)
+    try:
+        assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
+        assert not set(map(id, acc._buffers)) & set(map(id, before))
+    finally:
+        release.set()
+    assert acc.add(Contribution(0, "w0.safetensors", 1.0))
+    assert torch.equal(acc._sum["a"], _model(1)["a"].float())
