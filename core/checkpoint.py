@@ -304,7 +304,9 @@ class TensorFile:
                 self._sha.update(view)
                 self._pos += len(view)
         if self._drop and n:
-            os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
+            # everything before: the kernel's read-ahead brings in pages just behind a reader too,
+            # and dropping only the range read let 2.4 GB of those pile up in an 8 GiB merge
+            os.posix_fadvise(self._fd, 0, offset + n, os.POSIX_FADV_DONTNEED)
 
     def _read_exact(self, offset: int, view: memoryview) -> None:
         want, got = len(view), 0
