@@ -217,8 +217,8 @@ PIECE = 1 << 20
 """Bytes read, then hashed, at a time: small enough to be hashed while still in the core's cache."""
 DROP_BEHIND_BYTES = 64 << 20
 """Local files at least this large are read with the kernel's read-ahead and dropped from the page
-cache once read: a merge reads each input once, and on the development machine filling the cache
-cost a cold 8 GiB read 10-15 CPU-s where dropping behind cost 1.3 (docs/benchmarks.md)."""
+cache once read: a merge reads each input once, and letting a cold read fill the cache costs this
+kind of machine several times the CPU (docs/benchmarks.md, Merge)."""
 
 
 class TensorFile:
@@ -235,6 +235,8 @@ class TensorFile:
     def __init__(self, storage: Storage, key: str, manifest: Mapping[str, Any] | None = None, label: str = "") -> None:
         self.storage, self.key, self.label = storage, key, label or storage.display(key)
         self.manifest = dict(manifest) if manifest is not None else None
+        self._sha = new_hasher(self.manifest) if self.manifest is not None else None
+        self._pos = 0  # bytes hashed so far, always a prefix of the file
         self._fd: int | None = None
         self._f: Any = None
         try:
@@ -245,11 +247,11 @@ class TensorFile:
                 self._f = storage.open_read(key)
                 actual = storage.size(key)
         except FileNotFoundError:
+            self.close()
             raise CheckpointError(f"{self.label}: checkpoint file is missing") from None
         except OSError as exc:
+            self.close()
             raise CheckpointError(f"{self.label}: cannot be opened ({exc}); check the path and its permissions") from None
-        self._sha = new_hasher(self.manifest) if self.manifest is not None else None
-        self._pos = 0  # bytes hashed so far, always a prefix of the file
         self._drop = self._fd is not None and actual >= DROP_BEHIND_BYTES
         try:
             self.metadata, self.specs, self.data_start = self._read_header(actual)
@@ -304,8 +306,8 @@ class TensorFile:
                 self._sha.update(view)
                 self._pos += len(view)
         if self._drop and n:
-            # everything before: the kernel's read-ahead brings in pages just behind a reader too,
-            # and dropping only the range read let 2.4 GB of those pile up in an 8 GiB merge
+            # everything before, not only the range read: the kernel's read-ahead brings in pages
+            # just behind a reader too, and those would pile up (docs/benchmarks.md, Merge)
             os.posix_fadvise(self._fd, 0, offset + n, os.POSIX_FADV_DONTNEED)
 
     def _read_exact(self, offset: int, view: memoryview) -> None:

@@ -397,7 +397,7 @@ class Staged:
         """Write the next bytes. A local file's pages are dropped from the page cache behind the
         writes (each call of posix_fadvise DONTNEED starts the write-back of what was written and
         drops what is on disk already): a merge's large output would otherwise fill the cache, which
-        costs this machine more CPU than the merge's maths (docs/benchmarks.md)."""
+        costs more CPU than the merge's maths on some machines (docs/benchmarks.md, Merge)."""
         self.file.write(data)
         self._written += len(data)
         if self._fd is not None and self._written - self._dropped >= DROP_EVERY:

@@ -152,9 +152,9 @@ def nonfinite(label: str, name: str) -> str:
 @contextlib.contextmanager
 def merging() -> Iterator[None]:
     """While a merge runs, torch uses one thread: the maths are memory-bound, the cores are the
-    readers' (I/O, digests) and the writer's. And the objects alive so far (torch's ~170 000) leave the garbage collector's view for good
-    (gc.freeze): a merge makes garbage fast, and every full collection walked them all while
-    holding the GIL that the reader threads need (~7% of a K = 8 merge's CPU, measured with perf)."""
+    readers' (I/O, digests) and the writer's. And the objects alive so far (torch's are many) leave
+    the garbage collector's view for good (gc.freeze): a merge makes garbage fast, and every full
+    collection walked them all while holding the GIL the readers need (docs/benchmarks.md, Merge)."""
     gc.freeze()
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -110,41 +110,14 @@ def test_any_exception_while_folding_is_one_rejection_not_a_crash(tmp_path, monk
     assert torch.equal(acc._sum["a"], _model(1)["a"].float())
 
 
-def test_a_read_that_stalls_rejects_its_contribution_instead_of_hanging(tmp_path, monkeypatch):
-    """A contribution whose storage stops answering (a hung NFS server, simulated by a read that
-    blocks) is refused once no data came for engine.STALL_S; the service goes on. The blocked
-    read keeps its thread until it returns (released at the end here)."""
+@pytest.fixture
+def stalled_w1(tmp_path, monkeypatch):
+    """Reads of w1.safetensors' data block (a hung NFS server, simulated) until the test ends;
+    engine.STALL_S is 0.3 s. Yields the run's storage."""
     import threading
 
     from core.checkpoint import TensorFile
     from merge import engine
-    s = _setup(tmp_path)
-    monkeypatch.setattr(engine, "STALL_S", 0.5)
-    release = threading.Event()
-    real = TensorFile._read_exact
-
-    def hang(self, offset, view):
-        if self.key == "w1.safetensors" and offset >= getattr(self, "data_start", 1 << 62):  # past the header
-            release.wait(30)
-        return real(self, offset, view)
-    monkeypatch.setattr(TensorFile, "_read_exact", hang)
-    acc = RunningSum(s, "g.safetensors")
-    try:
-        assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
-        assert "no data came from the storage for 0 s: it stalls" in acc.rejected[1][1], acc.rejected[1][1]
-        assert acc.add(Contribution(0, "w0.safetensors", 1.0))
-    finally:
-        release.set()
-
-
-def test_after_a_stalled_read_the_next_fold_gets_buffers_of_its_own(tmp_path, monkeypatch):
-    """The stalled read's thread may still write into the buffer it was filling: the sum must not
-    hand that buffer to the next contribution."""
-    import threading
-
-    from core.checkpoint import TensorFile
-    from merge import engine
-    s = _setup(tmp_path)
     monkeypatch.setattr(engine, "STALL_S", 0.3)
     release = threading.Event()
     real = TensorFile._read_exact
@@ -154,13 +127,28 @@ def test_after_a_stalled_read_the_next_fold_gets_buffers_of_its_own(tmp_path, mo
             release.wait(30)
         return real(self, offset, view)
     monkeypatch.setattr(TensorFile, "_read_exact", hang)
-    acc = RunningSum(s, "g.safetensors")
-    before = list(acc._buffers)
     try:
-        assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
-        assert "it stalls" in acc.rejected[1][1], acc.rejected[1][1]
-        assert not set(map(id, acc._buffers)) & set(map(id, before))
+        yield _setup(tmp_path)
     finally:
         release.set()
+
+
+def test_a_read_that_stalls_rejects_its_contribution_instead_of_hanging(stalled_w1):
+    """A contribution whose storage stops answering is refused once no data came for
+    engine.STALL_S, and the service goes on. The blocked read keeps its thread until it returns."""
+    acc = RunningSum(stalled_w1, "g.safetensors")
+    assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
+    assert "no data came from the storage for 0 s: it stalls" in acc.rejected[1][1], acc.rejected[1][1]
+    assert acc.add(Contribution(0, "w0.safetensors", 1.0))
+
+
+def test_after_a_stalled_read_the_next_fold_gets_buffers_of_its_own(stalled_w1):
+    """The stalled read's thread may still write into the buffer it was filling: the sum must not
+    hand that buffer to the next contribution."""
+    acc = RunningSum(stalled_w1, "g.safetensors")
+    before = list(acc._buffers)
+    assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
+    assert "it stalls" in acc.rejected[1][1], acc.rejected[1][1]
+    assert not set(map(id, acc._buffers)) & set(map(id, before))
     assert acc.add(Contribution(0, "w0.safetensors", 1.0))
     assert torch.equal(acc._sum["a"], _model(1)["a"].float())
