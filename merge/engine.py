@@ -135,6 +135,22 @@ class Prefetch:
         return not self._thread.is_alive()
 
 
+def read_tensors(f: TensorFile, ident: Any, names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for whole tensors of `f` (all, in file order, by default), read ahead by a
+    Prefetch: a read that stalls raises InputError naming `ident` after STALL_S instead of blocking
+    the caller for good. bf16/f16/f64 tensors come widened to float32; each is the caller's."""
+    plan = [[Read(n, f, n, 0, math.prod(f.specs[n].shape), f.specs[n].shape)] for n in (names or list(f.specs))]
+    reader = Prefetch(f.label, ident, plan)
+    try:
+        for (r,) in plan:
+            buf, got = reader.take()
+            t = got[r.tag].clone()
+            reader.give_back(buf)
+            yield r.name, t
+    finally:
+        reader.close()
+
+
 def _reason(label: str, exc: BaseException) -> str:
     return str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
 

@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import TensorFile, TensorSpec, load_checkpoint, open_checkpoint, write_checkpoint
+from core.checkpoint import TensorFile, TensorSpec, open_checkpoint, write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
+from merge.engine import read_tensors
 from merge.rounds import Contribution, MergeResult, QuorumError
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,10 @@ def merge_lte_round(
     for c in contributions:
         label = f"worker {c.worker} ({storage.display(c.key)})"
         try:
-            tensors, _, m = load_checkpoint(storage, c.key, label=label)
+            with open_checkpoint(storage, c.key, label) as f:
+                tensors = dict(read_tensors(f, c.worker))  # a reader thread: a stalled read fails it
+                f.verify()
+                m = f.manifest or {}
         except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
             rejected[c.worker] = str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
             continue

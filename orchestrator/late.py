@@ -24,6 +24,7 @@ from core.config import Config
 from core.errors import CheckpointError, ContributionRejected
 from core.layout import RunLayout
 from core.storage import Storage
+from merge.engine import read_tensors
 from merge.inputs import compare_specs
 from merge.rounds import Contribution
 from orchestrator.plan import Fold, contribution_weight, fold_plan
@@ -125,16 +126,19 @@ def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, ou
 
 
 def _rebased(g: TensorFile, w: TensorFile, b: TensorFile) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, spec in g.specs.items():
-        gt, wt, bt = g.get(name), w.get(name), b.get(name)
-        if spec.dtype not in FLOATS:
-            yield name, gt
-            continue
-        v = gt.float() + (wt.float() - bt.float())
-        if not bool(torch.isfinite(v).all()):
-            raise CheckpointError(f"{w.label}: tensor {name} has NaN or Inf values (or overflows when re-based); "
-                                  "it is not folded")
-        yield name, v.to(gt.dtype)
+    # the late contribution is read by a reader thread: if its reads stall, it is refused after
+    # merge.engine.STALL_S instead of holding the merge service
+    with contextlib.closing(read_tensors(w, w.label, list(g.specs))) as late:
+        for (name, spec), (_, wt) in zip(g.specs.items(), late):
+            gt = g.get(name)
+            if spec.dtype not in FLOATS:
+                yield name, gt
+                continue
+            v = gt.float() + (wt.float() - b.get(name).float())
+            if not bool(torch.isfinite(v).all()):
+                raise CheckpointError(f"{w.label}: tensor {name} has NaN or Inf values (or overflows when re-based); "
+                                      "it is not folded")
+            yield name, v.to(gt.dtype)
     for ck in (g, w, b):  # every byte has been read: check all three against their manifests
         ck.verify()
 

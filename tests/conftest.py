@@ -115,3 +115,24 @@ def mount_tmpfs():
     yield mount
     for mnt in mounted:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def stall_reads(monkeypatch):
+    """`stall_reads(key)`: reads of that file's data (past its header) block until the test ends,
+    as on a hung NFS server; merge.engine.STALL_S is 0.3 s meanwhile."""
+    import threading
+
+    from core.checkpoint import TensorFile
+    from merge import engine
+    monkeypatch.setattr(engine, "STALL_S", 0.3)
+    release, keys = threading.Event(), set()
+    real = TensorFile._read_exact
+
+    def hang(self, offset, view):
+        if self.key in keys and offset >= getattr(self, "data_start", 1 << 62):
+            release.wait(30)
+        return real(self, offset, view)
+    monkeypatch.setattr(TensorFile, "_read_exact", hang)
+    yield keys.add
+    release.set()

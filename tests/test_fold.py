@@ -111,26 +111,10 @@ def test_any_exception_while_folding_is_one_rejection_not_a_crash(tmp_path, monk
 
 
 @pytest.fixture
-def stalled_w1(tmp_path, monkeypatch):
-    """Reads of w1.safetensors' data block (a hung NFS server, simulated) until the test ends;
-    engine.STALL_S is 0.3 s. Yields the run's storage."""
-    import threading
-
-    from core.checkpoint import TensorFile
-    from merge import engine
-    monkeypatch.setattr(engine, "STALL_S", 0.3)
-    release = threading.Event()
-    real = TensorFile._read_exact
-
-    def hang(self, offset, view):
-        if self.key == "w1.safetensors" and offset >= getattr(self, "data_start", 1 << 62):  # past the header
-            release.wait(30)
-        return real(self, offset, view)
-    monkeypatch.setattr(TensorFile, "_read_exact", hang)
-    try:
-        yield _setup(tmp_path)
-    finally:
-        release.set()
+def stalled_w1(tmp_path, stall_reads):
+    """The run's storage, where reads of w1.safetensors' data block (tests/conftest.py)."""
+    stall_reads("w1.safetensors")
+    return _setup(tmp_path)
 
 
 def test_a_read_that_stalls_rejects_its_contribution_instead_of_hanging(stalled_w1):

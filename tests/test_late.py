@@ -178,3 +178,11 @@ def test_rebase_is_global_plus_the_late_delta(mem):
     rebase(mem, L.global_weights(1), L.contribution(0, 2), L.global_weights(0), "v.safetensors")
     v = load_checkpoint(mem, "v.safetensors")[0]
     assert torch.equal(v["w"], G0["w"] - 0.375 - 1.0) and torch.equal(v["b"], G0["b"] - 1.375)
+
+
+def test_a_late_contribution_whose_reads_stall_is_not_folded(mem, stall_reads):
+    _late_round(mem)
+    stall_reads(L.contribution(0, 2))
+    folded, refused = prepare_folds(mem, load_config(None, {"workers": 3}, ["round.late_policy=fold"]), 1)
+    assert folded == [] and "it stalls" in refused[0]["reason"], refused
+    assert read_manifest(mem, L.folded_contribution(1, 2, 0)) is None

@@ -355,3 +355,11 @@ def test_end_to_end_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
     assert any(k.endswith(".lora_A") for k in state) and any("::exp_avg" in k for k in state)
     assert s.read_json(L.round_record(1))["outer_grad_norm"] > 0
     assert weights_of(build_model(cfg.model)).keys() == g2.keys()  # the global model is a plain model
+
+
+def test_a_contribution_whose_reads_stall_is_rejected_and_the_rest_merged(mem, stall_reads):
+    gen = torch.Generator().manual_seed(5)
+    base, contribs = _setup(mem, [_contrib(gen), _contrib(gen), _contrib(gen)])
+    stall_reads(L.contribution(0, 1))
+    res = merge_lte_round(mem, L.global_weights(0), contribs, L.global_weights(1), scale=1.0, rank=2, min_inputs=2)
+    assert res.merged == [0, 2] and "it stalls" in res.rejected[1], res.rejected
