@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,14 +274,16 @@ class RunningSum:
                            seconds=time.perf_counter() - t0, outer_grad_norm=grad_sq ** 0.5, manifest=out_manifest,
                            order=order)
 
-    def _source(self, key: str, label: str) -> tuple[Any, TensorFile | None]:
-        """Tensors of the checkpoint at `key` by name: the copy held in memory if it is still the
-        file on storage (same digest; it is given up, since the step overwrites it), else the file."""
+    def _source(self, key: str, label: str, opened: list[TensorFile]) -> tuple[Callable[[str], torch.Tensor],
+                                                                            dict[str, tuple[str, tuple[int, ...]]]]:
+        """(a tensor of the checkpoint at `key` by name, its entries' dtypes and shapes): the copy
+        held in memory if it is still the file on storage (same digest; it is given up, since the
+        step overwrites it), else the file, added to `opened` (verified and closed by the caller)."""
         held = self._held.pop(key, None)
         if held is not None and self._manifest(key).get("digest") == held[0]:
-            return held[1], None
-        f = open_checkpoint(self.storage, key, label)
-        return f, f
+            return held[1].__getitem__, {k: (DTYPES[t.dtype], tuple(t.shape)) for k, t in held[1].items()}
+        opened.append(open_checkpoint(self.storage, key, label))
+        return opened[-1].read, {k: (sp.dtype, sp.shape) for k, sp in opened[-1].specs.items()}
 
     def _step(self, out_key: str, outer: OuterConfig, state_in_key: str | None, state_out_key: str | None,
               metadata: Mapping[str, str] | None, manifest: dict[str, Any]) -> tuple[dict[str, Any], float]:
@@ -291,29 +293,31 @@ class RunningSum:
         s, total = self.storage, float(sum(f.weight for f in self.folded))
         self._dirty = True  # S becomes the mean
         order = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
-        base, base_file = self._source(self.base_key, f"global weights {s.display(self.base_key)}")
-        state, state_file = ({}, None) if state_in_key is None else \
-            self._source(state_in_key, f"outer optimizer state {s.display(state_in_key)}")
-        writers = [StreamWriter([OutputFile(s, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in order],
-                                            metadata, dict(manifest))])]
-        if state_out_key is not None:
-            writers.append(StreamWriter([OutputFile(s, state_out_key, state_out_specs(order, outer), None,
-                                                    {"optimizer": outer.optimizer})]))
+        opened: list[TensorFile] = []
+        writers: list[StreamWriter] = []
         grad_sq = 0.0
         try:
-            state_in_specs({k: (DTYPES[t.dtype], tuple(t.shape)) for k, t in state.items()} if isinstance(state, dict)
-                           else {k: (sp.dtype, sp.shape) for k, sp in state.specs.items()}, order, state_slots(outer),
-                           f"outer optimizer state {s.display(state_in_key)}" if state_in_key else "")
+            base, _ = self._source(self.base_key, f"global weights {s.display(self.base_key)}", opened)
+            state: Callable[[str], torch.Tensor] | None = None
+            have: dict[str, list[tuple[str, bool]]] = {}  # tensor -> its state slots (none: a first step)
+            if state_in_key is not None:
+                label = f"outer optimizer state {s.display(state_in_key)}"
+                state, entries = self._source(state_in_key, label, opened)
+                have = state_in_specs(entries, order, state_slots(outer), label)  # it fits model and optimizer
+            writers.append(StreamWriter([OutputFile(s, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d])
+                                                                 for n, d, sh in order], metadata, dict(manifest))]))
+            if state_out_key is not None:
+                writers.append(StreamWriter([OutputFile(s, state_out_key, state_out_specs(order, outer), None,
+                                                        {"optimizer": outer.optimizer})]))
             for name, sp in self.ref.items():
-                b = base[name] if isinstance(base, dict) else base.read(name)
+                b = base(name)
                 if sp.dtype not in FLOATS:
                     writers[0].put(name, b)
                     continue
                 grad = self._sum[name].div_(total)
                 if self.space != "delta":
                     torch.sub(b.to(torch.float32), grad, out=grad)
-                slots = {k.rpartition("::")[2]: (state[k] if isinstance(state, dict) else state.read(k))
-                         for k in _state_keys(state, name)}
+                slots = {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])} if state else {}
                 new, new_state, _ = outer_step_from_grad(b, grad, slots, outer, in_place=True)
                 if not finite(new):  # every input was checked finite as it was folded
                     raise CheckpointError(f"merged tensor {name} has NaN or Inf values although every input is "
@@ -328,9 +332,8 @@ class RunningSum:
                 failpoint("merge.while_reading")  # crash tests: half the step written, temporaries on disk
             for w in writers:
                 w.finish()
-            for f in (base_file, state_file):
-                if f is not None:
-                    f.verify()
+            for f in opened:
+                f.verify()
             out = writers[0].commit()[0]
             failpoint("merge.after_global")  # crash tests: the new global published, its outer state not yet
             if len(writers) > 1:
@@ -341,14 +344,8 @@ class RunningSum:
                 w.abort()
             raise
         finally:
-            for f in (base_file, state_file):
-                if f is not None:
-                    f.close()
-
-
-def _state_keys(state: Any, name: str) -> list[str]:
-    keys = state.keys() if isinstance(state, dict) else state.specs
-    return [k for k in keys if k.rpartition("::")[0] == name]
+            for f in opened:
+                f.close()
 
 
 def merge_round(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,
