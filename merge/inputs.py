@@ -158,6 +158,9 @@ def _shards(storage: Storage, label: str) -> tuple[dict[str, Any] | None, list[s
         if not isinstance(wm, dict) or not all(isinstance(n, str) and isinstance(s, str) for n, s in wm.items()):
             raise CheckpointError(f"{label}/{INDEX}: has no weight_map of tensor names to shard files: not a Hugging "
                                   "Face safetensors index")
+        if not isinstance(index.get("metadata", {}), dict):  # the merge's own index is written from it
+            raise CheckpointError(f"{label}/{INDEX}: its metadata is not a JSON object: not a Hugging Face "
+                                  "safetensors index; fix or delete that field")
         bad = sorted({s for s in wm.values() if not _SHARD.fullmatch(s)})
         if bad:
             raise CheckpointError(f"{label}/{INDEX} names shards {[b[:80] for b in bad[:3]]} that are not plain "
