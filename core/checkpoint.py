@@ -19,7 +19,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import blake3
 import torch
@@ -28,7 +28,7 @@ import xxhash
 from core.errors import CheckpointError
 from core.layout import manifest_key
 from core.manifest import KNOWN_HASHES, UNNAMED_HASH, read_manifest
-from core.storage import Storage
+from core.storage import Staged, Storage
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -107,15 +107,28 @@ def new_hasher(manifest: Mapping[str, Any] | None = None) -> Any:
 
 
 class HashingWriter:
-    """Wraps a binary file: counts and hashes every byte written."""
+    """Wraps a file being written (a core.storage.Staged): counts and hashes every byte written."""
 
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: Staged) -> None:
         self.f, self.sha, self.nbytes = f, new_hasher(), 0
 
     def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.sha.update(data)
         self.nbytes += len(data)
+
+    def manifest(self, key: str, fields: Mapping[str, Any] | None, tensors: int) -> dict[str, Any]:
+        """The manifest of the checkpoint written through this writer at `key`: the caller's
+        `fields`, then what makes it whole (its name, hash, digest, size and tensor count)."""
+        return {**(fields or {}), "file": key.rsplit("/", 1)[-1], "hash": HASH, "digest": self.sha.hexdigest(),
+                "bytes": self.nbytes, "tensors": tensors}
+
+
+def publish_manifest(storage: Storage, key: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Write checkpoint `key`'s manifest (after its data is published): from now on it is whole."""
+    entry["written_at"] = time.time()
+    storage.write_json(manifest_key(key), entry)
+    return entry
 
 
 def write_checkpoint(
@@ -146,10 +159,7 @@ def write_checkpoint(
             _write_stream(w, layout, stream())
     except OSError as exc:
         raise storage.error(f"write checkpoint {key}", exc) from exc
-    entry = {**(manifest or {}), "file": key.rsplit("/", 1)[-1], "hash": HASH, "digest": w.sha.hexdigest(),
-             "bytes": w.nbytes, "tensors": len(layout), "written_at": time.time()}
-    storage.write_json(manifest_key(key), entry)
-    return entry
+    return publish_manifest(storage, key, w.manifest(key, manifest, len(layout)))
 
 
 def _write_stream(w: HashingWriter, layout: list[TensorSpec], items: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -209,11 +209,12 @@ class Storage:
         return Staged(self, key)
 
     @contextlib.contextmanager
-    def open_atomic(self, key: str) -> Iterator[IO[bytes]]:
-        """Write `key` atomically: a Staged write published on clean exit, discarded on error."""
+    def open_atomic(self, key: str) -> Iterator[Staged]:
+        """Write `key` atomically: a Staged write (`write`, `flush`) published on clean exit,
+        discarded on error."""
         staged = self.stage(key)
         try:
-            yield staged.file
+            yield staged
         except BaseException:
             staged.discard()
             raise
@@ -403,6 +404,9 @@ class Staged:
         if self._fd is not None and self._written - self._dropped >= DROP_EVERY:
             os.posix_fadvise(self._fd, 0, self._written, os.POSIX_FADV_DONTNEED)
             self._dropped = self._written
+
+    def flush(self) -> None:
+        self.file.flush()
 
     def publish(self) -> None:
         """Close the file (its buffered bytes written now: a full disk may show only here) and make

@@ -12,16 +12,14 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from core.checkpoint import DTYPES, HASH, TensorSpec, build_header, new_hasher, tensor_bytes
+from core.checkpoint import DTYPES, HashingWriter, TensorSpec, build_header, publish_manifest, tensor_bytes
 from core.errors import CheckpointError
-from core.layout import manifest_key
 from core.storage import Staged, Storage
 
 _DONE = object()
@@ -77,18 +75,13 @@ class StreamWriter:
         header, layout = build_header(out.specs, out.metadata)
         staged = out.storage.stage(out.key)
         self._staged.append(staged)
-        sha = new_hasher() if out.manifest is not None else None
-        nbytes = 0
+        w = HashingWriter(staged)
         try:
             for data in self._chunks(header, layout):
-                staged.write(data)
-                if sha is not None:
-                    sha.update(data)
-                nbytes += len(data)
+                w.write(data)
         except OSError as exc:
             raise out.storage.error(f"write {out.key}", exc) from exc
-        out.entry = {} if sha is None else {**(out.manifest or {}), "file": out.key.rsplit("/", 1)[-1], "hash": HASH,
-                                            "digest": sha.hexdigest(), "bytes": nbytes, "tensors": len(layout)}
+        out.entry = {} if out.manifest is None else w.manifest(out.key, out.manifest, len(layout))
 
     def _chunks(self, header: bytes, layout: list[TensorSpec]) -> Iterator[memoryview]:
         yield memoryview(header)
@@ -126,8 +119,7 @@ class StreamWriter:
         self._staged = []
         for out in self.files:
             if out.manifest is not None:
-                out.entry["written_at"] = time.time()
-                out.storage.write_json(manifest_key(out.key), out.entry)
+                publish_manifest(out.storage, out.key, out.entry)
         return [out.entry for out in self.files]
 
     def abort(self) -> None:
