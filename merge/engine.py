@@ -282,6 +282,10 @@ def _run_merge(inputs, weights, spec, method, outputs, params, base, state_in, s
         lanes = [Prefetch(m.label, m.ident, _reads(m, segments)) for m in [*inputs, *([base] if base else [])]]
         if state_in is not None:
             lanes.append(Prefetch(state_in.label, state_in.ident, _state_reads(state_in, segments, have)))
+        # Methods that propagate NaN/Inf (sums) get the cheap check on their result only; the inputs
+        # are then checked one by one only to name the culprit.
+        inner = params.get("inner", "average") if spec.stateful else method
+        check_each = not (spec.propagates_nonfinite and method_spec(inner).propagates_nonfinite)
         stats: dict[str, float] = {}
         dtypes = {n: TORCH_DTYPES[d] for n, d, _ in order}
         pending: dict[str, torch.Tensor] = {}  # state slots of the current tensor, when they cannot stream
@@ -291,7 +295,8 @@ def _run_merge(inputs, weights, spec, method, outputs, params, base, state_in, s
             parts = [p[None] for _, p in taken[: len(inputs)]]
             base_part = taken[len(inputs)][1][None] if base is not None else None
             state = dict(taken[-1][1]) if state_in is not None else {}
-            out_t = _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state, stats)
+            out_t = _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state, stats,
+                                   check_each)
             for lane, (buf, _) in zip(lanes, taken):
                 lane.give_back(buf)
             writers[0].put(seg.name, out_t.to(dtypes[seg.name]))
@@ -325,7 +330,8 @@ def _verify(m: Model) -> None:
         raise InputError(m.ident, str(exc)) from None
 
 
-def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state, stats) -> torch.Tensor:
+def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state, stats,
+                   check_each) -> torch.Tensor:
     """One segment merged: the method over float slices, or the inputs' common value of a
     non-float tensor (such tensors are not merged: every input must hold the same)."""
     if not seg.floating:
@@ -336,10 +342,6 @@ def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, p
                                           f"differs from {ref_label}'s: such tensors are not merged, they must be "
                                           "identical in every input")
         return ref[0].clone()
-    # Methods that propagate NaN/Inf (sums) get the cheap check on their result only; the inputs are
-    # then checked one by one only to name the culprit.
-    inner = params.get("inner", "average") if spec.stateful else method
-    check_each = not (spec.propagates_nonfinite and method_spec(inner).propagates_nonfinite)
     named = [*zip(inputs, parts), *([(base, base_part)] if base is not None else [])]
     if check_each:
         for m, p in named:

@@ -119,8 +119,13 @@ class RunningSum:
     # -- folding ------------------------------------------------------------------------
     def add(self, c: Contribution) -> bool:
         """Fold `c` in; False (and the reason in `rejected`) if it cannot be merged."""
-        m = self._manifest(c.key)
-        ident = f"{m.get('digest')}@{m.get('written_at')}"  # a republished file is tried again
+        label = f"worker {c.worker} ({self.storage.display(c.key)})"
+        try:
+            m: dict[str, Any] | None = read_manifest(self.storage, c.key, label)
+            bad: CheckpointError | None = None
+        except CheckpointError as exc:  # damaged: refused below, naming why
+            m, bad = None, exc
+        ident = f"{(m or {}).get('digest')}@{(m or {}).get('written_at')}"  # a republished file is tried again
         if c.worker in self.rejected and self.rejected[c.worker][0] == ident:
             return False
         if any(f.worker == c.worker for f in self.folded):
@@ -130,7 +135,9 @@ class RunningSum:
         t0 = time.perf_counter()
         try:
             with merging():
-                digest, nbytes = self._fold(c)
+                if bad is not None or m is None:
+                    raise bad or CheckpointError(f"{label}: no manifest, so the checkpoint is incomplete or absent")
+                digest, nbytes = self._fold(c, label, m)
         except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
             why = str(exc) if isinstance(exc, CheckpointError) else \
                 f"worker {c.worker} ({self.storage.display(c.key)}): {type(exc).__name__}: {exc}"
@@ -159,11 +166,10 @@ class RunningSum:
         for f in todo:
             self.add(Contribution(f.worker, f.key, f.weight))
 
-    def _fold(self, c: Contribution) -> tuple[str, int]:
-        label = f"worker {c.worker} ({self.storage.display(c.key)})"
+    def _fold(self, c: Contribution, label: str, manifest: dict[str, Any]) -> tuple[str, int]:
         if not (isinstance(c.weight, (int, float)) and math.isfinite(c.weight) and c.weight > 0):
             raise CheckpointError(f"{label}: its weight {c.weight!r} is not a positive finite number")
-        with open_checkpoint(self.storage, c.key, label) as f:
+        with TensorFile(self.storage, c.key, manifest, label) as f:  # the manifest add() read
             enc = codec.encoding_of(f.metadata, label)
             if enc is not None and enc.base_digest != self.base_digest or \
                     self.space is not None and (enc is None) != (self.space == "weights"):
