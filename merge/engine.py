@@ -32,7 +32,6 @@ import torch
 
 from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TORCH_DTYPES, TensorFile
 from core.errors import CheckpointError
-from core.failpoints import failpoint
 from core.progress import track
 from merge.inputs import InputError, Model
 from merge.methods import check_method_args, method_spec
@@ -194,9 +193,6 @@ class _Segment:
 class MergeStats:
     bytes_read: int
     seconds: float
-    grad_sq: float
-    manifests: list[dict[str, Any]]
-    state_manifest: dict[str, Any] | None
 
 
 def run_merge(inputs: Sequence[Model], weights: Sequence[float], method: str, outputs: Sequence[OutputFile], *,
@@ -286,7 +282,6 @@ def _run_merge(inputs, weights, spec, method, outputs, params, base, state_in, s
         # are then checked one by one only to name the culprit.
         inner = params.get("inner", "average") if spec.stateful else method
         check_each = not (spec.propagates_nonfinite and method_spec(inner).propagates_nonfinite)
-        stats: dict[str, float] = {}
         dtypes = {n: TORCH_DTYPES[d] for n, d, _ in order}
         pending: dict[str, torch.Tensor] = {}  # state slots of the current tensor, when they cannot stream
         label = f"merge into {outputs[0].storage.display(outputs[0].key)}"  # progress: core/progress.py
@@ -295,23 +290,20 @@ def _run_merge(inputs, weights, spec, method, outputs, params, base, state_in, s
             parts = [p[None] for _, p in taken[: len(inputs)]]
             base_part = taken[len(inputs)][1][None] if base is not None else None
             state = dict(taken[-1][1]) if state_in is not None else {}
-            out_t = _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state, stats,
+            out_t = _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state,
                                    check_each)
             for lane, (buf, _) in zip(lanes, taken):
                 lane.give_back(buf)
             writers[0].put(seg.name, out_t.to(dtypes[seg.name]))
-            failpoint("merge.while_reading")  # crash tests: half the inputs read, temporaries on disk
             if state_out is not None and seg.floating:
                 _put_state(writers[1], seg, state, slots, pending)
         for w in writers:
             w.finish()
         for m in [*inputs, *([base] if base else []), *([state_in] if state_in else [])]:
             _verify(m)  # every byte has streamed past: compare the digests before publishing anything
-        manifests = writers[0].commit()
-        failpoint("merge.after_global")  # crash tests: new global published, outer state not yet
-        state_manifest = writers[1].commit()[0] if len(writers) > 1 else None
-        return MergeStats(sum(m.bytes for m in inputs), time.perf_counter() - t0, stats.get("grad_sq", 0.0),
-                          manifests, state_manifest)
+        for w in writers:
+            w.commit()
+        return MergeStats(sum(m.bytes for m in inputs), time.perf_counter() - t0)
     except BaseException:
         for w in writers:
             w.abort()
@@ -330,7 +322,7 @@ def _verify(m: Model) -> None:
         raise InputError(m.ident, str(exc)) from None
 
 
-def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state, stats,
+def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state,
                    check_each) -> torch.Tensor:
     """One segment merged: the method over float slices, or the inputs' common value of a
     non-float tensor (such tensors are not merged: every input must hold the same)."""
@@ -351,7 +343,7 @@ def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, p
     if spec.needs_base:
         kwargs["base"] = base_part
     if spec.stateful:
-        kwargs.update(state=state, stats=stats)
+        kwargs["state"] = state
     if "aux" in params:
         kwargs["aux"] = params["aux"][seg.name]
     result = spec.fn(parts, weights, **kwargs)
