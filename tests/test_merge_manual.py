@@ -466,3 +466,17 @@ def test_property_task_arithmetic_is_linear(xs, scale):
 def test_check_method_args_lists_every_problem():
     problems = check_method_args("ties", [1.0, float("nan")], {"density": 2.0, "bogus": 1}, has_base=False)
     assert len(problems) == 4, problems
+
+
+def test_ties_streamed_in_slices_equals_ties_on_whole_tensors(tmp_path, monkeypatch):
+    """Through the engine, in slices of 3 elements, TIES trims each slice with its input's
+    threshold over the whole tensor (merge.methods.ties_thresholds): the result is `ties` on the
+    whole tensors in memory, bit for bit."""
+    shapes = {"a": (7, 5), "b": (11,), "c": ()}
+    models, base = [_model(i, shapes) for i in range(3)], _model(9, shapes)
+    monkeypatch.setattr(engine, "_MIN_CHUNK", 3)
+    got = _merge_files(tmp_path, models, method="ties", weights=[1, 2, 3], base=base, params={"density": 0.3},
+                       buffer_bytes=1)
+    for k in shapes:
+        want = ties([m[k] for m in models], [1, 2, 3], base=base[k], density=0.3)
+        assert torch.equal(got[k], want.reshape(got[k].shape)), k
