@@ -196,6 +196,15 @@ def test_an_index_naming_a_shard_outside_its_directory_is_refused_and_nothing_ou
     assert victim.read_bytes() == before and not (tmp_path / "out").exists()
 
 
+def test_an_index_whose_metadata_is_not_an_object_is_refused(tmp_path, capsys):
+    hf = _hf_dir(tmp_path, "model-00001.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": [""], "weight_map": {"b": "model-00001.safetensors", "w": "model-00001.safetensors"}}))
+    rc, out = _merge_cli(capsys, str(hf), _good(tmp_path), "--out", str(tmp_path / "out"))
+    assert rc == 2 and "its metadata is not a JSON object" in out and "Traceback" not in out
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("how", ["symlink", "hardlink"])
 def test_an_output_that_is_an_input_by_another_name_is_refused(tmp_path, capsys, how):
     good = _good(tmp_path)

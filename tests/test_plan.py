@@ -54,3 +54,19 @@ def test_next_bases_continue_and_restart():
     assert next_bases(3, [0, 1], late, "continue", "G") == {0: "G", 1: "G", 2: late[2]}
     assert next_bases(3, [0, 1], late, "restart", "G") == {0: "G", 1: "G", 2: "G"}
     assert next_bases(3, [0, 1], {}, "continue", "G") == {0: "G", 1: "G", 2: "G"}  # nothing of its own to continue from
+
+
+def test_a_contribution_weight_is_derived_from_the_config_not_taken_from_the_manifest():
+    from core.config import load_config
+    from orchestrator.plan import contribution_weight
+    cfg = load_config(None, {"workers": 2}, [])  # inner.steps 25, batch 16, block 128
+    assert contribution_weight({"steps": 25, "tokens": 25 * 16 * 128}, cfg) == 51200.0
+    assert contribution_weight({"steps": 10}, cfg) == 10 * 16 * 128  # a manifest without tokens: still derived
+    lofi = load_config(None, {"workers": 4, "algorithm": "lofi"}, [])  # batch 16 / 4 workers
+    assert contribution_weight({"steps": 25, "tokens": 25 * 4 * 128}, lofi) == 12800.0
+    for steps in (0, 26, -1, True, "25", 2.5, None):
+        assert "not a whole number in [1, inner.steps = 25]" in contribution_weight({"steps": steps}, cfg)
+    for tokens in (0, 1e30, -51200, float("nan"), "51200", 51201):
+        assert "claims" in contribution_weight({"steps": 25, "tokens": tokens}, cfg)
+    uniform = load_config(None, {"workers": 2}, ["outer.weighting=uniform"])
+    assert contribution_weight({"steps": 0, "tokens": 1e30}, uniform) == 1.0

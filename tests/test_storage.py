@@ -190,3 +190,32 @@ def test_transient_errors_are_retried(tmp_path, monkeypatch):
         return real(key, *a, **k)
     monkeypatch.setattr(s, "open_fd", flaky)
     assert s.read_bytes("x.bin") == b"data"
+
+
+def test_large_local_reads_and_writes_drop_their_pages_behind(tmp_path, monkeypatch):
+    """A large local file read or written once leaves no pages in the cache: each read drops every
+    page before its end (read-ahead also brings pages just behind a reader), and a staged write
+    drops everything written so far every DROP_EVERY bytes (posix_fadvise DONTNEED, spied on)."""
+    import os
+
+    import core.checkpoint as ck
+    import core.storage as st
+    calls: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)) or
+                        real(fd, off, n, advice))
+    monkeypatch.setattr(st, "DROP_EVERY", 1 << 16)
+    monkeypatch.setattr(ck, "DROP_BEHIND_BYTES", 1 << 16)
+    s = Storage(str(tmp_path))
+    write_checkpoint(s, "big.safetensors", {"a": torch.ones(1 << 16), "b": torch.ones(1 << 16)})  # 2 x 256 KiB
+    header = s.size("big.safetensors") - (1 << 19)
+    # after each 256 KiB tensor: the whole prefix written so far
+    assert calls == [(0, header + (1 << 18), os.POSIX_FADV_DONTNEED), (0, header + (1 << 19), os.POSIX_FADV_DONTNEED)]
+    calls.clear()
+    with open_checkpoint(s, "big.safetensors") as f:
+        f.read("a")
+        f.read("b")
+        f.verify()
+    drops = [(o, n) for o, n, a in calls if a == os.POSIX_FADV_DONTNEED]
+    # everything before each read's end: the header's length, the header, tensor a, tensor b
+    assert drops == [(0, 8), (0, f.data_start), (0, f.data_start + (1 << 18)), (0, f.size)]
