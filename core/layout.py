@@ -4,7 +4,8 @@ Paths are keys relative to the run root, '/'-separated, so the same layout works
 filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
 
     config.yaml                                   resolved config (what `resume` uses)
-    lock.json                                     which orchestrator drives the run
+    lock.json                                     which merge service drives the run: epoch, heartbeat
+    lease/epoch_00002.json                        who took epoch 2 of the lease (created once, never rewritten)
     CANCEL                                        marker: `orchestrate cancel` asked to stop
     failed.json                                   why the run stopped for good, if it did
     global/round_00003.safetensors (+ .json)      global weights that round 3 starts from
@@ -43,6 +44,7 @@ def manifest_key(checkpoint_key: str) -> str:
 class RunLayout:
     CONFIG = "config.yaml"
     LOCK = "lock.json"
+    LEASE = "lease"
     CANCEL = "CANCEL"
     FAILED = "failed.json"
     FINAL = "final/model.safetensors"
@@ -52,6 +54,11 @@ class RunLayout:
     JOBS = "jobs"
     METRICS = "metrics"
     TENSORBOARD = "tensorboard"
+
+    def lease_epoch(self, epoch: int) -> str:
+        """Created exclusively by whoever takes epoch `epoch` of the run's lease (orchestrator.lease):
+        its existence fences every holder of an earlier epoch."""
+        return posixpath.join(self.LEASE, f"epoch_{epoch:05d}.json")
 
     def final_hf_file(self, name: str) -> str:
         return posixpath.join(self.FINAL_HF, name)

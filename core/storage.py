@@ -16,6 +16,7 @@ Reliability figures and S3 setup: docs/reliability.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import logging
@@ -70,6 +71,21 @@ class Storage:
         self.root = root.rstrip("/") or "/"
         self.retries = retries
         self.backoff_s = backoff_s
+        self.fence: Callable[[str], None] | None = None
+        """Called with the key before anything is published, moved or removed (a lease's check
+        that this writer still holds the run: orchestrator.lease); it raises to refuse."""
+
+    def fenced(self, check: Callable[[str], None]) -> Storage:
+        """This storage, every commit of which first calls `check(key)`."""
+        other = copy.copy(self)
+        other.fence = check
+        return other
+
+    def check_fence(self, key: str) -> None:
+        """Raise if this writer may no longer commit `key` (see `fence`); also before acting on its
+        behalf elsewhere (submitting or cancelling jobs)."""
+        if self.fence is not None:
+            self.fence(key)
 
     @property
     def is_local(self) -> bool:
@@ -314,6 +330,7 @@ class Storage:
         return gone
 
     def remove(self, key: str, recursive: bool = False) -> None:
+        self.check_fence(key)
         try:
             self._retry(f"remove {key}", lambda: self.fs.rm(self.path(key), recursive=recursive))
         except FileNotFoundError:
@@ -322,6 +339,8 @@ class Storage:
     def move(self, src: str, dst: str) -> None:
         """Rename `src` to `dst` without reading it (whatever it is: a FIFO planted in the run moves
         like a file); object stores copy then delete."""
+        self.check_fence(dst)
+
         def mv() -> None:
             if self.is_local:
                 self.makedirs_path(posixpath.dirname(self.path(dst)))
@@ -413,6 +432,7 @@ class Staged:
         it visible under its key; on failure nothing is visible and the temporary is gone."""
         s = self.storage
         try:
+            s.check_fence(self.key)  # before the bytes become visible: a fenced writer publishes nothing
             try:
                 self.file.close()  # S3: the single PUT, or the multipart upload's completion
             except OSError as exc:

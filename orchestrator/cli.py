@@ -54,6 +54,12 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override any config key, e.g. --set inner.lr=1e-3 (repeatable)")
 
 
+def _group_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-group-write", action="store_true",
+                   help="accept a run directory your Unix group can write; every member of the group can then "
+                        "change its config or job scripts and so run commands as you")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrate", description="Train on islands of compute: DiLoCo, lo-fi, FedAvg.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -62,9 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--detach", action="store_true",
                    help="run the merge service in the background (a CPU-only job on Slurm) and return at once")
+    _group_arg(p)
     p = sub.add_parser("resume", help="continue a run from its run directory")
     p.add_argument("run")
-    p.add_argument("--force", action="store_true", help="take the run lock even if another orchestrator seems alive")
+    p.add_argument("--force", action="store_true",
+                   help="take the run from a live merge service (it stops before its next commit)")
+    p.add_argument("--wait-lease", action="store_true",
+                   help="wait for the merge service holding the run to stop beating (up to ~80 s) instead of refusing")
+    _group_arg(p)
     p = sub.add_parser("status", help="show a run's progress")
     p.add_argument("run")
     p.add_argument("--json", action="store_true")
@@ -95,6 +106,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
     storage = Storage(cfg.run_dir)
+    from orchestrator.lease import refuse_unsafe
+    refuse_unsafe(storage, allow_group=args.allow_group_write)  # a folder made beforehand, open to others
     create_run(storage, cfg)
     console.print(f"run directory: {storage.display()}")
     if args.detach:
@@ -104,7 +117,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         console.print(f"merge service started as {'Slurm job' if executor.kind == 'slurm' else 'process'} {job}; "
                       f"follow it with: orchestrate status {storage.display()} --watch")
         return 0
-    return _drive(storage, force=False)
+    return _drive(storage, args)
 
 
 def _jobs_folder(storage: Storage) -> str:
@@ -117,21 +130,24 @@ def _jobs_folder(storage: Storage) -> str:
 def cmd_resume(args: argparse.Namespace) -> int:
     storage = Storage(args.run)
     console.print(f"resuming {storage.display()}")
-    return _drive(storage, force=args.force)
+    return _drive(storage, args)
 
 
-def _drive(storage: Storage, force: bool) -> int:
+def _drive(storage: Storage, args: argparse.Namespace) -> int:
+    from orchestrator import lease as leases
     from orchestrator.executor import Executor
-    from orchestrator.runstate import acquire_lock, initial_eval, load_run, release_lock, run_status
-    from orchestrator.service import Cancelled, RoundService
+    from orchestrator.loop import Cancelled, Service
+    from orchestrator.runstate import initial_eval, load_run, run_status
 
+    leases.refuse_unsafe(storage, allow_group=args.allow_group_write)  # before its config is read
     cfg = load_run(storage)
     executor = Executor(cfg, _jobs_folder(storage))
-    acquire_lock(storage, force=force)
-    # With the lock held we are the only service: clear what killed writers left (never a live one's).
+    wait = leases.STALE_S + 2 * leases.HEARTBEAT_S if getattr(args, "wait_lease", False) else 0.0
+    lease = leases.acquire(storage, force=getattr(args, "force", False), wait_s=wait)
+    # With the lease held we are the only service: clear what killed writers left (never a live one's).
     storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
     try:
-        service = RoundService(storage, cfg, executor, on_round=lambda rec: _print_round(rec, cfg.rounds))
+        service = Service(lease, cfg, executor, on_round=lambda rec: _print_round(rec.to_json(), cfg.rounds))
         console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
                       f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}")
         t0 = time.time()
@@ -140,7 +156,7 @@ def _drive(storage: Storage, force: bool) -> int:
         console.print(str(exc))
         return 3
     finally:
-        release_lock(storage)
+        lease.release()
     status = run_status(storage)
     console.print(f"done in {time.time() - t0:.0f}s: {status['rounds_done']} rounds, final eval loss "
                   f"{status['rounds'][-1]['eval_loss']:.4f}; final model: {status['final_model']}")
@@ -194,12 +210,11 @@ def _status_view(status: dict[str, Any]) -> Table:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.runstate import permission_warning
+    from orchestrator.lease import unsafe_paths
 
     storage = Storage(args.run)
-    warning = permission_warning(storage)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
+    for warning in unsafe_paths(storage):
+        print(f"warning: others can steer this run: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(_status_with_jobs(storage), indent=1))
         return 0
@@ -221,14 +236,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from orchestrator.executor import Executor
-    from orchestrator.runstate import jobs_of_round, load_run, run_status
+    from orchestrator.records import RoundJobs
+    from orchestrator.runstate import load_run, run_status
 
     storage = Storage(args.run)
     cfg = load_run(storage)
     storage.write_bytes(L.CANCEL, str(time.time()).encode())
     r = run_status(storage)["rounds_done"]
-    jobs = jobs_of_round(storage, r)
-    ids = [e["job_ids"][-1] for e in jobs["workers"].values()]
+    ids = list(RoundJobs.load(storage, r).latest().values())
     Executor(cfg, _jobs_folder(storage)).cancel(ids)
     console.print(f"cancelled round {r + 1}'s jobs {ids}; the orchestrator stops at its next poll")
     return 0

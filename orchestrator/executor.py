@@ -49,7 +49,9 @@ class ServiceJob(submitit.helpers.Checkpointable):
 
     def __call__(self, run_url: str) -> int:
         from orchestrator.cli import main  # the job runs the same command a person would
-        return main(["resume", run_url, "--force"])
+        # never --force: a requeued service waits for its earlier self's lease to lapse, and stops
+        # if a live service holds the run (orchestrator.lease)
+        return main(["resume", run_url, "--wait-lease"])
 
     def checkpoint(self, run_url: str) -> submitit.helpers.DelayedSubmission:
         # Nothing to save: the service's whole state is in the run directory.
@@ -116,6 +118,13 @@ class Executor:
         if self.kind == "slurm":
             return self._poller.poll(job_ids)
         return {j: self._local_status(j) for j in job_ids}
+
+    def watch(self, job_ids: list[str], news: bool) -> dict[str, JobStatus]:
+        """status() as the service's poll loop asks for it: with back-off on Slurm (SlurmPoller.watch);
+        `news`: something changed in storage, ask now."""
+        if self.kind != "slurm":
+            return self.status(job_ids)
+        return self._poller.watch(job_ids, news, self.cfg.round.poll_s)
 
     def _local_status(self, job_id: str) -> JobStatus:
         job = self._jobs.get(job_id)

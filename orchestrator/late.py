@@ -2,33 +2,28 @@
 
 A worker that missed round q's deadline keeps training (its job is not cancelled) and publishes
 its round-q contribution later. Its pseudo-gradient is relative to ITS base B (global_q), not to
-the global weights G_r of the round r > q that folds it in: delta = B - W. The merge engine
-computes the outer gradient as G_r - weighted_mean(inputs), so the late contribution enters as the
-virtual input V = G_r + (W - B), whose own term G_r - V is exactly delta, with weight
-w * staleness_decay ** (r - q). V is written to rounds/r/folded/ (kept: a replay of the run's
-merges reads it, or rebuilds it from W, B and G_r bit for bit) and checked here before the merge
-(names, shapes, dtypes, finite values, digest of all three files), so the engine does not reject it.
+the global weights G_r of the round r > q that folds it in: it enters as the virtual input
+V = G_r + (W - B) (merge.late.rebase, which says why), with weight w * staleness_decay ** (r - q).
+V is written to rounds/r/folded/ (kept: a replay of the run's merges reads it, or rebuilds it from
+W, B and G_r bit for bit) and checked before the merge (names, shapes, dtypes, finite values,
+digest of all three files), so the engine does not reject it.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
-from core.checkpoint import FLOATS, TensorFile, open_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import CheckpointError, ContributionRejected
 from core.layout import RunLayout
 from core.storage import Storage
-from merge.engine import read_tensors
-from merge.inputs import compare_specs
+from merge.late import rebase
 from merge.rounds import Contribution
 from orchestrator.plan import Fold, contribution_weight, fold_plan
-from orchestrator.runstate import arrived_workers, jobs_of_round
+from orchestrator.records import RoundJobs
+from orchestrator.runstate import arrived_workers
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -90,8 +85,8 @@ def _fold_one(storage: Storage, cfg: Config, r: int, f: Fold) -> Folded:
         m = read_manifest(storage, src) or {}
     except CheckpointError as exc:
         raise ContributionRejected(f.worker, str(exc)) from None
-    entry = jobs_of_round(storage, f.from_round)["workers"].get(str(f.worker), {})
-    base, want = entry.get("base"), entry.get("base_digest")
+    entry = RoundJobs.load(storage, f.from_round).workers.get(f.worker)
+    base, want = (entry.base, entry.base_digest) if entry else (None, None)
     if m.get("round") != f.from_round or m.get("worker") != f.worker or not base or m.get("base_digest") != want:
         raise ContributionRejected(f.worker, f"stale late contribution: manifest says round {m.get('round')} worker "
                                              f"{m.get('worker')} base {str(m.get('base_digest'))[:12]}, expected round "
@@ -109,40 +104,6 @@ def _fold_one(storage: Storage, cfg: Config, r: int, f: Fold) -> Folded:
     return Folded(f.worker, f.from_round, f.staleness, weight * f.factor, out, src, base, m["digest"])
 
 
-def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, out_key: str,
-           manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write V = G + (W - B) tensor by tensor (fp32 maths, stored in G's dtypes); non-float tensors
-    are G's. Raises CheckpointError if the three do not match or a value is not finite."""
-    with contextlib.ExitStack() as opened:
-        g = opened.enter_context(open_checkpoint(storage, global_key, f"global weights {storage.display(global_key)}"))
-        w = opened.enter_context(open_checkpoint(storage, source_key, f"late contribution {storage.display(source_key)}"))
-        b = opened.enter_context(open_checkpoint(storage, base_key, f"its base {storage.display(base_key)}"))
-        problems = compare_specs(g.specs, w.specs, "the global weights") + compare_specs(g.specs, b.specs, "the global weights")
-        if problems:
-            raise CheckpointError(f"{w.label}: {problems[0]}")
-        specs = [(n, s.dtype, s.shape, s.nbytes) for n, s in g.specs.items()]
-        return write_checkpoint(storage, out_key, specs=specs, stream=lambda: _rebased(g, w, b),
-                                metadata=g.metadata, manifest=manifest)
-
-
-def _rebased(g: TensorFile, w: TensorFile, b: TensorFile) -> Iterator[tuple[str, torch.Tensor]]:
-    # the late contribution is read by a reader thread: if its reads stall, it is refused after
-    # merge.engine.STALL_S instead of holding the merge service
-    with contextlib.closing(read_tensors(w, w.label, list(g.specs))) as late:
-        for (name, spec), (_, wt) in zip(g.specs.items(), late):
-            gt = g.get(name)
-            if spec.dtype not in FLOATS:
-                yield name, gt
-                continue
-            v = gt.float() + (wt.float() - b.get(name).float())
-            if not bool(torch.isfinite(v).all()):
-                raise CheckpointError(f"{w.label}: tensor {name} has NaN or Inf values (or overflows when re-based); "
-                                      "it is not folded")
-            yield name, v.to(gt.dtype)
-    for ck in (g, w, b):  # every byte has been read: check all three against their manifests
-        ck.verify()
-
-
 def unfinished_late_jobs(storage: Storage, r: int, max_staleness: int) -> list[str]:
     """Jobs of earlier rounds still owing a late contribution: at the last round nothing can fold
     them any more, so the service cancels them."""
@@ -152,7 +113,7 @@ def unfinished_late_jobs(storage: Storage, r: int, max_staleness: int) -> list[s
         rec = storage.read_json(L.round_record(q)) or {}
         for w in rec.get("dropped", []):
             if w not in unmerged.get(q, []):
-                ids.append(jobs_of_round(storage, q)["workers"][str(w)]["job_ids"][-1])
+                ids.append(RoundJobs.load(storage, q).workers[w].latest)
     return ids
 
 

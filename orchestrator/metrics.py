@@ -34,7 +34,8 @@ from core.config import Config
 from core.errors import IslandsError, StorageError
 from core.layout import RunLayout
 from core.storage import Storage
-from orchestrator.runstate import RUN_INFO, arrived_workers, jobs_of_round
+from orchestrator.records import RoundJobs
+from orchestrator.runstate import RUN_INFO, arrived_workers
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -153,7 +154,7 @@ def _bytes_of(storage: Storage, key: str) -> int | None:
 
 def gather_round(storage: Storage, r: int) -> tuple[dict[str, Any], dict[int, dict[str, Any]], dict[str, Any]]:
     """Round r's jobs, published contributions' manifests and written sizes, from storage."""
-    jobs = jobs_of_round(storage, r)
+    jobs = RoundJobs.load(storage, r).to_json()
     manifests = {w: m for w in arrived_workers(storage, r) if (m := read_manifest(storage, L.contribution(r, w)))}
     states = [_bytes_of(storage, L.worker_state(w, r)) for w in manifests]
     sizes = {"global": _bytes_of(storage, L.global_weights(r + 1)), "outer_state": _bytes_of(storage, L.outer_state(r + 1)),

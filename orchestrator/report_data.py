@@ -26,7 +26,8 @@ from core.errors import CheckpointError
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.metrics import SCHEMA, read_metrics, step_lines
-from orchestrator.runstate import RUN_INFO, arrived_workers, jobs_of_round, load_run, run_status
+from orchestrator.records import RoundJobs
+from orchestrator.runstate import RUN_INFO, arrived_workers, load_run, run_status
 
 L = RunLayout()
 
@@ -68,7 +69,7 @@ def collect(storage: Storage, now: float | None = None) -> RunData:
     r = sum(1 for line in lines if line["kind"] == "round")
     current = None
     if r < cfg.rounds and status["state"] == "running":
-        jobs = jobs_of_round(storage, r)
+        jobs = RoundJobs.load(storage, r).to_json()
         manifests = {w: m for w in arrived_workers(storage, r) if (m := read_manifest(storage, L.contribution(r, w)))}
         progress = {int(w): storage.read_json(L.worker_progress(int(w))) for w in jobs["workers"]}
         current = {"round": r, "jobs": jobs, "manifests": manifests, "progress": progress}

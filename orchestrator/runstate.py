@@ -1,11 +1,8 @@
-"""A run's state in storage: create it, evaluate and export its models, read its status, lock it."""
+"""A run's state in storage: create it, evaluate and export its models, read its status."""
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import json
 import logging
-import os
 import socket
 import time
 from pathlib import Path
@@ -19,14 +16,13 @@ from core.config import Config, config_from_dict, to_yaml
 from core.errors import RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
+from orchestrator.records import RoundJobs
 from worker.data import corpus_for, eval_batches, estimate_loss, split_heldout
 from worker.weights import build_model, load_weights, model_metadata, weights_of
 
 log = logging.getLogger(__name__)
 L = RunLayout()
 RUN_INFO = "run.json"
-LOCK_CLAIM_STALE_S = 60.0
-"""A lock-takeover claim older than this was left by a taker that died mid-takeover: cleared."""
 
 
 def default_run_dir(cfg: Config) -> str:
@@ -99,10 +95,6 @@ def export_final(storage: Storage, cfg: Config) -> None:
         log.info("final model exported as a Hugging Face directory: %s", storage.display(L.FINAL_HF))
 
 
-def jobs_of_round(storage: Storage, r: int) -> dict[str, Any]:
-    return storage.read_json(L.round_jobs(r)) or {"round": r, "workers": {}}
-
-
 def arrived_workers(storage: Storage, r: int) -> list[int]:
     """Workers with a published contribution to round r: data and manifest both listed.
 
@@ -126,113 +118,19 @@ def run_status(storage: Storage) -> dict[str, Any]:
     failed = storage.read_json(L.FAILED)
     state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
     info = storage.read_json(RUN_INFO) or {}
-    current = jobs_of_round(storage, r) if r < cfg.rounds else None
+    current = RoundJobs.load(storage, r) if r < cfg.rounds else None
     return {
         "run_dir": storage.display(), "state": state, "algorithm": cfg.algorithm, "workers": cfg.workers,
         "rounds_total": cfg.rounds, "rounds_done": r, "initial_eval_loss": info.get("initial_eval_loss"),
         "rounds": rounds, "failure": failed,
         "current_round": None if current is None else {
-            "round": r, "workers": {w: {"job_id": e["job_ids"][-1], "attempts": e["attempts"],
-                                        "progress": storage.read_json(L.worker_progress(int(w)))}
-                                    for w, e in current["workers"].items()},
+            "round": r, "workers": {str(w): {"job_id": e.latest, "attempts": e.attempts,
+                                             "progress": storage.read_json(L.worker_progress(w))}
+                                    for w, e in current.workers.items()},
             "arrived": arrived_workers(storage, r)},
         "final_model": storage.display(L.FINAL) if storage.exists(L.FINAL) else None,
         "final_hf": storage.display(L.FINAL_HF) if storage.exists(L.final_hf_file("config.json")) else None,
     }
-
-
-def permission_warning(storage: Storage) -> str | None:
-    """Why a local run directory is unsafe, if it is: anyone who can write into it can replace the
-    config or checkpoints that workers load and run with the owner's rights."""
-    path = storage.local_path("")
-    if path is None or not os.path.isdir(path):
-        return None
-    loose = [p for p in (path, storage.local_path(L.JOBS)) if os.path.isdir(p) and os.stat(p).st_mode & 0o022]
-    if not loose:
-        return None
-    modes = ", ".join(f"{p} is {oct(os.stat(p).st_mode & 0o777)}" for p in loose)
-    return (f"the run directory is writable by other users ({modes}): they could replace its config or checkpoints; "
-            f"run: chmod -R go-w {path}")
-
-
-# -- the run lock: one merge service per run --------------------------------------------------
-def acquire_lock(storage: Storage, force: bool = False) -> None:
-    me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
-    if storage.create_exclusive(L.LOCK, me):
-        return
-    try:
-        seen = storage.read_bytes(L.LOCK)
-    except FileNotFoundError:  # released between our two calls: try once more, as a newcomer
-        if storage.create_exclusive(L.LOCK, me):
-            return
-        seen = storage.read_bytes(L.LOCK)
-    held = _parse_lock(seen)
-    if force or _lock_is_stale(held):
-        _take_over(storage, seen, me, "forced" if force else "its process is gone")
-        return
-    raise RunError(f"another orchestrator (pid {held.get('pid')} on {held.get('host')}) drives {storage.display()}; "
-                   "stop it first, or pass --force if you are sure it is gone")
-
-
-def _take_over(storage: Storage, seen: bytes, me: bytes, why: str) -> None:
-    """Replace the lock we read (`seen`) by ours, conditionally: two orchestrators taking over the
-    same stale lock at once must not both proceed. Each first creates the claim named after the
-    stale lock's bytes (create_exclusive: one winner); the winner then checks the lock still holds
-    those bytes (the compare step: a slower taker that read them before the winner replaced them
-    finds the winner's lock there) and only then writes its own. The claim is removed after, and
-    one older than LOCK_CLAIM_STALE_S (its writer died in between) is cleared."""
-    claim = f"{L.LOCK}.takeover-{hashlib.sha256(seen).hexdigest()[:16]}"
-    held = _parse_lock(seen)
-    if not storage.create_exclusive(claim, me):
-        try:
-            old = _parse_lock(storage.read_bytes(claim))
-        except FileNotFoundError:  # the other taker finished: the compare step below decides
-            old = {"since": time.time()}
-        abandoned = time.time() - float(old.get("since") or 0) >= LOCK_CLAIM_STALE_S
-        if abandoned:  # (two takers clearing one abandoned claim at once could still both win: rare)
-            storage.remove(claim)
-        if not abandoned or not storage.create_exclusive(claim, me):
-            raise RunError(f"another orchestrator is taking over the stale lock of pid {held.get('pid')} on "
-                           f"{held.get('host')} in {storage.display()} right now; let it drive the run")
-    try:
-        try:
-            now = storage.read_bytes(L.LOCK)
-        except FileNotFoundError:
-            now = b""
-        if now != seen:
-            other = _parse_lock(now)
-            raise RunError(f"another orchestrator (pid {other.get('pid')} on {other.get('host')}) took over "
-                           f"{storage.display()} first; let it drive the run")
-        log.warning("taking over the run lock from %s (%s)", held, why)
-        storage.write_bytes(L.LOCK, me)
-    finally:
-        storage.remove(claim)
-
-
-def _parse_lock(raw: bytes) -> dict[str, Any]:
-    try:
-        held = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return held if isinstance(held, dict) else {}
-
-
-def release_lock(storage: Storage) -> None:
-    held = storage.read_json(L.LOCK) or {}
-    if held.get("pid") == os.getpid() and held.get("host") == socket.gethostname():
-        storage.remove(L.LOCK)
-
-
-def _lock_is_stale(held: dict[str, Any]) -> bool:
-    if held.get("host") != socket.gethostname():
-        return False  # cannot see another host's processes: only --force takes it over
-    try:
-        os.kill(int(held.get("pid", -1)), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, ValueError, TypeError):
-        return False
-    return False
 
 
 def initial_eval(storage: Storage, evaluator: Evaluator) -> float:

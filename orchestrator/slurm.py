@@ -102,6 +102,10 @@ def parse_squeue(text: str) -> dict[str, tuple[str, str, str]]:
     return out
 
 
+MAX_INTERVAL_S = 30.0
+"""The longest the service goes without asking Slurm about the jobs it waits for."""
+
+
 class SlurmPoller:
     """States of many jobs from one sacct and one squeue call per poll, whatever their number.
 
@@ -115,6 +119,24 @@ class SlurmPoller:
     def __init__(self, grace_s: float = 10.0) -> None:
         self.grace_s = grace_s
         self._missing_since: dict[str, float] = {}
+        self._seen: dict[str, JobStatus] = {}
+        self._polled_at = 0.0
+        self._interval = 0.0
+
+    def watch(self, job_ids: list[str], news: bool, min_interval_s: float) -> dict[str, JobStatus]:
+        """poll(), with back-off, as submitit's watcher does: the states seen last, asked again once
+        `_interval` has passed, which doubles (up to MAX_INTERVAL_S) while nothing new happens. The
+        caller knows arrivals from storage at once (`news`: back to the shortest interval); the
+        scheduler is only needed to notice dead jobs, and one sacct per interval is the most a
+        run ever sends."""
+        now = time.monotonic()
+        if news or set(job_ids) - set(self._seen):
+            self._interval = min_interval_s
+        if news or set(job_ids) - set(self._seen) or now - self._polled_at >= self._interval:
+            self._seen.update(self.poll(job_ids))
+            self._polled_at = now
+            self._interval = min(MAX_INTERVAL_S, max(min_interval_s, self._interval * 2))
+        return {j: self._seen[j] for j in job_ids}
 
     def poll(self, job_ids: list[str]) -> dict[str, JobStatus]:
         bases = ",".join(sorted({j.split("_")[0] for j in job_ids}))

@@ -16,8 +16,7 @@ from core.config import load_config
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.jobstatus import JobStatus
-from orchestrator.service import RoundService
-from test_late import G0, ThreadExecutor
+from test_late import G0, ThreadExecutor, run_service
 
 L = RunLayout()
 pytestmark = pytest.mark.slow
@@ -55,9 +54,7 @@ def _run(tmp_path, ex: ThreadExecutor, rounds: int = 1, policy: str = "continue"
         "round.min_workers=1", "round.poll_s=0.05", "round.max_retries=0", f"round.late_policy={policy}",
         "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"])
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
-    service = RoundService(s, cfg, ex)
-    service.evaluator.loss = lambda storage, key: 0.0
-    service.run()
+    run_service(s, cfg, ex)
     for th in ex.jobs.values():
         th.join(timeout=10)
     return s

@@ -111,6 +111,34 @@ def test_resume_after_the_orchestrator_is_killed(tmp_path, corpus_cache):
     assert s.exists("final/model.safetensors") and not s.exists("lock.json")
 
 
+def test_a_second_service_forced_onto_a_live_run_fences_the_first(tmp_path, corpus_cache):
+    """`resume` while the first service lives is refused; `resume --force` takes the run, and the
+    first stops before its next commit, naming who took it: no round submitted or merged twice."""
+    run = tmp_path / "run"
+    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "4", "--inner-steps", "3")
+    first = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    s = Storage(str(run))
+    deadline = time.time() + 120
+    while not s.exists("rounds/00000/record.json"):
+        assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
+        time.sleep(0.1)
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], capture_output=True,
+                             text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    assert refused.returncode == 2 and f"another merge service (pid {first.pid}" in refused.stdout, refused.stdout
+    second = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run), "--force"],
+                            capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 2 and "was taken over by pid" in out and "(epoch 2, forced with --force)" in out, out[-3000:]
+    assert "this merge service (epoch 1) stops" in out
+    for r in range(4):
+        jobs = s.read_json(f"rounds/{r:05d}/jobs.json")
+        assert jobs["sbatch_calls"] == 1 and all(len(e["job_ids"]) == 1 for e in jobs["workers"].values()), jobs
+        assert s.read_json(f"rounds/{r:05d}/record.json")["merged"] == [0, 1]
+    assert s.list("lease") == ["epoch_00001.json", "epoch_00002.json"] and not s.exists("lock.json")
+
+
 def test_cancel_stops_the_run(tmp_path, corpus_cache):
     run = tmp_path / "run"
     args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "50", "--inner-steps", "200")

@@ -29,7 +29,9 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
 from merge.manual import MergeError, manual_merge
-from orchestrator.runstate import acquire_lock, arrived_workers, release_lock
+from orchestrator import lease as leases
+from orchestrator.lease import LeaseLost, acquire
+from orchestrator.runstate import arrived_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 L = RunLayout()
@@ -213,14 +215,14 @@ def test_files_appearing_late_do_not_break_manifest_readers(tmp_path):
     assert seen == [[], [], [], [0], [0], [0], [0], [0, 2], [0, 2], [0, 2]]
 
 
-# -- the run lock ----------------------------------------------------------------------------------
-_SECOND_ORCHESTRATOR = """
+# -- the run's lease (orchestrator.lease) -----------------------------------------------------------
+_SECOND_SERVICE = """
 import sys
 from core.errors import RunError
 from core.storage import Storage
-from orchestrator.runstate import acquire_lock
+from orchestrator.lease import acquire
 try:
-    acquire_lock(Storage(sys.argv[1]))
+    acquire(Storage(sys.argv[1]))
 except RunError as exc:
     print(exc)
     sys.exit(3)
@@ -233,16 +235,17 @@ def _python(code: str, *args: str, env: dict[str, str] | None = None, **kw) -> s
                             stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, **kw)
 
 
-def test_second_orchestrator_is_refused_naming_pid_and_host(tmp_path):
+def test_second_service_is_refused_naming_pid_host_and_heartbeat(tmp_path):
     s = Storage(str(tmp_path / "run"))
-    acquire_lock(s)
-    second = _python(_SECOND_ORCHESTRATOR, s.url)
+    lease = acquire(s)
+    second = _python(_SECOND_SERVICE, s.url)
     out, err = second.communicate(timeout=60)
     assert second.returncode == 3, err
-    assert f"another orchestrator (pid {os.getpid()} on {socket.gethostname()}) drives {s.url}" in out
-    assert "--force" in out
-    assert s.read_json(L.LOCK)["pid"] == os.getpid()
-    release_lock(s)
+    assert f"another merge service (pid {os.getpid()} on {socket.gethostname()}, epoch 1, heartbeat 0s ago) " \
+           f"drives {s.url}" in out and "--force" in out
+    held = s.read_json(L.LOCK)
+    assert held["pid"] == os.getpid() and held["epoch"] == 1 and s.list(L.LEASE) == ["epoch_00001.json"]
+    lease.release()
     assert not s.exists(L.LOCK)
 
 
@@ -254,46 +257,93 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
+def test_lease_of_a_dead_process_is_taken_over(tmp_path, caplog):
     s = Storage(str(tmp_path / "run"))
     live = subprocess.Popen(["sleep", "60"])
-    try:
+    try:  # a lock.json from before epochs: its `since` stands for its heartbeat
         s.write_json(L.LOCK, {"pid": live.pid, "host": socket.gethostname(), "since": time.time()})
         with pytest.raises(RunError, match=f"pid {live.pid} on {socket.gethostname()}"):
-            acquire_lock(s)
+            acquire(s)
     finally:
         live.kill()
         live.wait()
     s.write_json(L.LOCK, {"pid": _dead_pid(), "host": socket.gethostname(), "since": time.time()})
     with caplog.at_level(logging.WARNING):
-        acquire_lock(s)
-    assert "its process is gone" in caplog.text
-    assert s.read_json(L.LOCK)["pid"] == os.getpid()
+        acquire(s).release()
+    assert "is gone" in caplog.text
+    assert s.read_json(L.lease_epoch(1))["reason"].startswith("its process")
 
 
-def test_lock_on_another_host_needs_force(tmp_path, caplog):
+def test_lease_on_another_host_lapses_only_without_heartbeat(tmp_path, caplog):
     s = Storage(str(tmp_path / "run"))
-    s.write_json(L.LOCK, {"pid": _dead_pid(), "host": "some-other-node", "since": time.time()})
-    with pytest.raises(RunError, match="on some-other-node.*pass --force if you are sure it is gone"):
-        acquire_lock(s)  # its pid means nothing here: the lock is not stale from this host's view
+    beat = {"pid": _dead_pid(), "host": "some-other-node", "epoch": 0, "since": 0.0}
+    s.write_json(L.LOCK, {**beat, "heartbeat_at": time.time()})
+    with pytest.raises(RunError, match="on some-other-node, epoch 0, heartbeat 0s ago.*pass --force"):
+        acquire(s)  # its pid means nothing here: only its heartbeat tells
+    s.write_json(L.LOCK, {**beat, "heartbeat_at": time.time() - leases.STALE_S - 1})
     with caplog.at_level(logging.WARNING):
-        acquire_lock(s, force=True)
-    assert "forced" in caplog.text and s.read_json(L.LOCK)["host"] == socket.gethostname()
+        acquire(s).release()  # no heartbeat for a minute: it is gone
+    assert "no heartbeat for 61s" in caplog.text
+    s.write_json(L.LOCK, {**beat, "epoch": 1, "heartbeat_at": time.time()})
+    with caplog.at_level(logging.WARNING):
+        lease = acquire(s, force=True)
+    assert "taking the run from a live merge service" in caplog.text and lease.epoch == 2
+    assert s.read_json(L.LOCK)["host"] == socket.gethostname()
+    lease.release()
 
 
-def test_only_the_owner_releases_the_lock(tmp_path):
+def test_a_lapsing_heartbeat_is_waited_for(tmp_path, monkeypatch):
+    """A holder that missed beats is neither refused at once nor taken at once: waited for until it
+    lapses (here: scaled down to 1.5 s)."""
+    monkeypatch.setattr(leases, "STALE_S", 1.5)
+    monkeypatch.setattr(leases, "LAPSING_S", 0.5)
     s = Storage(str(tmp_path / "run"))
-    other = {"pid": 1, "host": socket.gethostname(), "since": 0.0}
-    s.write_json(L.LOCK, other)
-    release_lock(s)
-    assert s.read_json(L.LOCK) == other
-    s.write_json(L.LOCK, {**other, "host": "elsewhere", "pid": os.getpid()})  # our pid, not our host
-    release_lock(s)
-    assert s.exists(L.LOCK)
-    s.remove(L.LOCK)
-    acquire_lock(s)
-    release_lock(s)
+    s.write_json(L.LOCK, {"pid": 1, "host": "elsewhere", "epoch": 3, "since": 0.0, "heartbeat_at": time.time() - 0.6})
+    t0 = time.monotonic()
+    lease = acquire(s)
+    assert 0.8 < time.monotonic() - t0 < 5 and lease.epoch == 4
+    lease.release()
+
+
+def test_the_older_service_is_fenced_at_its_next_commit(tmp_path):
+    """Two services on one run: the one whose lease was taken writes nothing more, and says who took it."""
+    s = Storage(str(tmp_path / "run"))
+    old = acquire(s)
+    old.storage.write_json("rounds/00000/jobs.json", {"by": "old"})  # while it holds: written
+    s.write_json(L.LOCK, {**s.read_json(L.LOCK), "pid": _dead_pid()})  # as if it died: no --force needed
+    new = acquire(s)
+    assert new.epoch == 2
+    for commit in (lambda st: st.write_json("rounds/00000/record.json", {"by": "old"}),
+                   lambda st: write_checkpoint(st, "global/round_00001.safetensors", {"w": torch.zeros(2)}),
+                   lambda st: st.move("rounds/00000/jobs.json", "elsewhere.json"),
+                   lambda st: st.remove("rounds/00000/jobs.json")):
+        with pytest.raises(LeaseLost, match=f"taken over by pid {os.getpid()} on {socket.gethostname()} .*epoch 2.*"
+                                            "this merge service \\(epoch 1\\) stops before writing"):
+            commit(old.storage)
+    assert not s.exists("rounds/00000/record.json") and not s.exists("global/round_00001.safetensors")
+    assert s.read_json("rounds/00000/jobs.json") == {"by": "old"}
+    assert [n for n in os.listdir(tmp_path / "run" / "global")] == []  # no temporary left either
+    old.release()  # the fenced one leaves the new holder's lock alone
+    assert s.read_json(L.LOCK)["epoch"] == 2
+    new.storage.write_json("rounds/00000/record.json", {"by": "new"})
+    new.release()
     assert not s.exists(L.LOCK)
+
+
+def test_heartbeat_renews_and_stops_once_fenced(tmp_path, monkeypatch):
+    monkeypatch.setattr(leases, "HEARTBEAT_S", 0.05)
+    s = Storage(str(tmp_path / "run"))
+    lease = acquire(s)
+    first = s.read_json(L.LOCK)["heartbeat_at"]
+    time.sleep(0.3)
+    assert s.read_json(L.LOCK)["heartbeat_at"] > first
+    s.create_exclusive(L.lease_epoch(2), json.dumps({"pid": 1, "host": "h", "at": time.time(), "reason": "test"}).encode())
+    s.write_json(L.LOCK, {"pid": 1, "host": "h", "epoch": 2, "heartbeat_at": time.time()})
+    time.sleep(0.3)
+    assert s.read_json(L.LOCK)["pid"] == 1  # the fenced holder no longer writes its heartbeat over it
+    assert lease.lost and "by pid 1 on h" in lease.lost
+    lease.release()
+    assert s.read_json(L.LOCK)["pid"] == 1
 
 
 def test_simultaneous_lock_creation_has_one_winner(tmp_path):
@@ -313,26 +363,23 @@ def test_simultaneous_lock_creation_has_one_winner(tmp_path):
     assert s.list("") == ["lock.json"] and os.listdir(tmp_path / "run") == ["lock.json"]
 
 
-def test_two_simultaneous_takeovers_of_a_stale_lock_have_one_winner(tmp_path, monkeypatch):
-    """Every contender reads the same stale lock and decides to take it over; only one may proceed."""
-    import orchestrator.runstate as runstate
-
+def test_two_simultaneous_takeovers_of_a_stale_lease_have_one_winner(tmp_path, monkeypatch):
+    """Every contender reads the same stale lease and decides to take it; only one may proceed."""
     s = Storage(str(tmp_path / "run"))
     s.write_json(L.LOCK, {"pid": _dead_pid(), "host": socket.gethostname(), "since": time.time()})
-    real_stale = runstate._lock_is_stale
+    real = leases._lapsed
     n = 6
     barrier, results = threading.Barrier(n), {}
 
-    def slow_stale(held):  # all contenders pass the staleness check before anyone writes the lock
-        stale = real_stale(held)
+    def slow_lapsed(holder):  # all contenders pass the staleness check before anyone claims
+        why = real(holder)
         barrier.wait()
-        return stale
-    monkeypatch.setattr(runstate, "_lock_is_stale", slow_stale)
+        return why
+    monkeypatch.setattr(leases, "_lapsed", slow_lapsed)
 
     def contend(i: int) -> None:
         try:
-            acquire_lock(s)
-            results[i] = "won"
+            results[i] = acquire(s)
         except RunError as exc:
             results[i] = str(exc)
     threads = [threading.Thread(target=contend, args=(i,)) for i in range(n)]
@@ -340,24 +387,11 @@ def test_two_simultaneous_takeovers_of_a_stale_lock_have_one_winner(tmp_path, mo
         t.start()
     for t in threads:
         t.join()
-    winners = [i for i, r in results.items() if r == "won"]
+    winners = [r for r in results.values() if not isinstance(r, str)]
     assert len(winners) == 1, results
-    assert all("taking over" in r or "took over" in r for r in results.values() if r != "won"), results
-    assert s.read_json(L.LOCK)["pid"] == os.getpid()
-    assert s.list("") == ["lock.json"]  # no takeover claim left behind
-
-
-def test_abandoned_takeover_claim_is_cleared(tmp_path):
-    s = Storage(str(tmp_path / "run"))
-    s.write_json(L.LOCK, {"pid": _dead_pid(), "host": socket.gethostname(), "since": time.time()})
-    import hashlib
-    claim = f"{L.LOCK}.takeover-{hashlib.sha256(s.read_bytes(L.LOCK)).hexdigest()[:16]}"
-    s.write_json(claim, {"pid": 1, "host": "h", "since": time.time()})  # a taker is at it right now
-    with pytest.raises(RunError, match="taking over the stale lock"):
-        acquire_lock(s)
-    s.write_json(claim, {"pid": 1, "host": "h", "since": time.time() - 3600})  # ... it died an hour ago
-    acquire_lock(s)
-    assert s.read_json(L.LOCK)["pid"] == os.getpid() and not s.exists(claim)
+    assert all("took " in r and "at this very moment" in r for r in results.values() if isinstance(r, str)), results
+    assert s.list(L.LEASE) == ["epoch_00001.json"] and s.read_json(L.LOCK)["epoch"] == 1
+    winners[0].release()
 
 
 def test_sweep_deletes_old_temporaries_only(tmp_path):

@@ -2,7 +2,7 @@
 merge service and against `orchestrate merge`: each is one rejection with its reason, never a
 crash, a hang or a merge (the checkpoint contract: core.checkpoint, core.storage).
 
-Live: the real RoundService and storage on local disk, with a fake executor whose "jobs" are
+Live: the real Service (orchestrator.loop) and storage on local disk, with a fake executor whose "jobs" are
 threads (tests/test_contributions.py's Scripted): worker 0 publishes the global weights - 0.5,
 worker 1 plants the hostile file with a manifest whose digest matches its bytes, the quorum is 1.
 The run finishes by itself; the new global is worker 0's alone (outer SGD at lr 1 makes it the mean
@@ -27,8 +27,8 @@ from core.errors import RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.cli import main
-from orchestrator.service import RoundService
 from test_contributions import WORK, Scripted
+from test_late import run_service
 
 L = RunLayout()
 G0 = {"b": torch.tensor([0.5]), "w": torch.tensor([1.0, 2.0, 3.0])}
@@ -106,9 +106,7 @@ def _run(tmp_path, behaviour, workers: int = 2, quorum: int = 1) -> Storage:
         f"round.min_workers={quorum}", "round.poll_s=0.05", "round.max_retries=0", "outer.optimizer=sgd",
         "outer.lr=1.0"])
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
-    service = RoundService(s, cfg, Scripted(behaviour))
-    service.evaluator.loss = lambda storage, key: 0.0
-    service.run()
+    run_service(s, cfg, Scripted(behaviour))
     return s
 
 

@@ -19,9 +19,11 @@ from core.config import load_config
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.jobstatus import JobStatus
-from orchestrator.late import prepare_folds, rebase
+from merge.late import rebase
+from orchestrator.late import prepare_folds
 from orchestrator.plan import Fold, fold_plan, next_bases
-from orchestrator.service import RoundService
+from orchestrator.lease import acquire
+from orchestrator.loop import Service
 
 L = RunLayout()
 G0 = {"w": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([0.5])}
@@ -66,11 +68,27 @@ class ThreadExecutor:
     def status(self, ids):
         return {j: JobStatus(j, "RUNNING" if self.jobs[j].is_alive() else "COMPLETED") for j in ids}
 
+    def watch(self, ids, news):
+        return self.status(ids)
+
     def cancel(self, ids) -> None:
         self.cancelled.update(ids)
 
     def stderr_tail(self, job_id: str) -> str:
         return ""
+
+
+def run_service(s: Storage, cfg, ex) -> Service:
+    """The real merge service on `s` (holding its lease) with `ex` for a scheduler, run to the end;
+    evaluation is skipped: the tests' models are hand-made tensors."""
+    lease = acquire(s)
+    try:
+        service = Service(lease, cfg, ex)
+        service.evaluator.loss = lambda storage, key: 0.0
+        service.run()
+    finally:
+        lease.release()
+    return service
 
 
 def _run(tmp_path, policy: str) -> tuple[Storage, ThreadExecutor]:
@@ -80,9 +98,7 @@ def _run(tmp_path, policy: str) -> tuple[Storage, ThreadExecutor]:
         "round.staleness_decay=0.5", "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"])
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
     ex = ThreadExecutor()
-    service = RoundService(s, cfg, ex)
-    service.evaluator.loss = lambda storage, key: 0.0  # no model to evaluate: hand-made tensors
-    service.run()
+    run_service(s, cfg, ex)
     for th in ex.jobs.values():
         th.join(timeout=10)
     return s, ex

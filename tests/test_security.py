@@ -194,18 +194,80 @@ def test_merge_outputs_are_private(tmp_path):
     assert stat.S_IMODE((tmp_path / "run" / "out").stat().st_mode) == 0o700
 
 
-def test_status_warns_when_the_run_directory_is_writable_by_others(tmp_path, corpus_cache):
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _made_run(tmp_path) -> Path:
     run = tmp_path / "run"
-    from orchestrator.runstate import create_run, permission_warning
+    from orchestrator.runstate import create_run
     create_run(Storage(str(run)), load_config(None, {"workers": 1, "rounds": 1, "run_dir": str(run)},
                                               ["model.n_layer=1", "model.n_embd=32", "model.n_head=2"]))
-    assert permission_warning(Storage(str(run))) is None
+    return run
+
+
+def test_status_warns_when_the_run_directory_is_writable_by_others(tmp_path):
+    from orchestrator.lease import unsafe_paths
+    run = _made_run(tmp_path)
+    assert unsafe_paths(Storage(str(run))) == []
     os.chmod(run, 0o777)
-    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run), "--json"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    status = _cli("status", str(run), "--json")
     assert status.returncode == 0, status.stderr
-    assert "warning: the run directory is writable by other users" in status.stderr
-    assert f"chmod -R go-w {run}" in status.stderr
+    assert f"warning: others can steer this run: {run} is writable by other users (0o777): chmod -R go-w {run}" \
+        in status.stderr
+
+
+def test_submit_refuses_a_run_directory_others_can_write(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o777)
+    os.chmod(run, 0o777)  # made beforehand, open to everyone
+    out = _cli("submit", "--executor", "local", "--run-dir", str(run), "--rounds", "1")
+    assert out.returncode == 2, out.stderr
+    assert f"{run} is writable by other users (0o777): chmod -R go-w {run}" in out.stdout
+    assert list(run.iterdir()) == []  # nothing written into it
+
+
+def test_resume_refuses_a_config_another_user_could_have_replaced(tmp_path):
+    """Another local user who can write config.yaml sets executor.setup (a shell line) and the owner's
+    next resume would run it as the owner: refused, naming the file and the fix, before it is read."""
+    run = _made_run(tmp_path)
+    config = run / "config.yaml"
+    config.write_text(config.read_text() + "\n")
+    os.chmod(config, 0o620)
+    out = _cli("resume", str(run))
+    assert out.returncode == 2 and f"{config} is writable by your group (0o620): chmod go-w {config}" in out.stdout
+    assert "--allow-group-write" in out.stdout and not (run / "lock.json").exists()
+    os.chmod(config, 0o600)
+    (run / "jobs").mkdir(exist_ok=True)
+    os.chmod(run / "jobs", 0o757)
+    out = _cli("resume", str(run))
+    assert out.returncode == 2 and f"{run / 'jobs'} is writable by other users (0o757)" in out.stdout
+
+
+def test_group_write_is_accepted_only_when_asked_for_and_never_other_write(tmp_path):
+    from core.errors import RunError
+    from orchestrator.lease import refuse_unsafe
+    run = _made_run(tmp_path)
+    os.chmod(run, 0o770)
+    s = Storage(str(run))
+    with pytest.raises(RunError, match="writable by your group"):
+        refuse_unsafe(s)
+    refuse_unsafe(s, allow_group=True)
+    os.chmod(run, 0o772)
+    with pytest.raises(RunError, match=f"writable by other users \\(0o772\\): chmod -R o-w {run}"):
+        refuse_unsafe(s, allow_group=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_lock_owned_by_another_user_is_refused(tmp_path):
+    from core.errors import RunError
+    from orchestrator.lease import refuse_unsafe
+    run = _made_run(tmp_path)
+    (run / "lock.json").write_text("{}")
+    os.chown(run / "lock.json", 65534, 65534)  # nobody
+    with pytest.raises(RunError, match=f"{run / 'lock.json'} belongs to uid 65534, not you"):
+        refuse_unsafe(Storage(str(run)))
 
 
 def test_nothing_read_from_storage_is_unpickled():

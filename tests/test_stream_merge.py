@@ -1,6 +1,6 @@
 """The merge service folds contributions into the running sum as they land (round.stream_merge).
 
-The real RoundService against a fake executor whose jobs are threads publishing hand-made
+The real Service (orchestrator.loop) against a fake executor whose jobs are threads publishing hand-made
 contributions (tests/test_contributions.py's Scripted): the order the contributions are summed in
 is the order they landed, it is recorded, and the same inputs merged without streaming, in that
 order, give the same bytes; with stream_merge off the order is the workers'. A corrupt
@@ -18,8 +18,8 @@ from core.config import load_config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
-from orchestrator.service import RoundService
 from test_contributions import WORK, Scripted, publish
+from test_late import run_service
 
 L = RunLayout()
 pytestmark = pytest.mark.slow
@@ -40,9 +40,7 @@ def _run(tmp_path, behaviour, stream: bool, quorum: int = 3) -> Storage:
         "outer.optimizer=nesterov", "outer.weighting=tokens"])
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
     ex = Scripted(behaviour)
-    service = RoundService(s, cfg, ex)
-    service.evaluator.loss = lambda storage, key: 0.0
-    service.run()
+    run_service(s, cfg, ex)
     return s
 
 

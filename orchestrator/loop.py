@@ -1,0 +1,142 @@
+"""The merge service: drives a run from storage alone. Read it top to bottom.
+
+For each round r: submit its workers (orchestrator.submission); then, every round.poll_s, list the
+contributions that arrived, ask the scheduler which jobs are alive, and decide (orchestrator.plan):
+wait (folding what landed into the running sum), resubmit lost workers, give up, or merge
+(orchestrator.round_merge) and commit the round by writing its record last. Round r+1's jobs queue
+while the new global model is evaluated.
+
+Everything the service knows is in the run directory, so a killed service is resumed by starting
+it again: a round with a record is never redone; a round without one is merged again from the same
+inputs (round r's merge reads outer/state_r and writes state_r+1, so it is never applied twice);
+a committed round's missing outer state is rebuilt (orchestrator.outer_state).
+
+Only the holder of the run's lease drives it (orchestrator.lease): every write goes through the
+lease's fenced storage, and the loop stops at its next poll once another service has taken the run.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from core.config import Config
+from core.errors import RunError
+from core.layout import RunLayout
+from merge.outer import outer_step
+from merge.rounds import QuorumError
+from orchestrator.executor import Executor, JobStatus
+from orchestrator.lease import Lease
+from orchestrator.metrics import write_round_metrics
+from orchestrator.outer_state import ensure_outer_state
+from orchestrator.plan import Decision, WorkerView, decide
+from orchestrator.records import RoundJobs, RoundRecord
+from orchestrator.round_merge import RoundMerger
+from orchestrator.runstate import Evaluator, arrived_workers, export_final
+from orchestrator.submission import UNKNOWN, Submitter
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+
+
+class Cancelled(RunError):
+    pass
+
+
+class Service:
+    def __init__(self, lease: Lease, cfg: Config, executor: Executor,
+                 on_round: Callable[[RoundRecord], None] | None = None) -> None:
+        self.lease, self.cfg, self.executor = lease, cfg, executor
+        self.storage = lease.storage  # fenced: nothing is written once another service holds the run
+        self.on_round = on_round or (lambda record: None)
+        self.evaluator = Evaluator(cfg)
+        self.submitter = Submitter(self.storage, cfg, executor)
+        self.merger = RoundMerger(self.storage, cfg, executor, self.evaluator.metadata)
+        self._arrived_before: set[int] = set()
+        # torch.optim's first step pays ~1.5 s of lazy imports: pay it now, not inside round 0's merge.
+        outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)
+
+    def run(self) -> None:
+        # Starting (or resuming) the service is the decision to carry on: clear the stop markers.
+        self.storage.remove(L.FAILED)
+        self.storage.remove(L.CANCEL)
+        r = self.first_open_round()
+        ensure_outer_state(self.storage, self.cfg, r, self.evaluator.metadata)  # a service that died writing it
+        for done in range(r):  # a service killed between commit and evaluation left rounds without a loss
+            record = RoundRecord.load(self.storage, done)
+            if record is not None and record.eval_loss is None:
+                self.evaluate(record)
+        while r < self.cfg.rounds:
+            record = self.run_round(r)
+            if r + 1 < self.cfg.rounds:  # the next round's workers queue while we evaluate this one
+                self.submitter.ensure(r + 1)
+            self.evaluate(record)
+            r += 1
+        export_final(self.storage, self.cfg)
+
+    def first_open_round(self) -> int:
+        r = 0
+        while r < self.cfg.rounds and self.storage.exists(L.round_record(r)):
+            r += 1
+        return r
+
+    def run_round(self, r: int) -> RoundRecord:
+        """Drive round r to its commit; returns the record (without the eval loss yet)."""
+        jobs = self.submitter.ensure(r)
+        while True:
+            self.lease.check()
+            self._check_cancel(jobs)
+            decision, states = self._poll(jobs)
+            if decision.action == "merge":
+                try:
+                    record = self.merger.merge(jobs, decision, states)
+                except QuorumError as exc:  # too many were refused: retry those workers instead
+                    log.warning("round %d: %s", r, exc)
+                    self.merger.set_aside(jobs, exc.rejected)
+                    continue
+                self.merger.commit(jobs, record)
+                return record
+            self.merger.stream(jobs)  # fold what landed; what lands last is folded at the merge
+            if decision.action == "resubmit":
+                log.warning("round %d: %s; resubmitting", r, decision.reason)
+                self.submitter.resubmit(jobs, decision.workers, states)
+            elif decision.action == "fail":
+                self._fail(jobs, decision, states)
+            time.sleep(self.cfg.round.poll_s)
+
+    def _poll(self, jobs: RoundJobs) -> tuple[Decision, dict[str, JobStatus]]:
+        """What arrived (storage) and which jobs still run (the scheduler, with back-off), decided."""
+        arrived = set(arrived_workers(self.storage, jobs.round))
+        waiting = [j for w, j in jobs.latest().items() if w not in arrived]
+        states = self.executor.watch(waiting, news=arrived != self._arrived_before)
+        self._arrived_before = arrived
+        if any(not states.get(j, UNKNOWN).alive for j in waiting):
+            # a job that published and ended between the listing and the scheduler's answer is not
+            # a loss: list again, after the answer (storage first would miss it, storage after cannot)
+            arrived = set(arrived_workers(self.storage, jobs.round))
+        views = [WorkerView(w, w in arrived, w not in arrived and states.get(j, UNKNOWN).alive, jobs.workers[w].attempts)
+                 for w, j in jobs.latest().items()]
+        decision = decide(views, quorum=self.cfg.quorum, elapsed_s=time.time() - (jobs.submitted_at or time.time()),
+                          deadline_s=self.cfg.round.deadline_s, max_retries=self.cfg.round.max_retries)
+        return decision, states
+
+    def evaluate(self, record: RoundRecord) -> None:
+        """Add the new global model's eval loss to a committed round record (off the critical path)."""
+        record.eval_loss = self.evaluator.loss(self.storage, L.global_weights(record.round + 1))
+        record.save(self.storage)
+        write_round_metrics(self.storage, self.cfg, record.to_json())  # metrics/round_r.jsonl (docs/observability.md)
+        self.on_round(record)
+
+    def _check_cancel(self, jobs: RoundJobs) -> None:
+        if self.storage.exists(L.CANCEL):
+            self.executor.cancel(list(jobs.latest().values()))
+            raise Cancelled(f"run cancelled during round {jobs.round} (marker {self.storage.display(L.CANCEL)})")
+
+    def _fail(self, jobs: RoundJobs, decision: Decision, states: dict[str, JobStatus]) -> None:
+        self.submitter.record_losses(jobs, list(jobs.workers), states)
+        jobs.save(self.storage)
+        self.storage.write_json(L.FAILED, {"round": jobs.round, "reason": decision.reason, "at": time.time()})
+        raise RunError(f"round {jobs.round} cannot be merged: {decision.reason}. Fix the cause (see the job logs in "
+                       f"{self.executor.folder}), then `orchestrate resume {self.storage.display()}`")

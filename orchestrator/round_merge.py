@@ -1,0 +1,183 @@
+"""Merging a round: which contributions count and what they weigh, folding them as they land, the
+merge itself (merge.rounds, or merge.lte), and the record that commits it.
+
+Every contribution is untrusted: its weight is derived from what the service asked of its worker
+(orchestrator.plan.contribution_weight), never taken from its manifest, and whatever goes wrong
+while it is read or folded rejects it with the reason in the round's record; the file is moved to
+the round's `rejected/` folder, and the round goes on.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from core.checkpoint import read_manifest
+from core.config import Config
+from core.errors import CheckpointError
+from core.failpoints import failpoint
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from merge.lte import merge_lte_round
+from merge.rounds import Contribution, MergeResult, QuorumError, RunningSum, merge_round
+from orchestrator import late
+from orchestrator.executor import Executor, JobStatus
+from orchestrator.plan import Decision, contribution_weight
+from orchestrator.records import RoundJobs, RoundRecord
+from orchestrator.runstate import arrived_workers
+from orchestrator.submission import UNKNOWN, Submitter
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+
+
+class RoundMerger:
+    def __init__(self, storage: Storage, cfg: Config, executor: Executor, metadata: dict[str, str]) -> None:
+        self.storage, self.cfg, self.executor, self.metadata = storage, cfg, executor, metadata
+        self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
+        self._sum_round = -1
+
+    def stream(self, jobs: RoundJobs) -> None:
+        """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""
+        r = jobs.round
+        if not self.cfg.round.stream_merge or self.cfg.algorithm == "lte":
+            return
+        if self._sum_round != r:
+            self._sum = None  # the last round's copies go before this round's come
+            # held in memory while the workers train: the outer step after the last fold reads nothing
+            self._sum = RunningSum(self.storage, L.global_weights(r), state_key=L.outer_state(r) if r > 0 else None,
+                                   preload=True)
+            self._sum_round = r
+        folded = {f.worker for f in self._sum.folded}
+        for w in sorted(set(arrived_workers(self.storage, r)) - folded):
+            c, _, _ = self._contribution(jobs, w)
+            if c is not None:  # a stale one is reported by the merge; a refused one is kept in _sum.rejected
+                self._sum.add(c)
+
+    def merge(self, jobs: RoundJobs, decision: Decision, states: dict[str, JobStatus]) -> RoundRecord:
+        """Merge what `decision` names into global_{r+1}; the record to commit (not written yet).
+        Raises QuorumError (with the refused workers) when too few valid contributions remain."""
+        r, t0 = jobs.round, time.time()
+        stale, contribs, digests, idle = self._contributions(jobs, decision.workers)
+        fold = self.cfg.round.late_policy == "fold" and self.cfg.algorithm != "lte"
+        folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
+        try:
+            result = self._merge(r, contribs + late.fold_inputs(folded))
+        except QuorumError as exc:
+            exc.rejected = {w: why for w, why in {**exc.rejected, **stale}.items() if w >= 0}  # < 0: folds
+            raise
+        self._sum, self._sum_round = None, -1  # spent: it holds the mean now
+        merged, on_time_rejected, merged_folds, refused = late.split_merged(result.merged, result.rejected, folded)
+        rejected = {**stale, **on_time_rejected}
+        if len(merged) < self.cfg.quorum:  # folds never make up a quorum: not committed, global_r+1 is redone
+            raise QuorumError(f"only {len(merged)} on-time contribution(s) merged, the quorum is {self.cfg.quorum}",
+                              rejected)
+        dropped = sorted(set(range(self.cfg.workers)) - set(merged) - set(rejected))
+        why = self._why_dropped(jobs, dropped, states)
+        final = self.executor.status(list(jobs.latest().values()))  # one call: queue wait and run time per job
+        self._cancel_stragglers(jobs, dropped, why, fold)
+        return RoundRecord(
+            round=r, merged=merged, dropped=dropped, rejected=sorted(rejected),
+            rejected_reasons={str(w): why for w, why in rejected.items()}, dropped_reasons=why,
+            late=sorted(set(dropped) & set(arrived_workers(self.storage, r))), reason=decision.reason,
+            merge_seconds=round(result.seconds, 3), bytes_read=result.bytes_read,
+            outer_grad_norm=result.outer_grad_norm, weights={str(c.worker): c.weight for c in contribs},
+            submitted_at=jobs.submitted_at or t0, merge_started_at=t0, committed_at=time.time(),
+            global_digest=result.manifest["digest"], merge_order=result.order,
+            contrib_digest={str(w): digests[w] for w in merged}, folded=merged_folds,
+            fold_rejected=fold_refused + refused, worker_idle_s={str(w): s for w, s in idle.items()},
+            jobs={str(w): {**final[j].as_dict(), "attempts": jobs.workers[w].attempts} for w, j in jobs.latest().items()})
+
+    def commit(self, jobs: RoundJobs, record: RoundRecord) -> None:
+        failpoint("service.before_record")
+        record.save(self.storage)  # the commit point of the round
+        failpoint("service.after_record")
+        # after the commit: a resumed round finds them where the merge did
+        self.set_aside(jobs, {int(w): why for w, why in record.rejected_reasons.items()})
+
+    def _merge(self, r: int, inputs: list[Contribution]) -> MergeResult:
+        common = dict(min_inputs=self.cfg.quorum, metadata=self.metadata, manifest={"round": r + 1})
+        if self.cfg.algorithm == "lte":  # W <- W + (s/N) sum_n B_n A_n, the rest averaged (merge/lte.py)
+            from worker.lora import contribution_shapes
+            lte = self.cfg.lte
+            return merge_lte_round(self.storage, L.global_weights(r), inputs, L.global_weights(r + 1),
+                                   scale=lte.alpha / lte.rank, rank=lte.rank,
+                                   expected=contribution_shapes(self.cfg.model, lte.rank), **common)
+        return merge_round(self.storage, L.global_weights(r), inputs, L.global_weights(r + 1), self.cfg.outer,
+                           state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
+                           accumulator=self._sum if self._sum_round == r else None, **common)
+
+    def set_aside(self, jobs: RoundJobs, rejected: dict[int, str]) -> None:
+        """Move refused contributions out of the round (kept as evidence) so their workers rerun."""
+        r = jobs.round
+        for w, why in rejected.items():
+            e = jobs.workers[w]
+            dest, src = L.rejected_contribution(r, w, e.attempts), L.contribution(r, w)
+            for a, b in ((manifest_key(src), manifest_key(dest)), (src, dest)):  # unpublish first
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.move(a, b)  # a rename: whatever it is (a FIFO too), it is not read
+            self.storage.write_json(L.rejected_reason(r, w, e.attempts),
+                                    {"worker": w, "reason": why, "job_id": e.latest, "at": time.time()})
+            e.failures.append({"job_id": e.latest, "rejected": why})
+        jobs.save(self.storage)
+
+    def _why_dropped(self, jobs: RoundJobs, dropped: list[int], states: dict[str, JobStatus]) -> dict[str, str]:
+        """For each dropped worker: its job's end state (recorded with its log), or that it is a straggler."""
+        why, ended = {}, []
+        folds_later = self.cfg.round.late_policy == "fold" and jobs.round + 1 < self.cfg.rounds
+        for w in dropped:
+            job_id = jobs.workers[w].latest
+            status = states.get(job_id, UNKNOWN)
+            if status.alive:
+                why[str(w)] = (f"still {status.state} at the merge (straggler): job {job_id} "
+                               + ("runs on, to be folded in later" if folds_later else "cancelled"))
+            else:
+                why[str(w)] = f"job {job_id} ended {status.state} without a contribution"
+                ended.append(w)
+        if ended:
+            Submitter(self.storage, self.cfg, self.executor).record_losses(jobs, ended, states)
+            jobs.save(self.storage)
+        return why
+
+    def _cancel_stragglers(self, jobs: RoundJobs, dropped: list[int], why: dict[str, str], fold: bool) -> None:
+        r = jobs.round
+        stragglers = [jobs.workers[w].latest for w in dropped if why[str(w)].startswith("still")]
+        if fold and r + 1 < self.cfg.rounds:  # fold: stragglers run on; their work joins a later merge
+            stragglers = []
+        elif fold:  # the last round: no later merge can fold anything in
+            stragglers += late.unfinished_late_jobs(self.storage, r, self.cfg.round.max_staleness)
+        if stragglers:
+            self.storage.check_fence(L.round_record(r))  # a service whose run was taken cancels nothing
+        self.executor.cancel(stragglers)
+
+    def _contributions(self, jobs: RoundJobs, workers: tuple[int, ...]
+                       ) -> tuple[dict[int, str], list[Contribution], dict[int, str], dict[int, float]]:
+        """(stale or invalid ones with why, contributions to merge, their digests, persistent workers' idle s)."""
+        stale, out, digests, idle = {}, [], {}, {}
+        for w in sorted(workers):  # worker order: a merge of the same inputs sums them in the same order
+            c, why, m = self._contribution(jobs, w)
+            if c is None:
+                stale[w] = why
+                continue
+            out.append(c)
+            digests[w] = m.get("digest")
+            if m.get("waited_s") is not None:
+                idle[w] = m["waited_s"]
+        return stale, out, digests, idle
+
+    def _contribution(self, jobs: RoundJobs, w: int) -> tuple[Contribution | None, str, dict[str, Any]]:
+        """(worker w's contribution, or None and why it is stale or invalid; its manifest)."""
+        r, key = jobs.round, L.contribution(jobs.round, w)
+        try:
+            m = read_manifest(self.storage, key) or {}
+        except CheckpointError as exc:  # an invalid manifest (core.manifest.check_manifest): refused
+            return None, str(exc), {}
+        want = jobs.workers[w].base_digest if w in jobs.workers else None
+        if m.get("round") != r or m.get("worker") != w or (want and m.get("base_digest") != want):
+            return None, (f"stale contribution: manifest says round {m.get('round')} worker {m.get('worker')} base "
+                          f"{str(m.get('base_digest'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}"), m
+        weight = contribution_weight(m, self.cfg)
+        if isinstance(weight, str):  # a manifest whose figures do not add up: refused like a bad file
+            return None, f"worker {w} ({self.storage.display(key)}): {weight}", m
+        return Contribution(w, key, weight), "", m
