@@ -31,8 +31,8 @@ import numpy as np
 
 from core.storage import Storage
 from orchestrator.cli import main as orchestrate
-from orchestrator.queuewait import ProjectionSpec, WaitData, parse_buckets, parse_sacct, project
-from orchestrator.queuewait_io import sacct_command
+from orchestrator.queuewait.waits import ProjectionSpec, WaitData, parse_buckets, parse_sacct, project
+from orchestrator.queuewait.io import sacct_command
 
 log = logging.getLogger("bench.projection_check")
 TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",

@@ -1,45 +1,25 @@
-"""`orchestrate`: the command line. rich lives here and only here; off a terminal it prints plain lines."""
+"""`orchestrate`: the command line (output through orchestrator.console; off a terminal, plain lines)."""
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 import typing
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from core.config import Algorithm, load_config, replace
 from core.errors import IslandsError
 from core.layout import RunLayout
 from core.storage import Storage
+from orchestrator.console import console, setup_logging
 
 L = RunLayout()
 TMP_SWEEP_AGE_S = 3600.0
 """Temporaries older than this are a killed writer's leftovers (a live writer's mtime keeps moving)."""
-console = Console(highlight=False, soft_wrap=True)
-
-
-def _setup_logging(verbose: bool) -> None:
-    level = logging.DEBUG if verbose else logging.INFO
-    if sys.stderr.isatty():
-        from rich.logging import RichHandler
-
-        from orchestrator import progress_bars
-        err = Console(stderr=True)
-        handler: logging.Handler = RichHandler(console=err, show_path=False)
-        progress_bars.install(err)  # long operations draw bars here, above the log lines
-    else:
-        from core.progress import set_renderer
-        set_renderer(None)  # a log file or a pipe: plain progress lines, no bars
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-    logging.getLogger("submitit").setLevel(logging.WARNING)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -84,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", help="cancel a run's jobs and stop its orchestrator")
     p.add_argument("run")
     bench = sub.add_parser("bench", help="benchmarks (queue-wait: docs/scheduling.md)")
-    from orchestrator import queuewait_cli
+    from orchestrator.queuewait import cli as queuewait_cli
     queuewait_cli.add_parser(bench.add_subparsers(dest="bench", required=True))
-    from orchestrator import observe_cli
+    from orchestrator.observe import cli as observe_cli
     observe_cli.add_parsers(sub)  # report, eval
     from orchestrator import merge_cli
     merge_cli.add_parser(sub)  # merge: orchestrator/merge_cli.py
@@ -251,13 +231,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 COMMANDS = {"submit": cmd_submit, "resume": cmd_resume, "status": cmd_status, "cancel": cmd_cancel}
 COMMANDS["bench"] = lambda args: args.bench_handler(args)  # each bench subcommand sets its handler
-COMMANDS["report"] = COMMANDS["eval"] = lambda args: args.observe_handler(args)  # orchestrator/observe_cli.py
+COMMANDS["report"] = COMMANDS["eval"] = lambda args: args.observe_handler(args)  # orchestrator/observe/cli.py
 COMMANDS["merge"] = lambda args: args.merge_handler(args)  # orchestrator/merge_cli.py
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     try:
         return COMMANDS[args.command](args)
     except IslandsError as exc:

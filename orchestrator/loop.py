@@ -29,7 +29,7 @@ from merge.outer import outer_step
 from merge.rounds import QuorumError
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.lease import Lease
-from orchestrator.metrics import write_round_metrics
+from orchestrator.observe.metrics import write_round_metrics
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
 from orchestrator.records import RoundJobs, RoundRecord

@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_merge(args: argparse.Namespace) -> int:
     from core.config import OuterConfig
     from merge.manual import MergeError, manual_merge
-    from orchestrator.cli import console
+    from orchestrator.console import console
 
     weights = None
     if args.weights:

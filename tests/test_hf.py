@@ -216,7 +216,7 @@ def test_diloco_two_workers_two_rounds_exports_a_hf_directory(hf_dir, texts, tmp
     assert set(sd) - set(final) == {"lm_head.weight"} and set(final) <= set(sd)
     assert all(torch.equal(sd[k], final[k]) for k in final)
     assert torch.equal(sd["lm_head.weight"], final["model.embed_tokens.weight"])
-    from orchestrator.checkpoint_eval import evaluate_checkpoints  # `orchestrate eval`: same tokens, same loss
+    from orchestrator.observe.checkpoint_eval import evaluate_checkpoints  # `orchestrate eval`: same tokens, same loss
     assert evaluate_checkpoints([str(run)])["models"][0]["loss"] == pytest.approx(losses[-1], abs=1e-4)
     reloaded = load_model(st["final_model"])  # rebuilt from the checkpoint's metadata alone
     assert isinstance(reloaded, HFCausalLM) and all(torch.equal(v, final[k]) for k, v in weights_of(reloaded).items())

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import queuewait as qw
+from orchestrator.queuewait import waits as qw
 from orchestrator.cli import main
-from orchestrator.queuewait_io import PROBE_NAME, read_sacct_file, read_swf, run_probes
+from orchestrator.queuewait.io import PROBE_NAME, read_sacct_file, read_swf, run_probes
 from slurm_support import requires_slurm
 
 ROOT = Path(__file__).resolve().parents[1]

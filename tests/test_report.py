@@ -13,11 +13,11 @@ from core.checkpoint import write_checkpoint
 from core.errors import RunError, StorageError
 from core.layout import RunLayout
 from core.storage import Storage
-from orchestrator.checkpoint_eval import ensemble_losses, evaluate_checkpoints, nll
+from orchestrator.observe.checkpoint_eval import ensemble_losses, evaluate_checkpoints, nll
 from orchestrator.cli import main
-from orchestrator.metrics import FIELDS, parse_jsonl, read_metrics, tensorboard_scalars, to_jsonl
-from orchestrator.report import FIGURES, write_report
-from orchestrator.report_data import outer_grad_stats, outer_stats_cached, time_budget, timeline
+from orchestrator.observe.metrics import FIELDS, parse_jsonl, read_metrics, tensorboard_scalars, to_jsonl
+from orchestrator.observe.report import FIGURES, write_report
+from orchestrator.observe.report_data import outer_grad_stats, outer_stats_cached, time_budget, timeline
 from orchestrator.runstate import load_run
 
 L = RunLayout()
@@ -191,7 +191,7 @@ def test_missing_metrics_file_is_derived_from_the_record(tiny_run, tmp_path):
 @slow
 def test_tensorboard_events_when_available(tiny_run, tmp_path):
     pytest.importorskip("torch.utils.tensorboard")
-    from orchestrator.metrics import write_tensorboard
+    from orchestrator.observe.metrics import write_tensorboard
     s = Storage(str(tmp_path))
     assert write_tensorboard(s, read_metrics(Storage(str(tiny_run)), load_run(Storage(str(tiny_run)))))
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / L.TENSORBOARD).iterdir())

@@ -13,7 +13,7 @@ import statistics
 from bench.reproduce import sim
 from bench.reproduce.context import Context, Outcome, Row, check
 from merge.methods import average
-from orchestrator.checkpoint_eval import ensemble_losses
+from orchestrator.observe.checkpoint_eval import ensemble_losses
 from worker.weights import build_model, load_weights
 
 
@@ -75,5 +75,5 @@ def lofi(ctx: Context) -> Outcome:
     setup = (f"Pre-trained {s.pretrain_steps} steps on stdlib modules (data.include_tests: false), then fine-tuned "
              f"{s.total_steps} steps on the stdlib test suite only; eval on held-out test files. lo-fi: {k} workers, "
              f"batch {s.batch_size}/{k} each, iid shards, one round (algorithm: lofi); the average is "
-             "merge.methods.average, the ensemble orchestrator.checkpoint_eval's mean of probabilities.")
+             "merge.methods.average, the ensemble orchestrator.observe.checkpoint_eval's mean of probabilities.")
     return Outcome(rows, [], checks, setup)

@@ -25,7 +25,7 @@ from core.config import Config
 from core.errors import CheckpointError
 from core.layout import RunLayout
 from core.storage import Storage
-from orchestrator.metrics import SCHEMA, read_metrics, step_lines
+from orchestrator.observe.metrics import SCHEMA, read_metrics, step_lines
 from orchestrator.records import RoundJobs
 from orchestrator.runstate import RUN_INFO, arrived_workers, load_run, run_status
 

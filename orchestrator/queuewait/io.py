@@ -1,6 +1,6 @@
 """Queue-wait I/O: read SWF traces and sacct output, run sacct, and submit live probe jobs.
 
-The analysis itself is pure (orchestrator/queuewait.py). Live probes are real jobs on a real
+The analysis itself is pure (orchestrator/queuewait/waits.py). Live probes are real jobs on a real
 partition: their number and run time are bounded, and every probe still queued or running is
 cancelled on the way out, whatever the way out is (normal end, error, Ctrl-C, SIGTERM).
 """
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from core.progress import progress
-from orchestrator.queuewait import SACCT_FIELDS, QueueWaitError, WaitData, parse_sacct, parse_swf
+from orchestrator.queuewait.waits import SACCT_FIELDS, QueueWaitError, WaitData, parse_sacct, parse_swf
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`orchestrate report` and `orchestrate eval`: the command-line edge of seeing a run.
 
-The work is done in orchestrator.report and orchestrator.checkpoint_eval; this module parses
+The work is done in orchestrator.observe.report and orchestrator.observe.checkpoint_eval; this module parses
 arguments and prints (a rich table on a terminal, plain lines otherwise). docs/observability.md.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from orchestrator.cli import console
-    from orchestrator.report import write_report
+    from orchestrator.console import console
+    from orchestrator.observe.report import write_report
 
     storage = Storage(args.run)
     out = Path(args.out) if args.out else Path(f"{Path(storage.root).name or 'run'}-report")
@@ -45,8 +45,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from orchestrator.checkpoint_eval import evaluate_checkpoints
-    from orchestrator.cli import console
+    from orchestrator.observe.checkpoint_eval import evaluate_checkpoints
+    from orchestrator.console import console
 
     if args.batches is not None and args.batches < 1:
         from core.errors import RunError

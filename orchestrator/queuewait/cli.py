@@ -1,7 +1,7 @@
 """`orchestrate bench queue-wait`: arguments, and the report as a table, plain lines or JSON.
 
-The only place of the queue-wait tool that prints; analysis in orchestrator/queuewait.py, I/O in
-orchestrator/queuewait_io.py, the figure in orchestrator/queuewait_plot.py.
+The only place of the queue-wait tool that prints; analysis in orchestrator/queuewait/waits.py, I/O in
+orchestrator/queuewait/io.py, the figure in orchestrator/queuewait/plot.py.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from orchestrator import queuewait_io as qio
+    from orchestrator.queuewait import io as qio
 
     if args.swf:
         return qio.read_swf(args.swf, args.cores_per_node)
@@ -85,7 +85,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 def build_report(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """(data, buckets, report) for parsed arguments; raises QueueWaitError on bad input."""
-    from orchestrator import queuewait as qw
+    from orchestrator.queuewait import waits as qw
 
     live_default = ",".join(str(n) for n in sorted(set(args.probe_nodes))) if args.live else None
     buckets = qw.parse_buckets(args.buckets or live_default or qw.DEFAULT_BUCKETS)
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         console.print("interrupted; any probe jobs submitted were cancelled")
         return 130
     if args.plot:
-        from orchestrator.queuewait_plot import write_plot
+        from orchestrator.queuewait.plot import write_plot
 
         report["plot"] = str(write_plot(args.plot, data, buckets, report))
     if args.json:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.queuewait import Bucket, QueueWaitError, WaitData, waits_by_bucket
+from orchestrator.queuewait.waits import Bucket, QueueWaitError, WaitData, waits_by_bucket
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """`orchestrate report RUN --out DIR`: PNG plots and one self-contained HTML page of a run.
 
 Works on a finished run and on one in progress, on any storage (local, memory://, object stores):
-everything comes from the run directory (orchestrator.report_data). Figures use matplotlib's
+everything comes from the run directory (orchestrator.observe.report_data). Figures use matplotlib's
 object API on the Agg canvas, never pyplot, so nothing opens a window and no global state is set.
 What each plot shows, and what to look for, is in docs/observability.md.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from core.storage import Storage
-from orchestrator.metrics import to_jsonl
-from orchestrator.report_data import (RunData, Segment, bytes_series, collect, eval_curve, outer_stats_cached,
+from orchestrator.observe.metrics import to_jsonl
+from orchestrator.observe.report_data import (RunData, Segment, bytes_series, collect, eval_curve, outer_stats_cached,
                                       time_budget, timeline, worker_losses)
 
 FIGURES = ("loss", "timeline", "bytes", "outer_gradients", "contributions")
