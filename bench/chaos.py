@@ -48,6 +48,7 @@ from bench import chaos_checks as check
 from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
+from orchestrator.executor import kill_local_job
 
 L = RunLayout()
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,15 +190,14 @@ class Chaos:
                 continue  # its round closed or it delivered first: the budget moves to a later round
             job = entry["job_ids"][-1]
             if self._cancel_job(job):
-                self.faults.append(Fault("job_cancelled", tr, w, detail=f"job {job}", data={"job": job}))
+                self.faults.append(Fault("job_cancelled", tr, w, detail=f"job {job}", data={"job": job, "at": time.time()}))
 
     def _cancel_job(self, job: str) -> bool:
         if self.a.executor == "slurm":
             return subprocess.run(["scancel", job], capture_output=True, timeout=30).returncode == 0
-        try:  # a local job is submitit's controller process: SIGINT stops it and its task
-            os.kill(int(job), signal.SIGINT)
-        except ProcessLookupError:
+        if not Path(f"/proc/{job}").exists():
             return False
+        kill_local_job(job)  # what the local executor's cancel does: its tasks and controller SIGKILLed
         return True
 
 
@@ -239,6 +239,11 @@ def plant(s: Storage, r: int, w: int, kind: str, a: argparse.Namespace) -> str |
 def assess(chaos: Chaos, clean: Storage) -> None:
     """Mark each injected fault survived or not, each by its own check."""
     s, a = chaos.s, chaos.a
+    moot = [f for f in chaos.faults if f.kind == "job_cancelled" and check.delivered_before(s, f.round, f.worker, f.data)]
+    for f in moot:  # it published between our look and the cancel: nothing was lost, nothing to survive
+        print(f"  (job_cancelled round {f.round} worker {f.worker}: {f.detail} had published before the cancel landed; "
+              "not counted)")
+        chaos.faults.remove(f)
     for f in chaos.faults:
         if f.kind == "job_cancelled":
             f.survived, f.detail = check.cancelled_job_survived(s, f.round, f.worker, f.data["job"])

@@ -72,6 +72,13 @@ def cancelled_job_survived(s: Storage, r: int, w: int, job: str) -> tuple[bool, 
     return ok, f"noted lost: {noted}; resubmitted as {e.get('job_ids', [])[1:]}; merged: {w in rec.get('merged', [])}"
 
 
+def delivered_before(s: Storage, r: int, w: int, fault: dict[str, Any]) -> bool:
+    """Whether the job's contribution that was merged had been published before it was cancelled."""
+    e = _jobs(s, r, w)
+    at = (read_manifest(s, L.contribution(r, w)) or {}).get("written_at") or float("inf")
+    return e.get("job_ids", [None])[-1] == fault["job"] and at <= fault["at"]
+
+
 def planted_file_survived(s: Storage, r: int, w: int, kind: str, digest: str | None) -> tuple[bool, str]:
     """Rejected for the right reason, set aside, never merged; the worker's real work merged instead."""
     rec = s.read_json(L.round_record(r)) or {}

@@ -7,6 +7,7 @@ saves an in-flight checkpoint to storage and asks to be requeued with the same t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -142,11 +143,8 @@ class Executor:
             subprocess.run(["scancel", *job_ids], check=False, capture_output=True)
             return
         for j in job_ids:
-            job = self._jobs.get(j)
-            if job is not None:
-                job.cancel()
-            elif _pid_is_submitit(j):
-                os.kill(int(j), signal.SIGINT)
+            if _pid_is_submitit(j):
+                kill_local_job(j)
 
     def stderr_tail(self, job_id: str, lines: int = 15) -> str:
         """The end of a job's stderr: why it ended without a contribution."""
@@ -165,6 +163,29 @@ def sbatch_text(cfg: Config, folder: str | Path, array_size: int) -> str:
 
     return _make_sbatch_string(command="python -u -m submitit.core._submit " + str(folder), folder=str(folder),
                                map_count=array_size, **slurm_parameters(cfg))
+
+
+def kill_local_job(job_id: str) -> None:
+    """End a local job as Slurm ends a cancelled one, for certain: SIGKILL to its tasks, then to
+    submitit's controller (whose id the job's is). SIGINT, submitit's own way, is ignored by a
+    process started in the background of a non-interactive shell (or under nohup), and the tasks
+    ignore SIGTERM (submitit bypasses it, expecting Slurm's SIGKILL)."""
+    pid = int(job_id)
+    for child in _children(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid`, deepest last (from /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_children(int(child))]
+    return found
 
 
 def _pid_is_submitit(job_id: str) -> bool:

@@ -76,3 +76,22 @@ def test_poller_gone_after_grace():
     # a pending job's squeue start is a forecast, not a start
     pending = p._status("5_4", None, ("PENDING", "2026-11-22T03:00:00", "2026-11-22T04:00:00"), now=0)
     assert pending.submit == "2026-11-22T03:00:00" and pending.start is None and pending.timing()["run_s"] is None
+
+
+def test_the_poller_backs_off_while_nothing_happens_and_asks_at_once_on_news(monkeypatch):
+    """One sacct per interval at most; the interval doubles from round.poll_s to 30 s while nothing
+    new happens, and news from storage (or a new job) asks at once and starts again from poll_s."""
+    from orchestrator import slurm
+    from orchestrator.jobstatus import JobStatus
+    poller, now, asked = slurm.SlurmPoller(), [1000.0], []
+    monkeypatch.setattr(slurm.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(poller, "poll", lambda ids: asked.append(now[0]) or {j: JobStatus(j, "RUNNING") for j in ids})
+    for _ in range(400):  # 200 s of polls every 0.5 s, nothing new
+        assert poller.watch(["7_0"], news=False, min_interval_s=0.5)["7_0"].state == "RUNNING"
+        now[0] += 0.5
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert gaps[:6] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0] and set(gaps[6:]) == {30.0}
+    poller.watch(["7_0"], news=True, min_interval_s=0.5)  # a contribution arrived: ask now
+    assert asked[-1] == now[0]
+    poller.watch(["7_0", "7_1"], news=False, min_interval_s=0.5)  # a new job: ask now too
+    assert len(asked) == len(gaps) + 3
