@@ -35,8 +35,8 @@ def file_hash(s: Storage, key: str) -> str | None:
 def compare_runs(run: Storage, clean: Storage, rounds: int) -> list[str]:
     """Where the run's published weights differ from the clean run's, bit for bit ([] if nowhere)."""
     keys = [L.global_weights(r) for r in range(rounds + 1)] + [L.FINAL]
-    return [f"{key}: {file_hash(run, key)} != clean {file_hash(clean, key)}" for key in keys
-            if file_hash(run, key) is None or file_hash(run, key) != file_hash(clean, key)]
+    hashes = {key: (file_hash(run, key), file_hash(clean, key)) for key in keys}  # each file read once
+    return [f"{key}: {mine} != clean {theirs}" for key, (mine, theirs) in hashes.items() if mine is None or mine != theirs]
 
 
 def invalid_merges(storage: Storage, rounds: int) -> list[str]:

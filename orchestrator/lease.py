@@ -102,8 +102,9 @@ def acquire(storage: Storage, *, force: bool = False, wait_s: float = 0.0) -> Le
     holder is waited for that long (a requeued service job whose earlier self just died elsewhere)."""
     until = time.monotonic() + wait_s
     while True:
-        epoch = _latest_epoch(storage)
-        holder = _holder(storage, epoch)
+        held = _read(storage, L.LOCK)
+        epoch = _latest_epoch(storage, held)
+        holder = _holder(storage, held, epoch)
         why = _lapsed(holder)
         if holder and why is None and not force:
             age = time.time() - float(holder.get("heartbeat_at") or 0)
@@ -130,18 +131,17 @@ def acquire(storage: Storage, *, force: bool = False, wait_s: float = 0.0) -> Le
         return Lease(storage, epoch + 1)
 
 
-def _latest_epoch(storage: Storage) -> int:
+def _latest_epoch(storage: Storage, held: dict[str, Any]) -> int:
     epochs = [int(m.group(1)) for n in storage.list(L.LEASE) if (m := re.fullmatch(r"epoch_(\d+)\.json", n))]
-    held = _read(storage, L.LOCK).get("epoch", 0)
-    return max(epochs + [held if isinstance(held, int) else 0])
+    mine = held.get("epoch", 0)
+    return max(epochs + [mine if isinstance(mine, int) else 0])
 
 
-def _holder(storage: Storage, epoch: int) -> dict[str, Any]:
+def _holder(storage: Storage, held: dict[str, Any], epoch: int) -> dict[str, Any]:
     """Who holds the lease ({} when free: a holder removes lock.json when it stops). A lock.json
     older than the latest epoch (a taker that died before writing its own) stands for that epoch's
     claimer, with the claim's time as its last heartbeat; one written before epochs existed beats
     at `since`."""
-    held = _read(storage, L.LOCK)
     if not held:
         return {}
     if held.get("epoch", 0) >= epoch:

@@ -53,7 +53,7 @@ class Service:
         self.on_round = on_round or (lambda record: None)
         self.evaluator = Evaluator(cfg)
         self.submitter = Submitter(self.storage, cfg, executor)
-        self.merger = RoundMerger(self.storage, cfg, executor, self.evaluator.metadata)
+        self.merger = RoundMerger(self.submitter, self.evaluator.metadata)
         self._arrived_before: set[int] = set()
         # torch.optim's first step pays ~1.5 s of lazy imports: pay it now, not inside round 0's merge.
         outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)

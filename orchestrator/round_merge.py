@@ -14,15 +14,13 @@ import time
 from typing import Any
 
 from core.checkpoint import read_manifest
-from core.config import Config
 from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
-from core.storage import Storage
 from merge.lte import merge_lte_round
 from merge.rounds import Contribution, MergeResult, QuorumError, RunningSum, merge_round
 from orchestrator import late
-from orchestrator.executor import Executor, JobStatus
+from orchestrator.executor import JobStatus
 from orchestrator.plan import Decision, contribution_weight
 from orchestrator.records import RoundJobs, RoundRecord
 from orchestrator.runstate import arrived_workers
@@ -33,8 +31,9 @@ L = RunLayout()
 
 
 class RoundMerger:
-    def __init__(self, storage: Storage, cfg: Config, executor: Executor, metadata: dict[str, str]) -> None:
-        self.storage, self.cfg, self.executor, self.metadata = storage, cfg, executor, metadata
+    def __init__(self, submitter: Submitter, metadata: dict[str, str]) -> None:
+        self.submitter, self.metadata = submitter, metadata
+        self.storage, self.cfg, self.executor = submitter.storage, submitter.cfg, submitter.executor
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
 
@@ -136,7 +135,7 @@ class RoundMerger:
                 why[str(w)] = f"job {job_id} ended {status.state} without a contribution"
                 ended.append(w)
         if ended:
-            Submitter(self.storage, self.cfg, self.executor).record_losses(jobs, ended, states)
+            self.submitter.record_losses(jobs, ended, states)
             jobs.save(self.storage)
         return why
 

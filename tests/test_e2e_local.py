@@ -87,16 +87,22 @@ def test_existing_run_dir_is_refused(tmp_path, corpus_cache, capsys):
     assert "already holds a run" in capsys.readouterr().out
 
 
+def _until_round_0(run: Path, args: list[str], **popen) -> subprocess.Popen:
+    """`orchestrate` started as a process of its own, returned once round 0 is committed."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    deadline = time.time() + 120
+    while not (run / "rounds/00000/record.json").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    return proc
+
+
 def test_resume_after_the_orchestrator_is_killed(tmp_path, corpus_cache):
     run = tmp_path / "run"
     args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _until_round_0(run, args, start_new_session=True)
     s = Storage(str(run))
-    deadline = time.time() + 120
-    while not s.exists("rounds/00000/record.json"):
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
-        time.sleep(0.1)
     os.kill(proc.pid, signal.SIGKILL)  # the orchestrator dies; its workers may live on
     proc.wait()
     first = s.read_json("rounds/00000/record.json")
@@ -116,13 +122,8 @@ def test_a_second_service_forced_onto_a_live_run_fences_the_first(tmp_path, corp
     first stops before its next commit, naming who took it: no round submitted or merged twice."""
     run = tmp_path / "run"
     args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "4", "--inner-steps", "3")
-    first = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = _until_round_0(run, args)
     s = Storage(str(run))
-    deadline = time.time() + 120
-    while not s.exists("rounds/00000/record.json"):
-        assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
-        time.sleep(0.1)
     refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], capture_output=True,
                              text=True, cwd=Path(__file__).parent.parent, timeout=120)
     assert refused.returncode == 2 and f"another merge service (pid {first.pid}" in refused.stdout, refused.stdout
