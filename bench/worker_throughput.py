@@ -38,7 +38,8 @@ from core.storage import Storage
 from core.task import WorkerTask
 from orchestrator.runstate import create_run
 from worker.data import BatchSampler, load_corpus, shard, split_heldout
-from worker.train import lr_at, make_optimizer, pick_device, run_worker, serve_round
+from worker.params import make_optimizer
+from worker.train import lr_at, pick_device, run_worker, serve_round
 from worker.weights import build_model
 
 

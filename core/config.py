@@ -202,6 +202,10 @@ class ExecutorConfig:
     """Memory per worker job, in GB."""
     gpus_per_node: int = 0
     """GPUs per worker job."""
+    tasks_per_node: int = 0
+    """Processes (ranks) per worker job, one per GPU, training one model with DistributedDataParallel
+    (each takes its slice of the worker's batch). 0 = gpus_per_node, or 1 without GPUs.
+    cpus_per_task is for the whole job, shared by its ranks."""
     partition: str | None = None
     """Slurm partition."""
     account: str | None = None

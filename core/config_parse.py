@@ -228,6 +228,7 @@ def check(cfg: Config) -> list[str]:
     need(e.mem_gb > 0, f"executor.mem_gb must be > 0, got {e.mem_gb}")
     need(e.service_timeout_min >= 1, f"executor.service_timeout_min must be >= 1, got {e.service_timeout_min}")
     need(e.gpus_per_node >= 0, f"executor.gpus_per_node must be >= 0, got {e.gpus_per_node}")
+    need(e.tasks_per_node >= 0, f"executor.tasks_per_node must be >= 0, got {e.tasks_per_node}")
     return p
 
 

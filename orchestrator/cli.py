@@ -12,7 +12,7 @@ from typing import Any
 from rich.table import Table
 
 from core.config import Algorithm, load_config, replace
-from core.errors import IslandsError
+from core.errors import ConfigError, IslandsError
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.console import console, setup_logging
@@ -83,6 +83,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.runstate import create_run, default_run_dir
 
     cfg = load_config(args.config, _overrides(args), args.sets)
+    from orchestrator.slurm import rank_problems
+    if problems := rank_problems(cfg):  # before the run directory exists: nothing half-made is left
+        raise ConfigError(problems, source="the worker jobs' ranks")
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
     storage = Storage(cfg.run_dir)

@@ -23,7 +23,7 @@ import submitit
 from core.config import Config
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
-from orchestrator.slurm import SlurmPoller, slurm_parameters
+from orchestrator.slurm import SlurmPoller, service_parameters, slurm_parameters, worker_tasks
 from worker.persistent import current_round, run_persistent
 from worker.train import checkpoint_active, run_worker
 
@@ -80,7 +80,7 @@ class Executor:
         e = self.cfg.executor
         if self.kind == "local":
             ex = submitit.LocalExecutor(folder=folder)
-            ex.update_parameters(timeout_min=e.timeout_min, setup=list(e.setup))
+            ex.update_parameters(timeout_min=e.timeout_min, setup=list(e.setup), tasks_per_node=worker_tasks(self.cfg))
             return ex
         # A persistent worker meets its time limit once per lifetime, by design: let it requeue.
         persistent = self.cfg.round.worker_mode == "persistent"
@@ -106,11 +106,7 @@ class Executor:
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             return str(proc.pid)
         ex = submitit.SlurmExecutor(folder=self.folder / "service" / "%j", max_num_timeout=1000)
-        params = slurm_parameters(self.cfg)
-        params.update(job_name="islands-service", cpus_per_task=1, mem="2048MB", array_parallelism=1,
-                      time=self.cfg.executor.service_timeout_min)
-        params.pop("gpus_per_node", None)
-        ex.update_parameters(**params)
+        ex.update_parameters(**service_parameters(self.cfg))
         return ex.submit(ServiceJob(), run_url).job_id
 
     def status(self, job_ids: list[str]) -> dict[str, JobStatus]:

@@ -20,8 +20,8 @@ from orchestrator.jobstatus import JobStatus
 
 log = logging.getLogger(__name__)
 PRESET_DIR = Path(__file__).resolve().parent.parent / "slurm_templates"
-PRESET_KEYS = ("timeout_min", "cpus_per_task", "mem_gb", "gpus_per_node", "partition", "account", "qos",
-               "constraint", "extra_sbatch", "setup")
+PRESET_KEYS = ("timeout_min", "cpus_per_task", "mem_gb", "gpus_per_node", "tasks_per_node", "partition", "account",
+               "qos", "constraint", "extra_sbatch", "setup")
 
 
 def load_preset(name: str, directory: Path = PRESET_DIR) -> dict[str, Any]:
@@ -48,21 +48,47 @@ def effective_executor(e: ExecutorConfig) -> dict[str, Any]:
     return values
 
 
+def worker_tasks(cfg: Config) -> int:
+    """Ranks per worker job: executor.tasks_per_node, else one per GPU, else one."""
+    e = effective_executor(cfg.executor)
+    return int(e["tasks_per_node"]) or int(e["gpus_per_node"]) or 1
+
+
+def rank_problems(cfg: Config) -> list[str]:
+    """What makes a multi-rank worker impossible, all at once (checked before anything is submitted)."""
+    e, tasks = effective_executor(cfg.executor), worker_tasks(cfg)
+    gpus, p = int(e["gpus_per_node"]), []
+    if gpus and cfg.inner.device == "cpu":
+        p.append(f"executor.gpus_per_node={gpus} with inner.device=cpu would hold GPUs nobody uses: "
+                 "set inner.device auto (or cuda), or gpus_per_node 0")
+    if gpus and tasks > gpus:
+        p.append(f"executor.tasks_per_node={tasks} is more than the job's {gpus} GPU(s): one rank per GPU at most")
+    if cfg.worker_batch_size % tasks:
+        p.append(f"a worker's batch ({cfg.worker_batch_size} sequences) does not split across its {tasks} ranks: "
+                 f"make inner.batch_size a multiple of {tasks}" + (" x workers (lofi)" if cfg.algorithm == "lofi" else ""))
+    if tasks > int(e["cpus_per_task"]):
+        p.append(f"executor.cpus_per_task={e['cpus_per_task']} is shared by the job's ranks: it needs one per rank "
+                 f"({tasks}) at least")
+    return p
+
+
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
     """submitit SlurmExecutor.update_parameters() arguments for one worker job."""
-    e = effective_executor(cfg.executor)
+    e, tasks = effective_executor(cfg.executor), worker_tasks(cfg)
     params: dict[str, Any] = {
         "job_name": "islands-worker",
         "time": int(e["timeout_min"]),
         "nodes": 1,  # islands never span nodes: that is the point
-        "ntasks_per_node": 1,
-        "cpus_per_task": int(e["cpus_per_task"]),
+        "ntasks_per_node": tasks,  # one rank per GPU (worker/ranks.py)
+        "cpus_per_task": int(e["cpus_per_task"]) // tasks,  # the config's count is the whole job's
         "mem": f"{int(round(float(e['mem_gb']) * 1024))}MB",
         "signal_delay_s": 120 if int(e["timeout_min"]) > 10 else 30,
         "array_parallelism": max(cfg.workers, 1),
     }
     if e["gpus_per_node"]:
         params["gpus_per_node"] = int(e["gpus_per_node"])
+    if tasks > 1:  # a rank that dies ends the job's other ranks at once (they would wait on a collective)
+        params["srun_args"] = ["--kill-on-bad-exit=1"]
     for key in ("partition", "account", "qos", "constraint"):
         if e[key]:
             params[key] = e[key]
@@ -70,6 +96,17 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
         params["setup"] = list(e["setup"])
     if e["extra_sbatch"]:
         params["additional_parameters"] = dict(e["extra_sbatch"])
+    return params
+
+
+def service_parameters(cfg: Config) -> dict[str, Any]:
+    """The merge service's own job: where the workers go (partition, account...), but one task on
+    one CPU, no GPU."""
+    params = slurm_parameters(cfg)
+    params.update(job_name="islands-service", ntasks_per_node=1, cpus_per_task=1, mem="2048MB",
+                  array_parallelism=1, time=cfg.executor.service_timeout_min)
+    params.pop("gpus_per_node", None)
+    params.pop("srun_args", None)
     return params
 
 

@@ -25,7 +25,8 @@ from core.layout import RunLayout  # noqa: E402
 from core.storage import Storage  # noqa: E402
 from worker import data, lora  # noqa: E402
 from worker.hf import HFCausalLM, load_tokenizer  # noqa: E402
-from worker.train import load_run_config, make_optimizer  # noqa: E402
+from worker.params import make_optimizer  # noqa: E402
+from worker.train import load_run_config  # noqa: E402
 from worker.weights import build_model, load_model, load_weights, weights_of  # noqa: E402
 
 L = RunLayout()

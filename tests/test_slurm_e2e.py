@@ -124,6 +124,29 @@ def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
     assert "REQUEUED" in states or "PREEMPTED" in states or states.count("\n") >= 2, states
 
 
+def test_two_rank_worker_requeued_mid_round(tmp_path, corpus_cache):
+    """A worker job of two ranks (srun starts both; gloo on CPUs stands in for NCCL on a node's
+    GPUs), signalled mid-round: rank 0 saves the in-flight checkpoint, the requeued job's two ranks
+    resume from it and publish one contribution made by both."""
+    run = tmp_path / "run"
+    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "400",
+                        "--set", "executor.tasks_per_node=2", "--set", "executor.cpus_per_task=4",
+                        "--set", "inner.device=cpu"))
+    s = Storage(str(run))
+    beat = _wait_for(lambda: (p := s.read_json("workers/worker_000/progress.json")) and p["step"] >= 20 and p,
+                     "worker 0 training", proc=proc)
+    job = s.read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
+    subprocess.run(["scancel", "--signal", "USR2", job], check=True)
+    _finish(proc, timeout=300)
+    manifest = s.read_json("rounds/00000/contrib/worker_000.json")
+    assert manifest["ranks"] == 2 and manifest["steps"] == 400
+    assert manifest["resumed_at_step"] is not None and manifest["resumed_at_step"] >= beat["step"]
+    assert s.read_json("rounds/00000/record.json")["merged"] == [0]
+    steps = subprocess.run(["sacct", "-P", "-n", "-o", "JobID,NTasks", "-j", job.split("_")[0]],
+                           capture_output=True, text=True).stdout
+    assert any(line.split("|")[1] == "2" for line in steps.splitlines() if line.count("|") == 1), steps  # srun ran 2 tasks
+
+
 def test_merge_service_killed_and_resumed(tmp_path, corpus_cache, capsys):
     run = tmp_path / "run"
     proc = _start(_args(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3"))

@@ -21,7 +21,8 @@ from typing import Any
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from worker.train import InnerTrainer, load_run_config, serve_round
+from worker.ranks import join
+from worker.train import InnerTrainer, load_run_config, pick_device, serve_round
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -66,6 +67,7 @@ def run_persistent(task: WorkerTask) -> dict[str, Any]:
     storage = Storage(task.run_url)
     cfg = load_run_config(storage)
     job_id = current_job_id()
+    ranks = join(pick_device(cfg).type)  # a multi-rank job: every rank waits, then takes rank 0's word
     served = []
     trainer: InnerTrainer | None = None  # kept between rounds: model and AdamW state stay on the device
     r = task.round
@@ -74,9 +76,11 @@ def run_persistent(task: WorkerTask) -> dict[str, Any]:
             _CURRENT_ROUND = r
             t_wait = time.monotonic()
             entry = wait_for_assignment(storage, r, task.worker, job_id)
+            # closed: round r was merged while this job was requeued
+            entry, closed = ranks.lead_says((entry, entry is not None and storage.exists(L.round_record(r))))
             if entry is None:
                 break
-            if storage.exists(L.round_record(r)):  # round r was closed while this job was requeued
+            if closed:
                 r += 1
                 continue
             sub = dataclasses.replace(task, round=r, base_key=entry["base"], attempt=entry["attempts"] - 1)

@@ -10,8 +10,9 @@ Read top to bottom, a round is:
   4. publish its optimizer state, then its weights with a manifest (the commit).
 A worker that is preempted or hits its time limit saves an in-flight checkpoint (weights,
 optimizer, step) and resumes from it when requeued.
-With `algorithm: lte` (worker/lora.py) the model gets this worker's LoRA heads over a frozen base:
-only heads and non-LoRA parameters are trained and published; A and B go into the state file.
+What is trained, loaded and published is asked of `self.params` (worker/params.py): the whole
+model, or with `algorithm: lte` this worker's LoRA heads over a frozen base. A job of several ranks
+(worker/ranks.py) trains one model with DDP, each rank on its slice of the batch; rank 0 writes.
 """
 from __future__ import annotations
 
@@ -31,17 +32,17 @@ from core import codec
 from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import Config, config_from_dict
 from core.errors import CheckpointError, IslandsError
-from core.failpoints import slowpoint
+from core.failpoints import failpoint, slowpoint
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
-from worker import lora
 from worker.data import BatchSampler, corpus_for, shard, split_heldout
-from worker.weights import HostBuffers, build_model, load_weights, weights_of
+from worker.params import SEP, params_for
+from worker.ranks import data_parallel, join
+from worker.weights import HostBuffers, build_model
 
 log = logging.getLogger(__name__)
 L = RunLayout()
-SEP = "::"
 HEARTBEAT_S = 5.0
 
 # The trainer of the round running in this process, for the preemption handler (see checkpoint()),
@@ -66,21 +67,6 @@ def lr_at(step: int, cfg: Config) -> float:
     progress = min(1.0, (step - inner.warmup_steps) / span)
     floor = inner.lr * inner.min_lr_ratio
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (inner.lr - floor)
-
-
-def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, list[str]]:
-    """AdamW with weight decay on matrices that are not embeddings (by module type, so it holds for
-    Hugging Face models, and for an lm_head tied to its embedding); returns it with the parameter
-    names in state order."""
-    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
-    params = sorted(model.named_parameters())
-    decay = [(n, p) for n, p in params if p.dim() >= 2 and id(p) not in embeddings]
-    rest = [(n, p) for n, p in params if (n, p) not in decay]
-    groups = [{"params": [p for _, p in decay], "weight_decay": cfg.inner.weight_decay},
-              {"params": [p for _, p in rest], "weight_decay": 0.0}]
-    fused = all(p.is_cuda for _, p in params)  # one kernel per step instead of a launch per tensor group
-    opt = torch.optim.AdamW(groups, lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), fused=fused or None)
-    return opt, [n for n, _ in decay] + [n for n, _ in rest]
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
@@ -137,9 +123,10 @@ class InnerTrainer:
         self.task = task
         self.storage = Storage(task.run_url)
         self.cfg = cfg = load_run_config(self.storage)
-        if task.threads > 0:
-            torch.set_num_threads(task.threads)
         self.device = pick_device(cfg)
+        self.ranks = join(self.device.type)  # the job's other ranks (worker/ranks.py), if it has any
+        if task.threads > 0:  # the job's CPUs, shared by its ranks
+            torch.set_num_threads(max(1, task.threads // self.ranks.world))
         corpus = corpus_for(cfg)  # bytes, or the Hugging Face model's tokens (model.hf)
         train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
         docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[task.worker % cfg.workers]
@@ -149,10 +136,10 @@ class InnerTrainer:
         # init alone costs seconds per round.
         with torch.device(self.device):
             self.model = build_model(cfg.model, pretrained=False)
-        self.lte = cfg.algorithm == "lte"  # LoRA-the-Explorer: train own LoRA heads over a frozen base (worker/lora.py)
-        if self.lte:
-            lora.attach_heads(self.model, cfg.lte, seed=lora.head_seed(cfg.seed, task.worker))
-        self.opt, self.names = (lora.make_optimizer if self.lte else make_optimizer)(self.model, cfg)
+        self.params = params_for(cfg, task.worker)  # the whole model, or LTE's heads (worker/params.py)
+        self.params.prepare(self.model)
+        self.opt, self.names = self.params.optimizer(self.model)
+        self.step_model = data_parallel(self.model, self.ranks)  # what a training step calls
         self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
         # Reused every round (pinned on a GPU): base weights in, weights and optimizer state out. A
         # contribution of plain weights reuses the base's buffers, read back into the model before
@@ -180,51 +167,44 @@ class InnerTrainer:
         state where they are (a persistent worker: no state read, no rebuild). False when it cannot
         (LTE, a round skipped, an unfinished round, an in-flight checkpoint to resume): build a new one."""
         t = self.task
-        if self.lte or task.worker != t.worker or task.round != t.round + 1 or self.done != self.cfg.inner.steps \
-                or read_manifest(self.storage, L.worker_inflight(task.worker, task.round)) is not None:
+        # asked on every rank (a collective), before any condition could skip it on some
+        inflight = self.ranks.lead_says(read_manifest(self.storage, L.worker_inflight(task.worker, task.round)) is not None)
+        if not self.params.carries_over or task.worker != t.worker or task.round != t.round + 1 \
+                or self.done != self.cfg.inner.steps or inflight:
             return False
         self._begin(task, own_state=True)
         return True
 
     def _load_base(self, own_state: bool = False) -> str:
         """Load base weights + own optimizer state, or the in-flight checkpoint of a requeued job."""
-        t = self.task
+        t, params = self.task, self.params
         base_manifest = read_manifest(self.storage, t.base_key)
         if base_manifest is None:
             raise CheckpointError(f"worker {t.worker} round {t.round}: base checkpoint {self.storage.display(t.base_key)} "
                                   "is not published; the orchestrator submitted the round too early or it was deleted")
-        if self.lte:  # the frozen base always comes from the base checkpoint; heads + trainables on top
-            tensors, _, _ = load_checkpoint(self.storage, t.base_key, label=f"base weights for worker {t.worker}")
-            lora.load_base(self.model, tensors, self.storage.display(t.base_key))
-        load = lora.load_tensors if self.lte else load_weights
         inflight = L.worker_inflight(t.worker, t.round)
         m = read_manifest(self.storage, inflight)
-        if m is not None and m.get("base_digest") == base_manifest["digest"]:
+        # rank 0's reading for every rank: ranks that started from different weights would not notice
+        resuming = self.ranks.lead_says(m is not None and m.get("base_digest") == base_manifest["digest"])
+        base = params.load_base(self.storage, t.base_key, self.model, resuming, alloc=self._host_base)
+        self._base = base if self.cfg.round.contribution == "delta" else None
+        if resuming:
             tensors, _, _ = load_checkpoint(self.storage, inflight, label=f"worker {t.worker} in-flight checkpoint")
-            load(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
+            params.load_trained(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
             load_optimizer_tensors(self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k}, "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
-        if not self.lte:  # the base may be this worker's own coded contribution (late_policy continue)
-            tensors = codec.load_weights(self.storage, t.base_key, f"base weights for worker {t.worker}",
-                                         alloc=self._host_base)
-            load_weights(self.model, tensors, self.storage.display(t.base_key))
-            self._base = tensors if self.cfg.round.contribution == "delta" else None
-        state_key = None if own_state else latest_state_key(self.storage, t.worker, t.round)
+        state_key = None if own_state else self.ranks.lead_says(latest_state_key(self.storage, t.worker, t.round))
         if state_key is not None:
             state, _, _ = load_checkpoint(self.storage, state_key, label=f"worker {t.worker} optimizer state")
-            if self.lte:  # own A (and B) from the state file; after the merge B <- 0, A and AdamW state kept
-                lora.load_tensors(self.model, {k: v for k, v in state.items() if SEP not in k}, self.storage.display(state_key))
-                state = {k: v for k, v in state.items() if SEP in k
-                         and not (self.cfg.lte.reset_opt and lora.is_head_param(k.rpartition(SEP)[0]))}
-                lora.reset_heads(self.model, self.cfg.lte, seed=lora.head_seed(self.cfg.seed, t.worker, t.round))
-            load_optimizer_tensors(self.opt, self.names, state, self.storage.display(state_key))
+            label = self.storage.display(state_key)
+            load_optimizer_tensors(self.opt, self.names, params.restore_state(self.model, state, label, t.round), label)
         return base_manifest["digest"]
 
     def train(self) -> None:
-        cfg, model, opt = self.cfg, self.model, self.opt
+        cfg, model, opt, ranks = self.cfg, self.step_model, self.opt, self.ranks
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                     else contextlib.nullcontext())
         model.train()
@@ -233,7 +213,8 @@ class InnerTrainer:
             step = self.step0 + self.done
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # lte: heads peak at lte.lr
-            x, y = (t.to(self.device, non_blocking=True) for t in self.sampler.batch(step))
+            # the worker's batch, this rank's rows of it: DDP's averaged gradient is the whole batch's
+            x, y = (ranks.slice(t).to(self.device, non_blocking=True) for t in self.sampler.batch(step))
             with autocast:
                 _, loss = model(x, y)
             opt.zero_grad(set_to_none=True)
@@ -241,10 +222,15 @@ class InnerTrainer:
             if cfg.inner.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
             opt.step()
+            failpoint(f"rank_{ranks.rank}.step")  # fault injection only: a rank that dies mid-round
             pending.append(loss.detach())  # no .item() per step: on a GPU that would sync every step
             self.done += 1
-            if len(pending) >= 50 or time.monotonic() >= self._next_beat:
+            beat = time.monotonic() >= self._next_beat
+            # the losses are averaged over ranks at the same steps on every rank; one rank alone
+            # also whenever a heartbeat is due, so that it shows the current loss
+            if len(pending) >= 50 or self.done == 1 or (beat and ranks.world == 1):
                 self._flush(pending)
+            if beat:
                 self._heartbeat()
         self._flush(pending)
         self._heartbeat()
@@ -253,29 +239,33 @@ class InnerTrainer:
                                f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")
 
     def _heartbeat(self) -> None:
-        """Say how far this round is, every few seconds: cheap, and what `status` shows."""
+        """Say how far this round is, every few seconds: cheap, and what `status` shows (rank 0)."""
         t = self.task
+        self._next_beat = time.monotonic() + HEARTBEAT_S
+        if not self.ranks.lead:
+            return
         self.storage.write_json(L.worker_progress(t.worker), {
             "round": t.round, "step": self.done, "steps": self.cfg.inner.steps, "attempt": t.attempt,
             "loss": self.losses[-1] if self.losses else None, "at": time.time()})
-        self._next_beat = time.monotonic() + HEARTBEAT_S
 
     def _flush(self, pending: list[torch.Tensor]) -> None:
         if pending:
-            self.losses.extend(torch.stack(pending).float().cpu().tolist())
+            self.losses.extend(self.ranks.mean(torch.stack(pending).float()).cpu().tolist())
             pending.clear()
 
-    def publish(self, seconds: float, state_later: bool = False) -> dict[str, Any]:
+    def publish(self, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
         """Optimizer state first, then the weights and their manifest: the manifest is the commit.
+        Rank 0 alone (it holds everything); the others return None.
 
         `state_later` (a persistent worker, which keeps its state in memory): the contribution
         first, then the state is written from a snapshot in a background thread, off the merge's
         critical path and overlapping the wait for the next round (`settle` waits for it)."""
-        t, cfg = self.task, self.cfg
+        t = self.task
+        if not self.ranks.lead:
+            return None
         self.settle()
         state = optimizer_tensors(self.opt, self.names, self._host_state)  # a snapshot: training may go on
-        if self.lte:  # the worker's own heads (A, B) travel to its next round in its state file
-            state.update(lora.head_tensors(self.model))
+        state.update(self.params.state_extra(self.model))  # lte: its own heads travel in its state file
         if not state_later:
             self._write_state(state, t.round, t.worker)
         manifest = {
@@ -284,10 +274,9 @@ class InnerTrainer:
             "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
-            "waited_s": self.waited_s,
+            "waited_s": self.waited_s, "ranks": self.ranks.world,
         }
-        if self.lte:  # published: heads + small non-LoRA parameters, not the frozen base
-            manifest["lte"] = {"rank": cfg.lte.rank, "scale": cfg.lte.alpha / cfg.lte.rank}
+        self.params.describe(manifest)
         tensors, metadata = self._contribution(manifest)
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
                                manifest=manifest)
@@ -317,7 +306,10 @@ class InnerTrainer:
             self._state_write = None
 
     def checkpoint(self) -> None:
-        """Save an in-flight checkpoint of this round (called when the job is being preempted)."""
+        """Save an in-flight checkpoint of this round (called when the job is being preempted; submitit
+        calls it on rank 0 only, which holds the whole model and AdamW state)."""
+        if not self.ranks.lead:
+            return
         self.settle()
         t = self.task
         # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
@@ -331,7 +323,7 @@ class InnerTrainer:
         """What is published (and its safetensors metadata): the weights, or the delta base -
         weights coded as round.codec (core/codec.py; the codec goes into the manifest too)."""
         rc = self.cfg.round
-        if self.lte or rc.contribution == "weights":
+        if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
             return self._weights(), None
         base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
         manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep}
@@ -340,9 +332,7 @@ class InnerTrainer:
     def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
         """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters.
         `reuse`: in the buffers kept for it (valid until the next call)."""
-        if self.lte:
-            return lora.contribution_tensors(self.model)
-        return weights_of(self.model, self._host_out if reuse else None)
+        return self.params.published(self.model, self._host_out if reuse else None)
 
     def _prune_states(self, keep_from: int) -> None:
         for name in self.storage.list(L.worker_dir(self.task.worker)):
@@ -383,8 +373,9 @@ def serve_round(task: WorkerTask, waited_s: float | None = None, carry: InnerTra
         _ACTIVE = None
     _RESIDENT = trainer if persistent else None
     log.info("worker %d round %d: %d steps, loss %.4f -> %.4f, %.1fs", task.worker, task.round, trainer.done,
-             manifest["loss_first"], manifest["loss_last"], time.perf_counter() - t0)
-    summary = {"round": task.round, "worker": task.worker, "digest": manifest["digest"], "loss_last": manifest["loss_last"]}
+             trainer.losses[0], trainer.losses[-1], time.perf_counter() - t0)
+    summary = {"round": task.round, "worker": task.worker, "digest": manifest and manifest["digest"],
+               "loss_last": trainer.losses[-1], "rank": trainer.ranks.rank}
     return summary, trainer
 
 

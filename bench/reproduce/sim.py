@@ -24,7 +24,9 @@ from core.config import Config
 from merge.methods import get_method
 from orchestrator.plan import next_bases
 from worker.data import BatchSampler, Corpus, eval_batches, estimate_loss, load_corpus, shard, split_heldout
-from worker.train import InnerTrainer, make_optimizer, pick_device
+from worker.params import make_optimizer
+from worker.ranks import SOLO
+from worker.train import InnerTrainer, pick_device
 from worker.weights import build_model, load_weights, weights_of
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ class SimWorker(InnerTrainer):
     def __init__(self, cfg: Config, worker: int, docs: Sequence[int], data: Data,
                  model_hook: Callable[[torch.nn.Module, int], Any] | None = None) -> None:
         # InnerTrainer.__init__ reads the run directory; everything it builds is built here instead
-        self.cfg, self.device, self.lte = cfg, pick_device(cfg), cfg.algorithm == "lte"
+        self.cfg, self.device, self.ranks = cfg, pick_device(cfg), SOLO
         self.task = SimpleNamespace(worker=worker, round=0)  # train() names them in its errors
         self.sampler = BatchSampler(data.corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, worker)
         self.model = build_model(cfg.model).to(self.device)
@@ -84,6 +86,7 @@ class SimWorker(InnerTrainer):
         if model_hook is not None:  # LTE: attach heads, and use their optimizer
             optimizer = model_hook(self.model, worker) or make_optimizer
         self.opt, self.names = optimizer(self.model, cfg)
+        self.step_model = self.model
         self.losses: list[float] = []
         self._next_beat = float("inf")
 

@@ -1,0 +1,141 @@
+"""A worker job of several ranks (worker/ranks.py) trains what a one-process worker trains.
+
+No GPU here: the ranks are CPU processes joined by gloo, started by submitit's real LocalExecutor
+with tasks_per_node=2 (what a node's GPUs get with NCCL). The oracle is a one-process worker on the
+same run: its step is the gradient of the mean over the whole batch, which is what DDP's averaged
+gradients of two half batches must be (to fp32 rounding).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import submitit
+import torch
+
+import worker.train as train
+from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.config import config_from_dict
+from core.layout import RunLayout
+from core.storage import Storage
+from core.task import WorkerTask
+from orchestrator.runstate import RUN_INFO, create_run
+from orchestrator.slurm import rank_problems, service_parameters, slurm_parameters, worker_tasks
+
+L = RunLayout()
+pytestmark = pytest.mark.slow
+MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
+
+
+def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco") -> Storage:
+    c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": MODEL,
+                          "inner": {"steps": 4, "batch_size": 4, "warmup_steps": 1, "device": "cpu"},
+                          "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache}, "run_dir": str(tmp_path / name)})
+    storage = Storage(c.run_dir)
+    create_run(storage, c)
+    return storage
+
+
+def _task(storage: Storage, r: int, threads: int = 1) -> WorkerTask:
+    return WorkerTask(storage.url, r, 0, L.global_weights(r), threads=threads)
+
+
+def _two_ranks(tmp_path, task: WorkerTask) -> list[dict]:
+    ex = submitit.LocalExecutor(folder=tmp_path / "jobs" / "%j")
+    ex.update_parameters(tasks_per_node=2, timeout_min=5)
+    job = ex.submit(train.run_worker, task)
+    return job.results()
+
+
+def _assert_close(a: Storage, b: Storage, key: str) -> None:
+    ta, _, _ = load_checkpoint(a, key)
+    tb, _, _ = load_checkpoint(b, key)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} {k}: {m}")
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "lte"])
+def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorithm):
+    one, two = _run(tmp_path, corpus_cache, "one", algorithm), _run(tmp_path, corpus_cache, "two", algorithm)
+    train.run_worker(_task(one, 0))
+    results = _two_ranks(tmp_path, _task(two, 0, threads=2))
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert [r["digest"] is not None for r in sorted(results, key=lambda r: r["rank"])] == [True, False]  # rank 0 writes
+    m1, m2 = read_manifest(one, L.contribution(0, 0)), read_manifest(two, L.contribution(0, 0))
+    assert m1["ranks"] == 1 and m2["ranks"] == 2
+    assert m2["tokens"] == m1["tokens"]  # the worker's batch, not a rank's
+    assert m2["losses"] == pytest.approx(m1["losses"], rel=1e-5)  # the mean over ranks is the whole batch's loss
+    _assert_close(one, two, L.contribution(0, 0))
+    _assert_close(one, two, L.worker_state(0, 0))  # AdamW state (and, for lte, the heads)
+
+
+def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache):
+    """The state a 2-rank job wrote carries on in a 1-rank job (a requeue on fewer GPUs), and the
+    other way round: the state file holds the whole AdamW state, whatever wrote it."""
+    runs = {name: _run(tmp_path, corpus_cache, name) for name in ("one", "down", "up")}
+    ranks = {"one": (1, 1), "down": (2, 1), "up": (1, 2)}  # ranks in round 0, in round 1
+    for r in range(2):
+        for name, s in runs.items():
+            if ranks[name][r] == 2:
+                _two_ranks(tmp_path / f"{name}{r}", _task(s, r, threads=2))
+            else:
+                train.run_worker(_task(s, r))
+            if r == 0:  # round 1 starts from worker 0's own weights: no merge needed to compare
+                tensors, _, _ = load_checkpoint(s, L.contribution(0, 0))
+                write_checkpoint(s, L.global_weights(1), tensors, manifest={"round": 1})
+    for name in ("down", "up"):
+        _assert_close(runs["one"], runs[name], L.contribution(1, 0))
+        _assert_close(runs["one"], runs[name], L.worker_state(0, 1))
+
+
+def test_a_rank_that_dies_fails_its_job_without_a_hang(tmp_path, corpus_cache, monkeypatch):
+    s = _run(tmp_path, corpus_cache, "run")
+    monkeypatch.setenv("ISLANDS_FAILPOINT", "rank_1.step")  # rank 1 exits as if killed, after its first step
+    t0 = time.monotonic()
+    with pytest.raises(submitit.core.utils.FailedJobError, match="rank|gloo|Connection|closed|peer"):
+        _two_ranks(tmp_path, _task(s, 0, threads=2))
+    assert time.monotonic() - t0 < 60  # the survivor's collective fails at once, far within its timeout
+    assert read_manifest(s, L.contribution(0, 0)) is None  # and nothing was published
+
+
+@pytest.mark.parametrize("mode", ["per_round", "persistent"])
+def test_two_rank_workers_in_a_diloco_run(tmp_path, corpus_cache, capsys, mode):
+    """The issue's own command on the local executor: two workers of two ranks each, every
+    contribution made by both, the eval loss falling."""
+    from orchestrator.cli import main
+
+    run = tmp_path / "run"
+    assert main(["submit", "--executor", "local", "--run-dir", str(run), "--workers", "2", "--rounds", "3",
+                 "--inner-steps", "4", "--set", f"data.cache_dir={corpus_cache}", "--set", "executor.tasks_per_node=2",
+                 "--set", "inner.device=cpu", "--set", f"round.worker_mode={mode}", "--set", "inner.batch_size=4",
+                 "--set", "round.poll_s=0.2", *[f"--set=model.{k}={v}" for k, v in MODEL.items()]]) == 0
+    s = Storage(str(run))
+    records = [s.read_json(L.round_record(r)) for r in range(3)]
+    assert [r["merged"] for r in records] == [[0, 1]] * 3
+    assert all(read_manifest(s, L.contribution(r, w))["ranks"] == 2 for r in range(3) for w in range(2))
+    losses = [s.read_json(RUN_INFO)["initial_eval_loss"]] + [r["eval_loss"] for r in records]
+    assert losses[-1] < losses[0], losses
+    if mode == "persistent":  # one job per worker served every round
+        assert len({tuple(s.read_json(L.round_jobs(r))["workers"]["0"]["job_ids"]) for r in range(3)}) == 1
+
+
+def test_rank_problems_are_listed_before_anything_is_submitted():
+    cfg = config_from_dict({"inner": {"batch_size": 3, "device": "cpu"},
+                            "executor": {"gpus_per_node": 2, "tasks_per_node": 4, "cpus_per_task": 2}})
+    problems = " | ".join(rank_problems(cfg))
+    for words in ("inner.device=cpu", "more than the job's 2 GPU(s)", "does not split across its 4 ranks",
+                  "one per rank (4)"):
+        assert words in problems, words
+    assert rank_problems(config_from_dict({})) == []
+
+
+def test_a_whole_node_preset_runs_one_rank_per_gpu():
+    node = config_from_dict({"executor": {"preset": "gpu-node-8"}, "inner": {"batch_size": 16}})
+    assert worker_tasks(node) == 8 and rank_problems(node) == []
+    params = slurm_parameters(node)
+    assert params["ntasks_per_node"] == 8 and params["cpus_per_task"] == 8  # the preset's 64 for the node
+    service = service_parameters(node)  # the merge service stays one CPU task
+    assert service["ntasks_per_node"] == 1 and "gpus_per_node" not in service and "srun_args" not in service
+    one = config_from_dict({"executor": {"preset": "gpu-1"}})
+    assert worker_tasks(one) == 1 and slurm_parameters(one)["ntasks_per_node"] == 1

@@ -1,0 +1,134 @@
+"""What a worker trains, loads and publishes: the whole model, or (LTE) its LoRA heads over a frozen base.
+
+The trainer (worker/train.py) is the same loop for every algorithm; where LTE differs it asks one of
+these two objects, picked by `params_for(cfg, worker)`:
+
+                      FullModel (diloco, lofi, fedavg)      LoraHeads (lte, worker/lora.py)
+  model               as built                              a LoRA head on every eligible Linear
+  optimizer           AdamW over every parameter            AdamW over heads + non-LoRA parameters
+  base checkpoint     all weights (unless resuming          the frozen base, always
+                      from an in-flight checkpoint)
+  state file          AdamW state                           AdamW state + own A and B; after a
+                                                            merge B <- 0 (lte.reset_* ablations)
+  publishes           all weights (or a coded delta)        heads + non-LoRA parameters
+  kept in memory      yes (a persistent worker)             no: rebuilt from storage every round
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from core import codec
+from core.checkpoint import load_checkpoint
+from core.config import Config
+from core.storage import Storage
+from worker import lora
+from worker.weights import HostBuffers, load_weights, weights_of
+
+SEP = "::"  # optimizer state keys are `param<SEP>slot`
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, list[str]]:
+    """AdamW with weight decay on matrices that are not embeddings (by module type, so it holds for
+    Hugging Face models, and for an lm_head tied to its embedding); returns it with the parameter
+    names in state order."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
+    params = sorted(model.named_parameters())
+    decay = [(n, p) for n, p in params if p.dim() >= 2 and id(p) not in embeddings]
+    rest = [(n, p) for n, p in params if (n, p) not in decay]
+    groups = [{"params": [p for _, p in decay], "weight_decay": cfg.inner.weight_decay},
+              {"params": [p for _, p in rest], "weight_decay": 0.0}]
+    fused = all(p.is_cuda for _, p in params)  # one kernel per step instead of a launch per tensor group
+    opt = torch.optim.AdamW(groups, lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), fused=fused or None)
+    return opt, [n for n, _ in decay] + [n for n, _ in rest]
+
+
+class FullModel:
+    """Every parameter is trained and published."""
+
+    carries_over = True  # a persistent worker keeps model and AdamW state in memory between rounds
+
+    def __init__(self, cfg: Config, worker: int) -> None:
+        self.cfg, self.worker = cfg, worker
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        pass
+
+    def optimizer(self, model: torch.nn.Module) -> tuple[torch.optim.AdamW, list[str]]:
+        return make_optimizer(model, self.cfg)
+
+    def load_base(self, storage: Storage, key: str, model: torch.nn.Module, resuming: bool,
+                  alloc: HostBuffers | None = None) -> dict[str, torch.Tensor] | None:
+        """The base's weights into the model, and returned (a delta is coded from them); nothing when
+        an in-flight checkpoint will overwrite them all. The base may be this worker's own coded
+        contribution (late_policy continue), hence codec.load_weights."""
+        if resuming:
+            return None
+        tensors = codec.load_weights(storage, key, f"base weights for worker {self.worker}", alloc=alloc)
+        load_weights(model, tensors, storage.display(key))
+        return tensors
+
+    def load_trained(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
+        load_weights(model, tensors, label)
+
+    def restore_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor], label: str,
+                      round: int) -> dict[str, torch.Tensor]:
+        """The AdamW part of a state file (here: all of it)."""
+        return state
+
+    def state_extra(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {}
+
+    def describe(self, manifest: dict[str, Any]) -> None:
+        pass
+
+    def published(self, model: torch.nn.Module, host: HostBuffers | None) -> dict[str, torch.Tensor]:
+        return weights_of(model, host)
+
+
+class LoraHeads:
+    """LoRA-the-Explorer: this worker's heads and the small non-LoRA parameters are trained and
+    published; the headed layers' weights stay frozen at the round's base."""
+
+    carries_over = False  # heads are reset after every merge: the state file is the one source
+
+    def __init__(self, cfg: Config, worker: int) -> None:
+        self.cfg, self.worker = cfg, worker
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        lora.attach_heads(model, self.cfg.lte, seed=lora.head_seed(self.cfg.seed, self.worker))
+
+    def optimizer(self, model: torch.nn.Module) -> tuple[torch.optim.AdamW, list[str]]:
+        return lora.make_optimizer(model, self.cfg)
+
+    def load_base(self, storage: Storage, key: str, model: torch.nn.Module, resuming: bool,
+                  alloc: HostBuffers | None = None) -> None:
+        tensors, _, _ = load_checkpoint(storage, key, label=f"base weights for worker {self.worker}")
+        lora.load_base(model, tensors, storage.display(key))
+
+    def load_trained(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
+        lora.load_tensors(model, tensors, label)
+
+    def restore_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor], label: str,
+                      round: int) -> dict[str, torch.Tensor]:
+        """Own A (and B) from the state file into the model, then B <- 0 after the merge; returns the
+        AdamW state to keep (without the heads' slots if lte.reset_opt)."""
+        lte = self.cfg.lte
+        lora.load_tensors(model, {k: v for k, v in state.items() if SEP not in k}, label)
+        lora.reset_heads(model, lte, seed=lora.head_seed(self.cfg.seed, self.worker, round))
+        return {k: v for k, v in state.items()
+                if SEP in k and not (lte.reset_opt and lora.is_head_param(k.rpartition(SEP)[0]))}
+
+    def state_extra(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return lora.head_tensors(model)
+
+    def describe(self, manifest: dict[str, Any]) -> None:
+        manifest["lte"] = {"rank": self.cfg.lte.rank, "scale": self.cfg.lte.alpha / self.cfg.lte.rank}
+
+    def published(self, model: torch.nn.Module, host: HostBuffers | None) -> dict[str, torch.Tensor]:
+        return lora.contribution_tensors(model)
+
+
+def params_for(cfg: Config, worker: int) -> FullModel | LoraHeads:
+    return LoraHeads(cfg, worker) if cfg.algorithm == "lte" else FullModel(cfg, worker)

@@ -1,0 +1,116 @@
+"""A worker as a whole node: the ranks of one job joined by torch.distributed.
+
+A worker job runs one task per device of its node (executor.tasks_per_node); submitit starts them
+and its JobEnvironment names each one's rank (join() says how they meet). They train one model together with DistributedDataParallel: every rank holds the whole model and its
+AdamW state, takes its slice of the worker's batch, and the gradients are averaged, so the worker's
+batch, data and maths are those of a one-process worker. Rank 0 alone touches storage for writes
+(contribution, state file, heartbeat, in-flight checkpoint): it holds everything, so a requeued
+job resumes on any number of ranks. A one-task job never starts torch.distributed.
+
+Collectives carry a timeout (COLLECTIVE_TIMEOUT_S): a rank that dies fails the job instead of
+leaving the others waiting.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+COLLECTIVE_TIMEOUT_S = 600  # above a round's longest step or storage read; a dead peer fails sooner on gloo
+JOIN_TIMEOUT_S = 120  # every task of a job starts within seconds of the others
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in its worker job."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: the one that writes to storage."""
+        return self.rank == 0
+
+    def slice(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a worker batch (the batch size is a multiple of the world size)."""
+        n = x.shape[0] // self.world
+        return x[self.rank * n:(self.rank + 1) * n]
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks (the worker's loss from each rank's slice loss)."""
+        if self.world == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / self.world
+
+    def lead_says(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank: one decision for the job (which round, whether to stop)."""
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+SOLO = Ranks()
+_JOINED: Ranks | None = None
+
+
+def job_tasks() -> int:
+    """How many tasks this job has (1 outside a submitit job)."""
+    if "SUBMITIT_LOCAL_NTASKS" in os.environ or "SLURM_NTASKS" in os.environ:
+        import submitit
+        try:
+            return submitit.JobEnvironment().num_tasks
+        except RuntimeError:  # not a submitit job after all (an sbatch script running python by hand)
+            return 1
+    return 1
+
+
+def join(device_type: str) -> Ranks:
+    """Join this job's process group (once per process; a persistent worker keeps it between rounds).
+
+    Ranks and job id come from submitit's JobEnvironment. The rendezvous is on 127.0.0.1 (a worker
+    is one node, whose name may not resolve) at a port derived from the job id and its requeue count,
+    below Linux's ephemeral range (32768+) so that no outgoing connection holds it: submitit's
+    TorchDistributedEnvironment takes the first node's name and any port in 20000-60000. A rank
+    that never arrives fails the others after JOIN_TIMEOUT_S."""
+    global _JOINED
+    if _JOINED is not None:
+        return _JOINED
+    if job_tasks() == 1:
+        _JOINED = SOLO
+        return SOLO
+    import submitit
+    env = submitit.JobEnvironment()
+    if device_type == "cuda":  # the job sees the node's GPUs: rank i takes the i-th
+        torch.cuda.set_device(env.local_rank)
+    tag = f"{env.job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    port = 20000 + int(hashlib.sha256(tag.encode()).hexdigest(), 16) % 12000
+    store = dist.TCPStore("127.0.0.1", port, env.num_tasks, is_master=env.global_rank == 0,
+                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=env.global_rank,
+                            world_size=env.num_tasks, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    _JOINED = Ranks(env.global_rank, env.num_tasks, env.local_rank)
+    log.info("rank %d of %d joined (%s, 127.0.0.1:%d)", env.global_rank, env.num_tasks, dist.get_backend(), port)
+    return _JOINED
+
+
+def data_parallel(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
+    """What the training step calls: the model itself, or DDP over it (same parameters)."""
+    if ranks.world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+    ids = [ranks.local_rank] if next(model.parameters()).is_cuda else None
+    # broadcast_buffers off: every rank loads the same base, and the buffers are not trained
+    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
