@@ -73,10 +73,12 @@ def cancelled_job_survived(s: Storage, r: int, w: int, job: str) -> tuple[bool, 
 
 
 def delivered_before(s: Storage, r: int, w: int, fault: dict[str, Any]) -> bool:
-    """Whether the job's contribution that was merged had been published before it was cancelled."""
+    """Whether the cancelled job published its contribution before it ended: it is still the
+    worker's last job and its contribution is there. Slurm's scancel ends a job with SIGTERM, which
+    submitit's tasks ignore, and SIGKILL KillWait later (30 s by default, 5 s on the local cluster):
+    a job may publish in between."""
     e = _jobs(s, r, w)
-    at = (read_manifest(s, L.contribution(r, w)) or {}).get("written_at") or float("inf")
-    return e.get("job_ids", [None])[-1] == fault["job"] and at <= fault["at"]
+    return e.get("job_ids", [None])[-1] == fault["job"] and read_manifest(s, L.contribution(r, w)) is not None
 
 
 def planted_file_survived(s: Storage, r: int, w: int, kind: str, digest: str | None) -> tuple[bool, str]:

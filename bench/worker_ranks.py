@@ -7,7 +7,7 @@ per rank). Throughput is the manifest's tokens over its seconds (which include j
 reading the base and publishing, not the process start). Runs alternate; medians are reported, and
 their ratio (goal: >= 1.7 for 2 ranks on 2 cores).
 
-    python -m bench.worker_ranks [--ranks 2] [--steps 200] [--repeats 3] [--n-layer 2 --n-embd 128 --batch 16]
+    python -m bench.worker_ranks [--ranks 2] [--parallel ddp|fsdp] [--steps 200] [--repeats 3] [--n-layer 2 --n-embd 128 --batch 16]
 """
 from __future__ import annotations
 
@@ -48,11 +48,12 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="islands-ranks-"))
     cfg = config_from_dict({"workers": 1, "rounds": 2 * args.repeats, "seed": 0,
                             "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": 4, "block_size": 128},
-                            "inner": {"steps": args.steps, "batch_size": args.batch, "device": "cpu"},
+                            "inner": {"steps": args.steps, "batch_size": args.batch, "device": "cpu", "parallel": args.parallel},
                             "run_dir": str(tmp / "run")})
     run = Storage(cfg.run_dir)
     create_run(run, cfg)
@@ -61,7 +62,7 @@ def main() -> None:
         one.append(_round(run, 2 * i, 1, tmp / "jobs"))
         many.append(_round(run, 2 * i + 1, args.ranks, tmp / "jobs"))
     a, b = statistics.median(one), statistics.median(many)
-    print(json.dumps({"ranks": args.ranks, "steps": args.steps, "model": f"{args.n_layer}x{args.n_embd}",
+    print(json.dumps({"ranks": args.ranks, "parallel": args.parallel, "steps": args.steps, "model": f"{args.n_layer}x{args.n_embd}",
                       "batch": args.batch, "tokens_per_s_1_rank": round(a), f"tokens_per_s_{args.ranks}_ranks": round(b),
                       "ratio": round(b / a, 3), "runs_1": [round(x) for x in one], "runs_n": [round(x) for x in many]}))
 

@@ -1,5 +1,5 @@
 """Merging a round: which contributions count and what they weigh, folding them as they land, the
-merge itself (merge.rounds, or merge.lte), and the record that commits it.
+merge itself (OuterMerge: merge.rounds, or LteMerge: merge.lte), and the record that commits it.
 
 Every contribution is untrusted: its weight is derived from what the service asked of its worker
 (orchestrator.plan.contribution_weight), never taken from its manifest, and whatever goes wrong
@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from core.checkpoint import read_manifest
+from core.config import Config
 from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
+from core.storage import Storage
 from merge.lte import merge_lte_round
 from merge.rounds import Contribution, MergeResult, QuorumError, RunningSum, merge_round
 from orchestrator import late
@@ -30,17 +33,50 @@ log = logging.getLogger(__name__)
 L = RunLayout()
 
 
+@dataclass(frozen=True)
+class OuterMerge:
+    """diloco, lofi, fedavg: the outer optimizer on global - mean(workers) (merge/rounds.py)."""
+
+    cfg: Config
+    streams = True  # contributions can be folded into a running sum as they land
+    folds_late = True  # a late contribution can be re-based onto a later round's global
+
+    def __call__(self, storage: Storage, r: int, inputs: list[Contribution], accumulator: RunningSum | None,
+                 **common: Any) -> MergeResult:
+        return merge_round(storage, L.global_weights(r), inputs, L.global_weights(r + 1), self.cfg.outer,
+                           state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
+                           accumulator=accumulator, **common)
+
+
+@dataclass(frozen=True)
+class LteMerge:
+    """lte: W <- W + (s/N) sum_n B_n A_n, the rest averaged (merge/lte.py)."""
+
+    cfg: Config
+    streams = False
+    folds_late = False  # heads are relative to the frozen base they were trained on
+
+    def __call__(self, storage: Storage, r: int, inputs: list[Contribution], accumulator: RunningSum | None,
+                 **common: Any) -> MergeResult:
+        from worker.lora import contribution_shapes
+        lte = self.cfg.lte
+        return merge_lte_round(storage, L.global_weights(r), inputs, L.global_weights(r + 1),
+                               scale=lte.alpha / lte.rank, rank=lte.rank,
+                               expected=contribution_shapes(self.cfg.model, lte.rank), **common)
+
+
 class RoundMerger:
     def __init__(self, submitter: Submitter, metadata: dict[str, str]) -> None:
         self.submitter, self.metadata = submitter, metadata
         self.storage, self.cfg, self.executor = submitter.storage, submitter.cfg, submitter.executor
+        self.method = LteMerge(self.cfg) if self.cfg.algorithm == "lte" else OuterMerge(self.cfg)
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
 
     def stream(self, jobs: RoundJobs) -> None:
         """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""
         r = jobs.round
-        if not self.cfg.round.stream_merge or self.cfg.algorithm == "lte":
+        if not (self.cfg.round.stream_merge and self.method.streams):
             return
         if self._sum_round != r:
             self._sum = None  # the last round's copies go before this round's come
@@ -59,7 +95,7 @@ class RoundMerger:
         Raises QuorumError (with the refused workers) when too few valid contributions remain."""
         r, t0 = jobs.round, time.time()
         stale, contribs, digests, idle = self._contributions(jobs, decision.workers)
-        fold = self.cfg.round.late_policy == "fold" and self.cfg.algorithm != "lte"
+        fold = self.cfg.round.late_policy == "fold" and self.method.folds_late
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
             result = self._merge(r, contribs + late.fold_inputs(folded))
@@ -96,16 +132,8 @@ class RoundMerger:
         self.set_aside(jobs, {int(w): why for w, why in record.rejected_reasons.items()})
 
     def _merge(self, r: int, inputs: list[Contribution]) -> MergeResult:
-        common = dict(min_inputs=self.cfg.quorum, metadata=self.metadata, manifest={"round": r + 1})
-        if self.cfg.algorithm == "lte":  # W <- W + (s/N) sum_n B_n A_n, the rest averaged (merge/lte.py)
-            from worker.lora import contribution_shapes
-            lte = self.cfg.lte
-            return merge_lte_round(self.storage, L.global_weights(r), inputs, L.global_weights(r + 1),
-                                   scale=lte.alpha / lte.rank, rank=lte.rank,
-                                   expected=contribution_shapes(self.cfg.model, lte.rank), **common)
-        return merge_round(self.storage, L.global_weights(r), inputs, L.global_weights(r + 1), self.cfg.outer,
-                           state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
-                           accumulator=self._sum if self._sum_round == r else None, **common)
+        return self.method(self.storage, r, inputs, self._sum if self._sum_round == r else None,
+                           min_inputs=self.cfg.quorum, metadata=self.metadata, manifest={"round": r + 1})
 
     def set_aside(self, jobs: RoundJobs, rejected: dict[int, str]) -> None:
         """Move refused contributions out of the round (kept as evidence) so their workers rerun."""

@@ -66,6 +66,8 @@ def rank_problems(cfg: Config) -> list[str]:
     if cfg.worker_batch_size % tasks:
         p.append(f"a worker's batch ({cfg.worker_batch_size} sequences) does not split across its {tasks} ranks: "
                  f"make inner.batch_size a multiple of {tasks}" + (" x workers (lofi)" if cfg.algorithm == "lofi" else ""))
+    if tasks > 1 and cfg.inner.parallel == "fsdp" and cfg.algorithm == "lte":
+        p.append("inner.parallel=fsdp shards whole models, not LoRA heads over a frozen base (lte): use ddp")
     if tasks > int(e["cpus_per_task"]):
         p.append(f"executor.cpus_per_task={e['cpus_per_task']} is shared by the job's ranks: it needs one per rank "
                  f"({tasks}) at least")

@@ -18,7 +18,8 @@ from core.task import WorkerTask
 from merge.rounds import Contribution, QuorumError
 from merge.lte import lte_update, merge_lte_round
 from worker import lora
-from worker.train import InnerTrainer, load_run_config, optimizer_tensors
+from worker.params import optimizer_tensors
+from worker.train import InnerTrainer, load_run_config
 from worker.weights import build_model, weights_of
 
 L = RunLayout()

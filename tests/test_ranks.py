@@ -27,9 +27,9 @@ pytestmark = pytest.mark.slow
 MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
 
 
-def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco") -> Storage:
+def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp") -> Storage:
     c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": MODEL,
-                          "inner": {"steps": 4, "batch_size": 4, "warmup_steps": 1, "device": "cpu"},
+                          "inner": {"steps": 4, "batch_size": 4, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
                           "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache}, "run_dir": str(tmp_path / name)})
     storage = Storage(c.run_dir)
     create_run(storage, c)
@@ -55,9 +55,11 @@ def _assert_close(a: Storage, b: Storage, key: str) -> None:
         torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} {k}: {m}")
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "lte"])
-def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorithm):
-    one, two = _run(tmp_path, corpus_cache, "one", algorithm), _run(tmp_path, corpus_cache, "two", algorithm)
+@pytest.mark.parametrize("algorithm,parallel", [("diloco", "ddp"), ("lte", "ddp"), ("diloco", "fsdp")])
+def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorithm, parallel):
+    """DDP, and FSDP2 (gloo on CPUs: torch 2.13 shards on the CPU too; NCCL on a GPU node)."""
+    one = _run(tmp_path, corpus_cache, "one", algorithm, parallel)
+    two = _run(tmp_path, corpus_cache, "two", algorithm, parallel)
     train.run_worker(_task(one, 0))
     results = _two_ranks(tmp_path, _task(two, 0, threads=2))
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -70,10 +72,12 @@ def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorit
     _assert_close(one, two, L.worker_state(0, 0))  # AdamW state (and, for lte, the heads)
 
 
-def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache, parallel):
     """The state a 2-rank job wrote carries on in a 1-rank job (a requeue on fewer GPUs), and the
-    other way round: the state file holds the whole AdamW state, whatever wrote it."""
-    runs = {name: _run(tmp_path, corpus_cache, name) for name in ("one", "down", "up")}
+    other way round: the state file holds the whole AdamW state, whatever wrote it (sharded too:
+    PyTorch's state-dict helpers gather and scatter it)."""
+    runs = {name: _run(tmp_path, corpus_cache, name, parallel=parallel) for name in ("one", "down", "up")}
     ranks = {"one": (1, 1), "down": (2, 1), "up": (1, 2)}  # ranks in round 0, in round 1
     for r in range(2):
         for name, s in runs.items():
@@ -89,6 +93,18 @@ def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache):
         _assert_close(runs["one"], runs[name], L.worker_state(0, 1))
 
 
+def test_a_base_that_does_not_fit_fails_every_sharded_rank_at_once(tmp_path, corpus_cache):
+    """Only rank 0 reads a sharded worker's base; the others hear from it what is wrong."""
+    s = _run(tmp_path, corpus_cache, "run", parallel="fsdp")
+    tensors, _, _ = load_checkpoint(s, L.global_weights(0))
+    del tensors[sorted(tensors)[-1]]
+    write_checkpoint(s, L.global_weights(0), tensors, manifest={"round": 0})
+    t0 = time.monotonic()
+    with pytest.raises(submitit.core.utils.FailedJobError, match="does not fit the model: missing tensor"):
+        _two_ranks(tmp_path, _task(s, 0, threads=2))
+    assert time.monotonic() - t0 < 60
+
+
 def test_a_rank_that_dies_fails_its_job_without_a_hang(tmp_path, corpus_cache, monkeypatch):
     s = _run(tmp_path, corpus_cache, "run")
     monkeypatch.setenv("ISLANDS_FAILPOINT", "rank_1.step")  # rank 1 exits as if killed, after its first step
@@ -99,8 +115,8 @@ def test_a_rank_that_dies_fails_its_job_without_a_hang(tmp_path, corpus_cache, m
     assert read_manifest(s, L.contribution(0, 0)) is None  # and nothing was published
 
 
-@pytest.mark.parametrize("mode", ["per_round", "persistent"])
-def test_two_rank_workers_in_a_diloco_run(tmp_path, corpus_cache, capsys, mode):
+@pytest.mark.parametrize("mode,parallel", [("per_round", "ddp"), ("persistent", "ddp"), ("persistent", "fsdp")])
+def test_two_rank_workers_in_a_diloco_run(tmp_path, corpus_cache, capsys, mode, parallel):
     """The issue's own command on the local executor: two workers of two ranks each, every
     contribution made by both, the eval loss falling."""
     from orchestrator.cli import main
@@ -108,7 +124,7 @@ def test_two_rank_workers_in_a_diloco_run(tmp_path, corpus_cache, capsys, mode):
     run = tmp_path / "run"
     assert main(["submit", "--executor", "local", "--run-dir", str(run), "--workers", "2", "--rounds", "3",
                  "--inner-steps", "4", "--set", f"data.cache_dir={corpus_cache}", "--set", "executor.tasks_per_node=2",
-                 "--set", "inner.device=cpu", "--set", f"round.worker_mode={mode}", "--set", "inner.batch_size=4",
+                 "--set", "inner.device=cpu", "--set", f"round.worker_mode={mode}", "--set", "inner.batch_size=4", "--set", f"inner.parallel={parallel}",
                  "--set", "round.poll_s=0.2", *[f"--set=model.{k}={v}" for k, v in MODEL.items()]]) == 0
     s = Storage(str(run))
     records = [s.read_json(L.round_record(r)) for r in range(3)]

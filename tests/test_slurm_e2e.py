@@ -101,7 +101,9 @@ def test_scancelled_worker_round_closes_with_quorum(tmp_path, corpus_cache):
 
 def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
     run = tmp_path / "run"
-    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "600"))
+    # steps enough for the signal to land mid-round: heartbeats come every 5 s, and on an idle
+    # machine 600 steps of this model took 2.3 s
+    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "4000"))
     s = Storage(str(run))
     beat = _wait_for(lambda: (p := s.read_json("workers/worker_000/progress.json")) and p["step"] >= 20 and p,
                      "worker 0 training", proc=proc)
@@ -115,7 +117,7 @@ def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
     subprocess.run(["scancel", "--signal", "USR2", job], check=True)
     _finish(proc, timeout=300)
     manifest = s.read_json("rounds/00000/contrib/worker_000.json")
-    assert manifest["steps"] == 600
+    assert manifest["steps"] == 4000
     assert manifest["resumed_at_step"] is not None and manifest["resumed_at_step"] >= beat["step"]
     assert s.read_json("rounds/00000/record.json")["merged"] == [0]
     assert not s.exists("workers/worker_000/inflight_00000.safetensors")
@@ -129,7 +131,7 @@ def test_two_rank_worker_requeued_mid_round(tmp_path, corpus_cache):
     GPUs), signalled mid-round: rank 0 saves the in-flight checkpoint, the requeued job's two ranks
     resume from it and publish one contribution made by both."""
     run = tmp_path / "run"
-    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "400",
+    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "2000",
                         "--set", "executor.tasks_per_node=2", "--set", "executor.cpus_per_task=4",
                         "--set", "inner.device=cpu"))
     s = Storage(str(run))
@@ -139,7 +141,7 @@ def test_two_rank_worker_requeued_mid_round(tmp_path, corpus_cache):
     subprocess.run(["scancel", "--signal", "USR2", job], check=True)
     _finish(proc, timeout=300)
     manifest = s.read_json("rounds/00000/contrib/worker_000.json")
-    assert manifest["ranks"] == 2 and manifest["steps"] == 400
+    assert manifest["ranks"] == 2 and manifest["steps"] == 2000
     assert manifest["resumed_at_step"] is not None and manifest["resumed_at_step"] >= beat["step"]
     assert s.read_json("rounds/00000/record.json")["merged"] == [0]
     steps = subprocess.run(["sacct", "-P", "-n", "-o", "JobID,NTasks", "-j", job.split("_")[0]],

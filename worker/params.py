@@ -12,6 +12,9 @@ these two objects, picked by `params_for(cfg, worker)`:
                                                             merge B <- 0 (lte.reset_* ablations)
   publishes           all weights (or a coded delta)        heads + non-LoRA parameters
   kept in memory      yes (a persistent worker)             no: rebuilt from storage every round
+
+With `inner.parallel: fsdp` the whole model is sharded across the job's ranks: ShardedModel
+(worker/sharded.py), FullModel's contract through PyTorch's distributed state-dict helpers.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import torch
 from core import codec
 from core.checkpoint import load_checkpoint
 from core.config import Config
+from core.errors import CheckpointError
 from core.storage import Storage
 from worker import lora
+from worker.ranks import Ranks
 from worker.weights import HostBuffers, load_weights, weights_of
 
 SEP = "::"  # optimizer state keys are `param<SEP>slot`
@@ -44,16 +49,63 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.Ada
     return opt, [n for n, _ in decay] + [n for n, _ in rest]
 
 
-class FullModel:
-    """Every parameter is trained and published."""
+def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
+    """CPU copies of the optimizer's state, keyed `param<SEP>slot`; into `host`'s buffers when given."""
+    state = {f"{names[idx]}{SEP}{slot}": torch.as_tensor(t)
+             for idx, slots in opt.state_dict()["state"].items() for slot, t in slots.items()}
+    if host is not None:
+        return host.copy_of(state)
+    return {k: t.detach().to("cpu", copy=True) for k, t in state.items()}  # one copy, GPU or CPU
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], label: str) -> None:
+    index = {n: i for i, n in enumerate(names)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, _, slot = key.rpartition(SEP)
+        if name not in index:
+            raise CheckpointError(f"{label}: optimizer state for unknown parameter {name}; the model changed "
+                                  "since it was written: start a new run")
+        state.setdefault(index[name], {})[slot] = t
+    sd = opt.state_dict()
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
+
+class Params:
+    """What every kind shares: each rank holds whole tensors, reads what it needs and can save alone."""
 
     carries_over = True  # a persistent worker keeps model and AdamW state in memory between rounds
+    collective = False  # True: gathering weights or AdamW state needs every rank (sharded)
+    inflight = True  # rank 0 can write an in-flight checkpoint alone, from the preemption handler
 
     def __init__(self, cfg: Config, worker: int) -> None:
         self.cfg, self.worker = cfg, worker
 
     def prepare(self, model: torch.nn.Module) -> None:
         pass
+
+    def read(self, storage: Storage, key: str, label: str) -> dict[str, torch.Tensor]:
+        """A state file or in-flight checkpoint, as this rank needs it."""
+        return load_checkpoint(storage, key, label=label)[0]
+
+    def optimizer_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, names: list[str],
+                        host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
+        return optimizer_tensors(opt, names, host)
+
+    def load_optimizer(self, model: torch.nn.Module, opt: torch.optim.Optimizer, names: list[str],
+                       tensors: dict[str, torch.Tensor], label: str) -> None:
+        load_optimizer_tensors(opt, names, tensors, label)
+
+    def state_extra(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {}
+
+    def describe(self, manifest: dict[str, Any]) -> None:
+        pass
+
+
+class FullModel(Params):
+    """Every parameter is trained and published."""
 
     def optimizer(self, model: torch.nn.Module) -> tuple[torch.optim.AdamW, list[str]]:
         return make_optimizer(model, self.cfg)
@@ -77,24 +129,15 @@ class FullModel:
         """The AdamW part of a state file (here: all of it)."""
         return state
 
-    def state_extra(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {}
-
-    def describe(self, manifest: dict[str, Any]) -> None:
-        pass
-
     def published(self, model: torch.nn.Module, host: HostBuffers | None) -> dict[str, torch.Tensor]:
         return weights_of(model, host)
 
 
-class LoraHeads:
+class LoraHeads(Params):
     """LoRA-the-Explorer: this worker's heads and the small non-LoRA parameters are trained and
     published; the headed layers' weights stay frozen at the round's base."""
 
     carries_over = False  # heads are reset after every merge: the state file is the one source
-
-    def __init__(self, cfg: Config, worker: int) -> None:
-        self.cfg, self.worker = cfg, worker
 
     def prepare(self, model: torch.nn.Module) -> None:
         lora.attach_heads(model, self.cfg.lte, seed=lora.head_seed(self.cfg.seed, self.worker))
@@ -130,5 +173,10 @@ class LoraHeads:
         return lora.contribution_tensors(model)
 
 
-def params_for(cfg: Config, worker: int) -> FullModel | LoraHeads:
-    return LoraHeads(cfg, worker) if cfg.algorithm == "lte" else FullModel(cfg, worker)
+def params_for(cfg: Config, worker: int, ranks: Ranks) -> Params:
+    if cfg.algorithm == "lte":
+        return LoraHeads(cfg, worker)
+    if ranks.world > 1 and cfg.inner.parallel == "fsdp":
+        from worker.sharded import ShardedModel
+        return ShardedModel(cfg, worker, ranks)
+    return FullModel(cfg, worker)

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from core import codec
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import read_manifest, write_checkpoint
 from core.config import Config, config_from_dict
 from core.errors import CheckpointError, IslandsError
 from core.failpoints import failpoint, slowpoint
@@ -67,29 +67,6 @@ def lr_at(step: int, cfg: Config) -> float:
     progress = min(1.0, (step - inner.warmup_steps) / span)
     floor = inner.lr * inner.min_lr_ratio
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (inner.lr - floor)
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
-    """CPU copies of the optimizer's state, keyed `param<SEP>slot`; into `host`'s buffers when given."""
-    state = {f"{names[idx]}{SEP}{slot}": torch.as_tensor(t)
-             for idx, slots in opt.state_dict()["state"].items() for slot, t in slots.items()}
-    if host is not None:
-        return host.copy_of(state)
-    return {k: t.detach().to("cpu", copy=True) for k, t in state.items()}  # one copy, GPU or CPU
-
-
-def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], label: str) -> None:
-    index = {n: i for i, n in enumerate(names)}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        name, _, slot = key.rpartition(SEP)
-        if name not in index:
-            raise CheckpointError(f"{label}: optimizer state for unknown parameter {name}; the model changed "
-                                  "since it was written: start a new run")
-        state.setdefault(index[name], {})[slot] = t
-    sd = opt.state_dict()
-    sd["state"] = state
-    opt.load_state_dict(sd)
 
 
 def latest_state_key(storage: Storage, worker: int, before_round: int) -> str | None:
@@ -134,12 +111,14 @@ class InnerTrainer:
         # Every weight is overwritten by the round's base (_load_base), so the model is built straight
         # on its device and a Hugging Face model's own weights are not read: at 1B parameters a CPU
         # init alone costs seconds per round.
-        with torch.device(self.device):
+        self.params = params = params_for(cfg, task.worker, self.ranks)  # the whole model, LTE's heads, or shards
+        # (sharded: built on the CPU, each rank's shard then moves to its device)
+        with torch.device("cpu" if params.collective else self.device):
             self.model = build_model(cfg.model, pretrained=False)
-        self.params = params_for(cfg, task.worker)  # the whole model, or LTE's heads (worker/params.py)
-        self.params.prepare(self.model)
-        self.opt, self.names = self.params.optimizer(self.model)
-        self.step_model = data_parallel(self.model, self.ranks)  # what a training step calls
+        params.prepare(self.model)
+        self.opt, self.names = params.optimizer(self.model)
+        # what a training step calls: the model, or DDP over it (a sharded model syncs itself)
+        self.step_model = self.model if params.collective else data_parallel(self.model, self.ranks)
         self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
         # Reused every round (pinned on a GPU): base weights in, weights and optimizer state out. A
         # contribution of plain weights reuses the base's buffers, read back into the model before
@@ -189,18 +168,20 @@ class InnerTrainer:
         base = params.load_base(self.storage, t.base_key, self.model, resuming, alloc=self._host_base)
         self._base = base if self.cfg.round.contribution == "delta" else None
         if resuming:
-            tensors, _, _ = load_checkpoint(self.storage, inflight, label=f"worker {t.worker} in-flight checkpoint")
+            tensors = params.read(self.storage, inflight, f"worker {t.worker} in-flight checkpoint")
             params.load_trained(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
-            load_optimizer_tensors(self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k}, "in-flight checkpoint")
+            params.load_optimizer(self.model, self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k},
+                                  "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
         state_key = None if own_state else self.ranks.lead_says(latest_state_key(self.storage, t.worker, t.round))
         if state_key is not None:
-            state, _, _ = load_checkpoint(self.storage, state_key, label=f"worker {t.worker} optimizer state")
+            state = params.read(self.storage, state_key, f"worker {t.worker} optimizer state")
             label = self.storage.display(state_key)
-            load_optimizer_tensors(self.opt, self.names, params.restore_state(self.model, state, label, t.round), label)
+            params.load_optimizer(self.model, self.opt, self.names, params.restore_state(self.model, state, label, t.round),
+                                  label)
         return base_manifest["digest"]
 
     def train(self) -> None:
@@ -255,17 +236,21 @@ class InnerTrainer:
 
     def publish(self, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
         """Optimizer state first, then the weights and their manifest: the manifest is the commit.
-        Rank 0 alone (it holds everything); the others return None.
+        Rank 0 writes; the others return None (sharded: after helping gather weights and state).
 
         `state_later` (a persistent worker, which keeps its state in memory): the contribution
         first, then the state is written from a snapshot in a background thread, off the merge's
         critical path and overlapping the wait for the next round (`settle` waits for it)."""
-        t = self.task
-        if not self.ranks.lead:
+        t, params = self.task, self.params
+        if not (self.ranks.lead or params.collective):
             return None
         self.settle()
-        state = optimizer_tensors(self.opt, self.names, self._host_state)  # a snapshot: training may go on
-        state.update(self.params.state_extra(self.model))  # lte: its own heads travel in its state file
+        # snapshots (training may go on); sharded: gathered onto rank 0, every rank taking part
+        state = params.optimizer_state(self.model, self.opt, self.names, self._host_state)
+        state.update(params.state_extra(self.model))  # lte: its own heads travel in its state file
+        weights = self._weights()
+        if not self.ranks.lead:
+            return None
         if not state_later:
             self._write_state(state, t.round, t.worker)
         manifest = {
@@ -276,8 +261,8 @@ class InnerTrainer:
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
             "waited_s": self.waited_s, "ranks": self.ranks.world,
         }
-        self.params.describe(manifest)
-        tensors, metadata = self._contribution(manifest)
+        params.describe(manifest)
+        tensors, metadata = self._contribution(manifest, weights)
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
                                manifest=manifest)
         self.storage.remove(L.worker_inflight(t.worker, t.round))
@@ -307,27 +292,32 @@ class InnerTrainer:
 
     def checkpoint(self) -> None:
         """Save an in-flight checkpoint of this round (called when the job is being preempted; submitit
-        calls it on rank 0 only, which holds the whole model and AdamW state)."""
+        calls it on rank 0 only, which holds the whole model and AdamW state unless it is sharded)."""
         if not self.ranks.lead:
+            return
+        if not self.params.inflight:
+            log.warning("worker %d round %d: a sharded worker keeps no in-flight checkpoint; the requeued job "
+                        "starts the round over from its base", self.task.worker, self.task.round)
             return
         self.settle()
         t = self.task
         # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
-        tensors = {**self._weights(reuse=False), **optimizer_tensors(self.opt, self.names)}
+        tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names)}
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
                                    "base_digest": self.base_sha, "losses": self.losses})
         log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
 
-    def _contribution(self, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-        """What is published (and its safetensors metadata): the weights, or the delta base -
+    def _contribution(self, manifest: dict[str, Any], weights: dict[str, torch.Tensor]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+        """What is published (and its safetensors metadata): `weights`, or the delta base -
         weights coded as round.codec (core/codec.py; the codec goes into the manifest too)."""
         rc = self.cfg.round
         if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
-            return self._weights(), None
+            return weights, None
         base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
         manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep}
-        return codec.encode(base, self._weights(), rc.codec, rc.prune_keep, self.base_sha)
+        return codec.encode(base, weights, rc.codec, rc.prune_keep, self.base_sha)
 
     def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
         """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters.

@@ -107,6 +107,20 @@ def weights_of(model: torch.nn.Module, host: HostBuffers | None = None) -> dict[
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str) -> None:
     """Copy `tensors` into `model`, naming every missing, unexpected or mis-shaped tensor at once.
     A tied alias is not needed (its tensor is loaded under the first name) and ignored if given."""
+    own, tensors = check_fit(model, tensors, label)
+    with torch.no_grad():
+        for k, v in own.items():
+            t = tensors[k]
+            v.copy_(t, non_blocking=t.is_pinned() and t.dtype == v.dtype)
+    if any(v.is_cuda for v in own.values()):
+        # a pinned source may be refilled (the next round's base) once this returns
+        torch.cuda.current_stream().synchronize()
+
+
+def check_fit(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label: str
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the model's tensors, `tensors`), both without tied aliases, once every name and shape
+    matches; else a CheckpointError naming each mismatch."""
     aliases = tied_aliases(model)
     own = {k: v for k, v in model.state_dict().items() if k not in aliases}
     tensors = {k: v for k, v in tensors.items() if k not in aliases}
@@ -118,13 +132,7 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], label
         raise CheckpointError(f"{label} does not fit the model: " + "; ".join(problems[:8])
                               + ("" if len(problems) <= 8 else f"; and {len(problems) - 8} more")
                               + ". Check model.* in the config against the checkpoint.")
-    with torch.no_grad():
-        for k, v in own.items():
-            t = tensors[k]
-            v.copy_(t, non_blocking=t.is_pinned() and t.dtype == v.dtype)
-    if any(v.is_cuda for v in own.values()):
-        # a pinned source may be refilled (the next round's base) once this returns
-        torch.cuda.current_stream().synchronize()
+    return own, tensors
 
 
 def load_model(url: str, **overrides: Any) -> torch.nn.Module:

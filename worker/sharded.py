@@ -1,0 +1,109 @@
+"""A worker whose weights, gradients and AdamW state are sharded across its ranks (FSDP2).
+
+For a model that does not fit one device with its AdamW state (16 bytes a parameter in fp32):
+`inner.parallel: fsdp`. Every transformer block (each module of an nn.ModuleList) and then the
+whole model go through PyTorch's `fully_shard`; each rank keeps 1/R of every parameter, its
+gradient and its AdamW slots, and takes its slice of the worker's batch as with DDP.
+
+What crosses storage does not change: full weights and the whole AdamW state, keyed by parameter
+name, as a one-process worker writes them. PyTorch's distributed state-dict helpers
+(torch.distributed.checkpoint.state_dict) gather them onto rank 0's CPU to publish, and scatter
+them from rank 0 to load, so a job resumes on any number of ranks. Only rank 0 reads the base
+and the state file (the others would hold R copies in host memory); it checks them first and says
+so to every rank, so that a bad file fails the job instead of leaving the others waiting.
+
+No in-flight checkpoint: gathering needs every rank, and the preemption signal reaches rank 0's
+handler alone; a requeued sharded worker starts its round over from the base and its state file.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+
+from core import codec
+from core.checkpoint import load_checkpoint
+from core.errors import CheckpointError
+from core.storage import Storage
+from worker.params import SEP, FullModel
+from worker.ranks import Ranks
+from worker.weights import HostBuffers, check_fit, tied_aliases
+
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def shard(model: torch.nn.Module) -> None:
+    """fully_shard every block (a module of any nn.ModuleList), then the model (what is left:
+    embeddings, final norm, a tied head)."""
+    blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+class ShardedModel(FullModel):
+    """FullModel's contract, with the model sharded across the job's ranks."""
+
+    collective = True
+    inflight = False
+
+    def __init__(self, cfg, worker: int, ranks: Ranks) -> None:
+        super().__init__(cfg, worker)
+        self.ranks = ranks
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        shard(model)
+
+    def read(self, storage: Storage, key: str, label: str) -> dict[str, torch.Tensor]:
+        return load_checkpoint(storage, key, label=label)[0] if self.ranks.lead else {}
+
+    def load_base(self, storage: Storage, key: str, model: torch.nn.Module, resuming: bool,
+                  alloc: HostBuffers | None = None) -> dict[str, torch.Tensor] | None:
+        tensors = None
+        if self.ranks.lead:
+            tensors = codec.load_weights(storage, key, f"base weights for worker {self.worker}")
+        self.load_trained(model, tensors, storage.display(key))
+        return tensors
+
+    def load_trained(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor] | None, label: str) -> None:
+        """Rank 0's `tensors` (full weights) into every rank's shards."""
+        aliases = tied_aliases(model)
+        problem = None
+        if self.ranks.lead:
+            try:
+                check_fit(model, tensors, label)
+            except CheckpointError as exc:
+                problem = str(exc)
+        if (problem := self.ranks.lead_says(problem)) is not None:
+            raise CheckpointError(problem)
+        full = {**tensors, **{a: tensors[n] for a, n in aliases.items()}} if self.ranks.lead else {}
+        set_model_state_dict(model, full, options=SCATTER)
+
+    def published(self, model: torch.nn.Module, host: HostBuffers | None) -> dict[str, torch.Tensor]:
+        """The whole weights on rank 0 (fp32, CPU); {} on the others. A collective."""
+        full = get_model_state_dict(model, options=GATHER)
+        aliases = tied_aliases(model)
+        return {k: v.float() for k, v in full.items() if k not in aliases}
+
+    def optimizer_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, names: list[str],
+                        host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
+        """The whole AdamW state keyed `param<SEP>slot` on rank 0; {} on the others. A collective."""
+        state = get_optimizer_state_dict(model, opt, options=GATHER).get("state", {})  # {} off rank 0
+        return {f"{name}{SEP}{slot}": torch.as_tensor(t) for name, slots in state.items() for slot, t in slots.items()}
+
+    def load_optimizer(self, model: torch.nn.Module, opt: torch.optim.Optimizer, names: list[str],
+                       tensors: dict[str, torch.Tensor], label: str) -> None:
+        """Rank 0's `tensors` (the whole state, `param<SEP>slot`) into every rank's shards."""
+        unknown = sorted({k.rpartition(SEP)[0] for k in tensors} - set(names)) if self.ranks.lead else []
+        if (unknown := self.ranks.lead_says(unknown)):
+            raise CheckpointError(f"{label}: optimizer state for unknown parameter(s) {unknown[:4]}; the model changed "
+                                  "since it was written: start a new run")
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            name, _, slot = key.rpartition(SEP)
+            state.setdefault(name, {})[slot] = t
+        groups = get_optimizer_state_dict(model, opt)["param_groups"]  # this optimizer's, by name
+        set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups} if self.ranks.lead else {},
+                                 options=SCATTER)
