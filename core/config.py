@@ -88,11 +88,12 @@ class InnerConfig:
     """Where workers train: `auto` takes CUDA when present (with bf16 autocast), else the CPU."""
     threads: int = 0
     """torch CPU threads per worker; 0 = the job's CPUs shared by the workers running at once."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     """How the ranks of a worker job (executor.tasks_per_node > 1) share the model: `ddp`, each
     holds all of it and its AdamW state; `fsdp` (FSDP2), weights, gradients and AdamW state are
     sharded across them, for a model that does not fit one device (no in-flight checkpoint: a
-    preempted round starts over). Either way each rank takes its slice of the worker's batch."""
+    preempted round starts over); `auto`, fsdp when those (16 bytes a parameter) would take more
+    than half of one GPU, else ddp (always ddp on CPUs). Each rank takes its slice of the batch."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -136,6 +136,21 @@ def test_two_rank_workers_in_a_diloco_run(tmp_path, corpus_cache, capsys, mode, 
         assert len({tuple(s.read_json(L.round_jobs(r))["workers"]["0"]["job_ids"]) for r in range(3)}) == 1
 
 
+def test_auto_shards_only_what_would_not_fit_half_a_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from worker.params import fits_half, sharded
+    assert fits_half(10**9, 80 * 10**9) and not fits_half(7 * 10**9, 80 * 10**9)  # 16 GB of 40; 112 GB
+    small = config_from_dict({"model": MODEL})  # 0.04M parameters
+    big = config_from_dict({"model": {"n_layer": 64, "n_embd": 2048, "n_head": 16}})  # 3.2B: 52 GB to train
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert not sharded(big, cpu) and sharded(config_from_dict({"inner": {"parallel": "fsdp"}}), cpu)
+    # no GPU here: only its size is stood in for (an 80 GB H100); the model is counted on the meta device
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 10**9))
+    assert not sharded(small, gpu) and sharded(big, gpu)
+    assert not sharded(config_from_dict({"model": big.model.__dict__, "inner": {"parallel": "ddp"}}), gpu)
+
+
 def test_rank_problems_are_listed_before_anything_is_submitted():
     cfg = config_from_dict({"inner": {"batch_size": 3, "device": "cpu"},
                             "executor": {"gpus_per_node": 2, "tasks_per_node": 4, "cpus_per_task": 2}})

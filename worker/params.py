@@ -29,7 +29,7 @@ from core.errors import CheckpointError
 from core.storage import Storage
 from worker import lora
 from worker.ranks import Ranks
-from worker.weights import HostBuffers, load_weights, weights_of
+from worker.weights import HostBuffers, build_model, load_weights, weights_of
 
 SEP = "::"  # optimizer state keys are `param<SEP>slot`
 
@@ -173,10 +173,30 @@ class LoraHeads(Params):
         return lora.contribution_tensors(model)
 
 
-def params_for(cfg: Config, worker: int, ranks: Ranks) -> Params:
+def params_for(cfg: Config, worker: int, ranks: Ranks, device: torch.device) -> Params:
     if cfg.algorithm == "lte":
         return LoraHeads(cfg, worker)
-    if ranks.world > 1 and cfg.inner.parallel == "fsdp":
+    if ranks.world > 1 and sharded(cfg, device):
         from worker.sharded import ShardedModel
         return ShardedModel(cfg, worker, ranks)
     return FullModel(cfg, worker)
+
+
+TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two slots
+
+
+def sharded(cfg: Config, device: torch.device) -> bool:
+    """inner.parallel, with `auto` deciding: shard when the weights, gradients and AdamW state
+    would take more than half of one GPU (the rest is for activations). On CPUs never: the ranks
+    share the node's memory, so sharding saves none of it."""
+    if cfg.inner.parallel != "auto":
+        return cfg.inner.parallel == "fsdp"
+    if device.type != "cuda":
+        return False
+    with torch.device("meta"):  # the parameter count without memory or weights
+        n = sum(p.numel() for p in build_model(cfg.model, pretrained=False).parameters())
+    return not fits_half(n, torch.cuda.get_device_properties(device).total_memory)
+
+
+def fits_half(params: int, device_bytes: int) -> bool:
+    return TRAIN_BYTES_PER_PARAM * params <= device_bytes / 2

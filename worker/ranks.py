@@ -112,5 +112,5 @@ def data_parallel(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
         return model
     from torch.nn.parallel import DistributedDataParallel
     ids = [ranks.local_rank] if next(model.parameters()).is_cuda else None
-    # broadcast_buffers off: every rank loads the same base, and the buffers are not trained
-    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    # no buffer sync each forward: every rank loads the same base, and buffers are not trained
+    return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)

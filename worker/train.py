@@ -111,7 +111,7 @@ class InnerTrainer:
         # Every weight is overwritten by the round's base (_load_base), so the model is built straight
         # on its device and a Hugging Face model's own weights are not read: at 1B parameters a CPU
         # init alone costs seconds per round.
-        self.params = params = params_for(cfg, task.worker, self.ranks)  # the whole model, LTE's heads, or shards
+        self.params = params = params_for(cfg, task.worker, self.ranks, self.device)  # the whole model, LTE's heads, or shards
         # (sharded: built on the CPU, each rank's shard then moves to its device)
         with torch.device("cpu" if params.collective else self.device):
             self.model = build_model(cfg.model, pretrained=False)
