@@ -1,11 +1,13 @@
 """A worker as a whole node: the ranks of one job joined by torch.distributed.
 
 A worker job runs one task per device of its node (executor.tasks_per_node); submitit starts them
-and its JobEnvironment names each one's rank (join() says how they meet). They train one model together with DistributedDataParallel: every rank holds the whole model and its
-AdamW state, takes its slice of the worker's batch, and the gradients are averaged, so the worker's
-batch, data and maths are those of a one-process worker. Rank 0 alone touches storage for writes
-(contribution, state file, heartbeat, in-flight checkpoint): it holds everything, so a requeued
-job resumes on any number of ranks. A one-task job never starts torch.distributed.
+and its JobEnvironment names each one's rank (join() says how they meet). They train one model:
+with DistributedDataParallel every rank holds the whole model and its AdamW state (with FSDP2,
+worker/sharded.py, a shard of them), takes its slice of the worker's batch, and the gradients are
+averaged, so the worker's batch, data and maths are those of a one-process worker. Rank 0 alone
+writes to storage (contribution, state file, heartbeat, in-flight checkpoint), and what it writes
+is whole, so a requeued job resumes on any number of ranks. A one-task job never starts
+torch.distributed.
 
 Collectives carry a timeout (COLLECTIVE_TIMEOUT_S): a rank that dies fails the job instead of
 leaving the others waiting.

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 from core import codec
 from core.checkpoint import load_checkpoint
+from core.config import Config
 from core.errors import CheckpointError
 from core.storage import Storage
 from worker.params import SEP, FullModel
@@ -49,7 +50,7 @@ class ShardedModel(FullModel):
     collective = True
     inflight = False
 
-    def __init__(self, cfg, worker: int, ranks: Ranks) -> None:
+    def __init__(self, cfg: Config, worker: int, ranks: Ranks) -> None:
         super().__init__(cfg, worker)
         self.ranks = ranks
 
