@@ -199,7 +199,8 @@ class RoundConfig:
 class ExecutorConfig:
     kind: Literal["auto", "local", "slurm"] = "auto"
     """`local` runs workers as local processes (submitit LocalExecutor); `slurm` submits them with
-    sbatch; `auto` takes Slurm when `sbatch` is on PATH."""
+    sbatch; `auto` takes Slurm when `sbatch` is on PATH and its controller answers (`scontrol
+    ping`), else local; a run records the kind it got."""
     timeout_min: int = 60
     """Time limit of each worker job, in minutes."""
     cpus_per_task: int = 2

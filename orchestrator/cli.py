@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 import typing
@@ -11,7 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
-from core.config import Algorithm, load_config, replace
+from core.config import Algorithm, Config, load_config, replace
 from core.errors import ConfigError, IslandsError
 from core.layout import RunLayout
 from core.storage import Storage
@@ -22,13 +24,21 @@ TMP_SWEEP_AGE_S = 3600.0
 """Temporaries older than this are a killed writer's leftovers (a live writer's mtime keeps moving)."""
 
 
+RUN_HELP = "the run directory (a path or any fsspec URL), as `submit` printed it"
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
+    d = Config()  # the defaults a flag left out falls back to (through the config file, if any)
     p.add_argument("--config", "-c", help="YAML config file (keys: docs/config.md)")
-    p.add_argument("--workers", type=int, help="K: independent worker jobs per round")
-    p.add_argument("--rounds", type=int, help="T: rounds (outer steps)")
-    p.add_argument("--inner-steps", type=int, help="H: inner steps per round")
-    p.add_argument("--algorithm", choices=list(typing.get_args(Algorithm)))
-    p.add_argument("--executor", choices=["auto", "local", "slurm"])
+    p.add_argument("--workers", type=int, help=f"K: independent worker jobs per round (default {d.workers})")
+    p.add_argument("--rounds", type=int, help=f"T: rounds (outer steps) (default {d.rounds})")
+    p.add_argument("--inner-steps", type=int, help=f"H: inner steps per round (default {d.inner.steps})")
+    p.add_argument("--algorithm", choices=list(typing.get_args(Algorithm)),
+                   help=f"diloco: outer Nesterov on the workers' mean; fedavg: their plain average each round; lofi: "
+                        f"one round, averaged once; lte: LoRA heads merged into the base each round (default {d.algorithm})")
+    p.add_argument("--executor", choices=["auto", "local", "slurm"],
+                   help="where workers run: local processes, Slurm jobs, or auto: Slurm when its controller answers "
+                        f"(default {d.executor.kind})")
     p.add_argument("--run-dir", help="run directory (any fsspec URL); default ./runs/<algorithm>-<time>")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set inner.lr=1e-3 (repeatable)")
@@ -41,8 +51,9 @@ def _group_arg(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orchestrate", description="Train on islands of compute: DiLoCo, lo-fi, FedAvg.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = argparse.ArgumentParser(prog="orchestrate", description="Train on islands of compute that never talk "
+                                     "while they train: DiLoCo, lo-fi, FedAvg, LoRA-the-Explorer.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show debug log records")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("submit", help="start a run and drive it to the end")
     _config_args(p)
@@ -50,19 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the merge service in the background (a CPU-only job on Slurm) and return at once")
     _group_arg(p)
     p = sub.add_parser("resume", help="continue a run from its run directory")
-    p.add_argument("run")
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--force", action="store_true",
                    help="take the run from a live merge service (it stops before its next commit)")
     p.add_argument("--wait-lease", action="store_true",
                    help="wait for the merge service holding the run to stop beating (up to ~80 s) instead of refusing")
     _group_arg(p)
     p = sub.add_parser("status", help="show a run's progress")
-    p.add_argument("run")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("run", help=RUN_HELP)
+    p.add_argument("--json", action="store_true", help="print the status as one JSON object (for scripts)")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
                    help="refresh until the run ends (every 2 s by default)")
     p = sub.add_parser("cancel", help="cancel a run's jobs and stop its orchestrator")
-    p.add_argument("run")
+    p.add_argument("run", help=RUN_HELP)
     bench = sub.add_parser("bench", help="benchmarks (queue-wait: docs/scheduling.md)")
     from orchestrator.queuewait import cli as queuewait_cli
     queuewait_cli.add_parser(bench.add_subparsers(dest="bench", required=True))
@@ -86,6 +97,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.slurm import rank_problems
     if problems := rank_problems(cfg):  # before the run directory exists: nothing half-made is left
         raise ConfigError(problems, source="the worker jobs' ranks")
+    cfg = replace(cfg, executor__kind=_executor_kind(cfg.executor.kind))
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
     storage = Storage(cfg.run_dir)
@@ -101,6 +113,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
                       f"follow it with: orchestrate status {storage.display()} --watch")
         return 0
     return _drive(storage, args)
+
+
+def _executor_kind(kind: str) -> str:
+    """`auto` made definite (and recorded in the run's config): Slurm when it takes jobs from here,
+    else this machine. An explicit `slurm` that cannot is refused before anything is made."""
+    if kind == "local":
+        return kind
+    from orchestrator.slurm import unreachable
+    why = unreachable()
+    if why is None:
+        return "slurm"
+    if kind == "slurm":
+        raise IslandsError(f"--executor slurm: {why}. Start it (docs/slurm.md: `bash slurm_templates/local-cluster.sh "
+                           "up` for a one-machine cluster) or run here with --executor local")
+    if shutil.which("sbatch"):  # installed but down: say why the run is not on Slurm
+        console.print(f"not using Slurm: {why}; running on this machine (--executor local)", markup=False)
+    return "local"
 
 
 def _jobs_folder(storage: Storage) -> str:
@@ -242,13 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a reader that has gone shows here, inside this try, not at exit
+        return code
     except IslandsError as exc:
         console.print(f"error: {exc}", markup=False)
         return 2
     except KeyboardInterrupt:
         console.print("interrupted; the run directory is intact: `orchestrate resume RUN` continues it")
         return 130
+    except BrokenPipeError:  # `orchestrate status RUN --json | head`: the reader has gone, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ produce is pinned by a golden-file test. `sacct_status` asks about every job of 
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -46,6 +47,21 @@ def effective_executor(e: ExecutorConfig) -> dict[str, Any]:
             if values[k] == getattr(defaults, k):
                 values[k] = v
     return values
+
+
+def unreachable() -> str | None:
+    """Why Slurm cannot take jobs from here, or None: sbatch is installed and the controller answers
+    (`scontrol ping`, what an admin would try first)."""
+    if not shutil.which("sbatch"):
+        return "sbatch is not on PATH: Slurm is not installed here"
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`scontrol ping` did not run ({exc})"
+    said = " ".join((ping.stdout or ping.stderr).split())[:160]
+    if ping.returncode != 0 or " UP" not in ping.stdout:
+        return f"the Slurm controller does not answer (`scontrol ping`: {said or f'exit {ping.returncode}'})"
+    return None
 
 
 def worker_tasks(cfg: Config) -> int:

@@ -95,3 +95,38 @@ def test_the_poller_backs_off_while_nothing_happens_and_asks_at_once_on_news(mon
     assert asked[-1] == now[0]
     poller.watch(["7_0", "7_1"], news=False, min_interval_s=0.5)  # a new job: ask now too
     assert len(asked) == len(gaps) + 3
+
+
+def _slurm_shims(tmp_path: Path, controller_up: bool) -> str:
+    """A PATH whose sbatch and scontrol stand in for an installed Slurm whose controller is up or
+    down (the real controller is up while these tests run; downing it would break the others)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state, rc = ("UP", 0) if controller_up else ("DOWN", 1)
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho 'Slurmctld(primary) at vm is {state}'\nexit {rc}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return str(bin_dir)
+
+
+def test_slurm_down_is_one_line_and_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
+    from orchestrator.cli import main
+    monkeypatch.setenv("PATH", _slurm_shims(tmp_path, controller_up=False) + os.pathsep + "/bin")
+    run = tmp_path / "run"
+    assert main(["submit", "--executor", "slurm", "--run-dir", str(run)]) == 2
+    out = capsys.readouterr().out
+    assert "the Slurm controller does not answer" in out and "is DOWN" in out and "--executor local" in out
+    assert "Traceback" not in out and not run.exists()
+
+
+def test_auto_takes_slurm_only_when_its_controller_answers(tmp_path, monkeypatch, capsys):
+    from orchestrator.cli import _executor_kind
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch at all: this machine, nothing to say
+    assert _executor_kind("auto") == "local" and capsys.readouterr().out == ""
+    monkeypatch.setenv("PATH", _slurm_shims(tmp_path, controller_up=False))
+    assert _executor_kind("auto") == "local"
+    assert "not using Slurm: the Slurm controller does not answer" in capsys.readouterr().out
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\necho 'Slurmctld(primary) at vm is UP'\n")
+    assert _executor_kind("auto") == "slurm" and _executor_kind("local") == "local"
