@@ -58,7 +58,7 @@ def unreachable() -> str | None:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`scontrol ping` did not run ({exc})"
-    said = " ".join((ping.stdout or ping.stderr).split())[:160]
+    said = next(iter((ping.stdout or ping.stderr).strip().splitlines()), "")[:160]  # not its banner
     if ping.returncode != 0 or " UP" not in ping.stdout:
         return f"the Slurm controller does not answer (`scontrol ping`: {said or f'exit {ping.returncode}'})"
     return None
