@@ -1,7 +1,7 @@
 """What a worker trains, loads and publishes: the whole model, or (LTE) its LoRA heads over a frozen base.
 
 The trainer (worker/train.py) is the same loop for every algorithm; where LTE differs it asks one of
-these two objects, picked by `params_for(cfg, worker)`:
+these two objects, picked by `params_for`:
 
                       FullModel (diloco, lofi, fedavg)      LoraHeads (lte, worker/lora.py)
   model               as built                              a LoRA head on every eligible Linear
@@ -13,8 +13,9 @@ these two objects, picked by `params_for(cfg, worker)`:
   publishes           all weights (or a coded delta)        heads + non-LoRA parameters
   kept in memory      yes (a persistent worker)             no: rebuilt from storage every round
 
-With `inner.parallel: fsdp` the whole model is sharded across the job's ranks: ShardedModel
-(worker/sharded.py), FullModel's contract through PyTorch's distributed state-dict helpers.
+With `inner.parallel: fsdp` (or `auto` finding the model too big for one GPU) the whole model is
+sharded across the job's ranks: ShardedModel (worker/sharded.py), FullModel's contract through
+PyTorch's distributed state-dict helpers.
 """
 from __future__ import annotations
 
