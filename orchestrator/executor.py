@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import submitit
 from core.config import Config
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
-from orchestrator.slurm import SlurmPoller, service_parameters, slurm_parameters, worker_tasks
+from orchestrator.slurm import SlurmPoller, service_parameters, slurm_parameters, unreachable, worker_tasks
 from worker.persistent import current_round, run_persistent
 from worker.train import checkpoint_active, run_worker
 
@@ -60,8 +59,10 @@ class ServiceJob(submitit.helpers.Checkpointable):
 
 
 def resolve_kind(kind: str) -> str:
+    """A run made since `submit` records a definite kind; `auto` (an older run, or a config used
+    directly) takes the rule submit applies: Slurm when it takes jobs from here (slurm.unreachable)."""
     if kind == "auto":
-        return "slurm" if shutil.which("sbatch") else "local"
+        return "slurm" if unreachable() is None else "local"
     return kind
 
 

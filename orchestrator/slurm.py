@@ -64,16 +64,17 @@ def unreachable() -> str | None:
     return None
 
 
-def worker_tasks(cfg: Config) -> int:
-    """Ranks per worker job: executor.tasks_per_node, else one per GPU, else one."""
-    e = effective_executor(cfg.executor)
+def worker_tasks(cfg: Config, e: dict[str, Any] | None = None) -> int:
+    """Ranks per worker job: executor.tasks_per_node, else one per GPU, else one (`e`: the
+    effective executor settings, when the caller has them)."""
+    e = e or effective_executor(cfg.executor)
     return int(e["tasks_per_node"]) or int(e["gpus_per_node"]) or 1
 
 
 def rank_problems(cfg: Config) -> list[str]:
     """What makes a multi-rank worker impossible, all at once (checked before anything is submitted)."""
-    e, tasks = effective_executor(cfg.executor), worker_tasks(cfg)
-    gpus, p = int(e["gpus_per_node"]), []
+    e = effective_executor(cfg.executor)
+    tasks, gpus, p = worker_tasks(cfg, e), int(e["gpus_per_node"]), []
     if gpus and cfg.inner.device == "cpu":
         p.append(f"executor.gpus_per_node={gpus} with inner.device=cpu would hold GPUs nobody uses: "
                  "set inner.device auto (or cuda), or gpus_per_node 0")
@@ -92,7 +93,8 @@ def rank_problems(cfg: Config) -> list[str]:
 
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
     """submitit SlurmExecutor.update_parameters() arguments for one worker job."""
-    e, tasks = effective_executor(cfg.executor), worker_tasks(cfg)
+    e = effective_executor(cfg.executor)
+    tasks = worker_tasks(cfg, e)
     params: dict[str, Any] = {
         "job_name": "islands-worker",
         "time": int(e["timeout_min"]),

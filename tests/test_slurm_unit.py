@@ -130,3 +130,9 @@ def test_auto_takes_slurm_only_when_its_controller_answers(tmp_path, monkeypatch
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\necho 'Slurmctld(primary) at vm is UP'\n")
     assert _executor_kind("auto") == "slurm" and _executor_kind("local") == "local"
+
+
+def test_an_older_run_recorded_as_auto_follows_the_same_rule(tmp_path, monkeypatch):
+    from orchestrator.executor import resolve_kind
+    monkeypatch.setenv("PATH", _slurm_shims(tmp_path, controller_up=False))
+    assert resolve_kind("auto") == "local" and resolve_kind("slurm") == "slurm"  # sbatch alone is not enough

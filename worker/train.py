@@ -176,7 +176,9 @@ class InnerTrainer:
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
-        state_key = None if own_state else self.ranks.lead_says(latest_state_key(self.storage, t.worker, t.round))
+        # rank 0 looks, the others take its answer (and would only repeat its listing)
+        state_key = None if own_state else self.ranks.lead_says(
+            latest_state_key(self.storage, t.worker, t.round) if self.ranks.lead else None)
         if state_key is not None:
             state = params.read(self.storage, state_key, f"worker {t.worker} optimizer state")
             label = self.storage.display(state_key)
@@ -190,6 +192,7 @@ class InnerTrainer:
                     else contextlib.nullcontext())
         model.train()
         pending: list[torch.Tensor] = []
+        failpoint_name = f"rank_{ranks.rank}.step"
         while self.done < cfg.inner.steps:
             step = self.step0 + self.done
             for group in opt.param_groups:
@@ -203,7 +206,7 @@ class InnerTrainer:
             if cfg.inner.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
             opt.step()
-            failpoint(f"rank_{ranks.rank}.step")  # fault injection only: a rank that dies mid-round
+            failpoint(failpoint_name)  # fault injection only: a rank that dies mid-round
             pending.append(loss.detach())  # no .item() per step: on a GPU that would sync every step
             self.done += 1
             beat = time.monotonic() >= self._next_beat
