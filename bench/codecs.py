@@ -33,7 +33,7 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.rounds import Contribution, merge_round
-from orchestrator.runstate import Evaluator, create_run
+from orchestrator.run_models import Evaluator, create_run
 from worker.train import run_worker
 from worker.weights import build_model
 

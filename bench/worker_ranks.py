@@ -24,7 +24,7 @@ from core.config import config_from_dict
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from orchestrator.runstate import create_run
+from orchestrator.run_models import create_run
 from worker.train import run_worker
 
 L = RunLayout()

@@ -36,7 +36,7 @@ import torch
 from core.config import config_from_dict
 from core.storage import Storage
 from core.task import WorkerTask
-from orchestrator.runstate import create_run
+from orchestrator.run_models import create_run
 from worker.data import BatchSampler, load_corpus, shard, split_heldout
 from worker.params import make_optimizer
 from worker.train import lr_at, pick_device, run_worker, serve_round

@@ -164,12 +164,14 @@ class RoundConfig:
     """`fold` only: contributions more rounds late than this are dropped, not folded."""
     max_retries: int = 2
     """How often a worker whose job ended without a contribution is resubmitted in one round."""
-    worker_mode: Literal["per_round", "persistent"] = "per_round"
-    """`per_round`: a new job per worker per round (each pays the queue wait). `persistent`: a
-    worker job stays alive across rounds, waiting on storage for the next global checkpoint, until
-    its time limit, when it checkpoints and is requeued: the queue is paid once per job lifetime.
-    It also keeps its model and AdamW state in memory between rounds, so a round reads only its
-    base weights; the state file is written after the contribution, in the background."""
+    worker_mode: Literal["per_round", "persistent"] = "persistent"
+    """`persistent` (the default): a worker job stays alive across rounds, waiting on storage for
+    the next global checkpoint, until its time limit, when it checkpoints and is requeued: the queue
+    is paid once per job lifetime. It also keeps its model and AdamW state in memory between
+    rounds, so a round reads only its base weights; the state file is written after the
+    contribution, in the background. `per_round`: a new job per worker per round, which pays the
+    queue wait, a Python start, the torch import and the model and state loads every round (the
+    README run takes twice as long: docs/benchmarks.md); it gives a node back between rounds."""
     poll_s: float = 0.5
     """Seconds between polls of the run directory and the scheduler."""
     contribution: Literal["weights", "delta"] = "weights"

@@ -8,6 +8,7 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     lease/epoch_00002.json                        who took epoch 2 of the lease (created once, never rewritten)
     CANCEL                                        marker: `orchestrate cancel` asked to stop
     failed.json                                   why the run stopped for good, if it did
+    orchestrator.log                              every log record of the services that drove it (local runs)
     global/round_00003.safetensors (+ .json)      global weights that round 3 starts from
     outer/state_00003.safetensors (+ .json)       outer-optimizer state the merge of round 3 reads
     rounds/00003/jobs.json                        jobs submitted for round 3 (ids, attempts, bases)
@@ -28,10 +29,18 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
 """
 from __future__ import annotations
 
+import os
 import posixpath
 import re
+from pathlib import Path
 
 SAFETENSORS = ".safetensors"
+
+
+def local_cache_root() -> Path:
+    """This machine's cache, outside any run: prepared corpora (data/), report statistics (report/).
+    $ISLANDS_CACHE, else ~/.cache/islands."""
+    return Path(os.environ.get("ISLANDS_CACHE") or Path.home() / ".cache" / "islands")
 
 
 def manifest_key(checkpoint_key: str) -> str:
@@ -47,6 +56,7 @@ class RunLayout:
     LEASE = "lease"
     CANCEL = "CANCEL"
     FAILED = "failed.json"
+    LOG = "orchestrator.log"
     FINAL = "final/model.safetensors"
     FINAL_HF = "final/hf"
     """With model.hf: the final model as a Hugging Face directory (from_pretrained loads it); its

@@ -36,10 +36,9 @@ from core.progress import track
 from merge.inputs import InputError, Model
 from merge.methods import check_method_args, method_spec
 from merge.outer import state_in_specs, state_key, state_slots
+from merge import DEFAULT_BUFFER_BYTES
 from merge.writer import OutputFile, StreamWriter
 
-DEFAULT_BUFFER_BYTES = 256 << 20
-"""Read buffers of all inputs together (the segment size adapts to K): the merge's working set."""
 DEPTH = 4
 """Segments read ahead per input: the maths take segment i of every input at once, so an input
 that is ahead waits for the slowest, and needs room to stay ahead meanwhile."""

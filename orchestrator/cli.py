@@ -2,22 +2,21 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import time
 import typing
 from pathlib import Path
-from typing import Any
-
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from core.config import Algorithm, Config, load_config, replace
 from core.errors import ConfigError, IslandsError
 from core.layout import RunLayout
-from core.storage import Storage
 from orchestrator.console import console, setup_logging
+
+if TYPE_CHECKING:
+    from core.storage import Storage
 
 L = RunLayout()
 TMP_SWEEP_AGE_S = 3600.0
@@ -91,7 +90,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from orchestrator.runstate import create_run, default_run_dir
+    from orchestrator.runstate import default_run_dir
+    from orchestrator.run_models import create_run
 
     cfg = load_config(args.config, _overrides(args), args.sets)
     from orchestrator.slurm import rank_problems
@@ -100,7 +100,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     cfg = replace(cfg, executor__kind=_executor_kind(cfg.executor.kind))
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
-    storage = Storage(cfg.run_dir)
+    storage = _storage(cfg.run_dir)
     from orchestrator.lease import refuse_unsafe
     refuse_unsafe(storage, allow_group=args.allow_group_write)  # a folder made beforehand, open to others
     create_run(storage, cfg)
@@ -132,133 +132,81 @@ def _executor_kind(kind: str) -> str:
     return "local"
 
 
-def _jobs_folder(storage: Storage) -> str:
+def _jobs_folder(storage: Storage, create: bool = True) -> str:
     """submitit's folder: inside a local run directory, else a local cache (it holds job scripts)."""
     folder = storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
-    Storage(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
+    if create:
+        type(storage)(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
     return folder
 
 
+def _storage(url: str) -> Storage:
+    from core.storage import Storage  # fsspec: not for `--help`
+    return Storage(url)
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
-    storage = Storage(args.run)
+    storage = _storage(args.run)
     console.print(f"resuming {storage.display()}")
     return _drive(storage, args)
 
 
 def _drive(storage: Storage, args: argparse.Namespace) -> int:
     from orchestrator import lease as leases
+    from orchestrator.console import log_to_file
     from orchestrator.executor import Executor
     from orchestrator.loop import Cancelled, Service
-    from orchestrator.runstate import initial_eval, load_run, run_status
+    from orchestrator.run_models import initial_eval
+    from orchestrator.run_view import RunView, duration
+    from orchestrator.runstate import load_run, run_status
 
     leases.refuse_unsafe(storage, allow_group=args.allow_group_write)  # before its config is read
     cfg = load_run(storage)
-    executor = Executor(cfg, _jobs_folder(storage))
+    folder = _jobs_folder(storage)
+    log_to_file(Path(storage.local_path(L.LOG) or Path(folder) / L.LOG))
+    executor = Executor(cfg, folder)
     wait = leases.STALE_S + 2 * leases.HEARTBEAT_S if getattr(args, "wait_lease", False) else 0.0
     lease = leases.acquire(storage, force=getattr(args, "force", False), wait_s=wait)
     # With the lease held we are the only service: clear what killed writers left (never a live one's).
     storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
+    t0 = time.monotonic()
     try:
-        service = Service(lease, cfg, executor, on_round=lambda rec: _print_round(rec.to_json(), cfg.rounds))
+        view = RunView(console, storage, cfg, run_status(storage)["rounds_done"])
+        service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()))
         console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
                       f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}")
-        t0 = time.time()
-        service.run()
+        with view.live():
+            service.run()
     except Cancelled as exc:
-        console.print(str(exc))
+        console.print(str(exc), markup=False)
         return 3
+    except KeyboardInterrupt:
+        where = storage.display()
+        if executor.kind == "local":  # its jobs are this machine's processes: give the CPUs back
+            executor.cancel(executor.own_jobs())
+            console.print(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues "
+                          "the run", markup=False)
+        else:
+            console.print(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues "
+                          f"the run, `orchestrate cancel {where}` stops them", markup=False)
+        return 130
     finally:
         lease.release()
     status = run_status(storage)
-    console.print(f"done in {time.time() - t0:.0f}s: {status['rounds_done']} rounds, final eval loss "
-                  f"{status['rounds'][-1]['eval_loss']:.4f}; final model: {status['final_model']}")
-    console.print(f"inspect it with: orchestrate status {storage.display()}")
+    console.print(f"done in {duration(time.monotonic() - t0)}: {status['rounds_done']} rounds, final eval loss "
+                  f"{status['rounds'][-1]['eval_loss']:.4f}; final model: {status['final_model']}", markup=False)
+    console.print(f"inspect it with: orchestrate status {storage.display()}", markup=False)
     return 0
-
-
-def _print_round(rec: dict[str, Any], total: int) -> None:
-    extra = ""
-    if rec["dropped"]:
-        extra += f", dropped {rec['dropped']}"
-    if rec["rejected"]:
-        extra += f", rejected {rec['rejected']}"
-    console.print(f"round {rec['round'] + 1}/{total}: eval loss {rec['eval_loss']:.4f} "
-                  f"(merged {rec['merged']}{extra}; merge {rec['merge_seconds']:.2f}s)")
-
-
-def _status_with_jobs(storage: Storage) -> dict[str, Any]:
-    """The run's status plus, for the round in progress, each job's scheduler state (one call)."""
-    from orchestrator.executor import Executor
-    from orchestrator.runstate import load_run, run_status
-
-    status = run_status(storage)
-    current = status["current_round"]
-    if current and status["state"] == "running":
-        ids = {w: v["job_id"] for w, v in current["workers"].items()}
-        states = Executor(load_run(storage), _jobs_folder(storage)).status(list(ids.values()))
-        for w, j in ids.items():
-            current["workers"][w].update(states[j].as_dict())
-    return status
-
-
-def _status_view(status: dict[str, Any]) -> Table:
-    table = Table("round", "eval loss", "merged", "dropped", "rejected", "merge s", "MB read",
-                  title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
-                        f"{status['rounds_done']}/{status['rounds_total']} rounds, initial eval loss {status['initial_eval_loss']}")
-    for r in status["rounds"]:
-        loss = "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        table.add_row(str(r["round"] + 1), loss, str(r["merged"]), str(r["dropped"]),
-                      str(r["rejected"]), f"{r['merge_seconds']:.2f}", f"{r['bytes_read'] / 1e6:.1f}")
-    current = status["current_round"]
-    if current and status["state"] == "running":
-        table.add_section()
-        for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
-            p = v.get("progress") or {}
-            here = p.get("round") == current["round"]
-            steps = f"step {p.get('step')}/{p.get('steps')} loss {p.get('loss'):.3f}" if here and p.get("loss") is not None else ""
-            table.add_row(f"{current['round'] + 1} (w{w})", "", f"job {v['job_id']} {v.get('state', '')}",
-                          f"wait {v.get('queue_wait_s')}s", f"run {v.get('run_s')}s", steps, "")
-    return table
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.lease import unsafe_paths
-
-    storage = Storage(args.run)
-    for warning in unsafe_paths(storage):
-        print(f"warning: others can steer this run: {warning}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(_status_with_jobs(storage), indent=1))
-        return 0
-    if not args.watch:
-        status = _status_with_jobs(storage)
-        console.print(_status_view(status))
-        if status["failure"]:
-            console.print(f"failed: {status['failure']['reason']}")
-        return 0
-    from rich.live import Live
-    with Live(_status_view(_status_with_jobs(storage)), console=console, auto_refresh=False) as live:
-        while True:
-            status = _status_with_jobs(storage)
-            live.update(_status_view(status), refresh=True)
-            if status["state"] != "running":
-                return 0
-            time.sleep(args.watch)
+    from orchestrator.status_cli import cmd_status as status
+    return status(args, _jobs_folder(_storage(args.run), create=False))
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from orchestrator.executor import Executor
-    from orchestrator.records import RoundJobs
-    from orchestrator.runstate import load_run, run_status
-
-    storage = Storage(args.run)
-    cfg = load_run(storage)
-    storage.write_bytes(L.CANCEL, str(time.time()).encode())
-    r = run_status(storage)["rounds_done"]
-    ids = list(RoundJobs.load(storage, r).latest().values())
-    Executor(cfg, _jobs_folder(storage)).cancel(ids)
-    console.print(f"cancelled round {r + 1}'s jobs {ids}; the orchestrator stops at its next poll")
-    return 0
+    from orchestrator.status_cli import cmd_cancel as cancel
+    return cancel(args, _jobs_folder(_storage(args.run), create=False))
 
 
 COMMANDS = {"submit": cmd_submit, "resume": cmd_resume, "status": cmd_status, "cancel": cmd_cancel}

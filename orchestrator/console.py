@@ -1,28 +1,45 @@
 """The terminal: the one rich console every command prints to, and logging set up for it.
-rich lives here and in the command modules only; off a terminal everything is plain lines."""
+rich lives here and in the command modules only; off a terminal everything is plain lines.
+
+Quiet by default: a person sees what the command prints and the warnings; log records below that
+only with -v. A run also logs everything to its own file (`log_to_file`), whatever -v says."""
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
 console = Console(highlight=False, soft_wrap=True)
+PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(verbose: bool) -> None:
-    level = logging.DEBUG if verbose else logging.INFO
+    shown = logging.DEBUG if verbose else logging.WARNING
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 
         from orchestrator import progress_bars
-        err = Console(stderr=True)
-        handler: logging.Handler = RichHandler(console=err, show_path=False)
-        progress_bars.install(err)  # long operations draw bars here, above the log lines
+        handler: logging.Handler = RichHandler(console=Console(stderr=True), show_path=False)
+        progress_bars.install(console)  # long operations draw bars on the one console, above the live view
     else:
         from core.progress import set_renderer
         set_renderer(None)  # a log file or a pipe: plain progress lines, no bars
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-    logging.getLogger("submitit").setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter(PLAIN))
+    # progress lines of long operations (core.progress, when no bar is drawn) are output, not chatter
+    handler.addFilter(lambda rec: rec.levelno >= shown or rec.name == "core.progress")
+    # the root lets INFO through for the run's log file; the terminal's handler filters
+    logging.basicConfig(level=min(shown, logging.INFO), handlers=[handler], force=True)
+    for noisy in ("submitit", "matplotlib", "PIL", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def log_to_file(path: Path) -> None:
+    """Every log record of this process from now on also goes to `path` (appended: a resumed run
+    continues its log)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(PLAIN))
+    logging.getLogger().addHandler(handler)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +26,28 @@ from core.config import Config
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
 from orchestrator.slurm import SlurmPoller, service_parameters, slurm_parameters, unreachable, worker_tasks
-from worker.persistent import current_round, run_persistent
-from worker.train import checkpoint_active, run_worker
 
 log = logging.getLogger(__name__)
+CANCELLED_MARK = "cancelled"
+"""Left in a local job's folder by cancel(): its state is CANCELLED, not FAILED."""
+FAILED_LINE = "Submitted job triggered an exception"
+"""What submitit's job logs when the function raised (submitit/core/submission.py)."""
 
 class WorkerJob(submitit.helpers.Checkpointable):
     """The callable submitit runs on the node. Plain data in, a small summary out."""
 
     def __call__(self, task: WorkerTask) -> dict[str, Any]:
+        # worker/ (torch) is imported on the node only: `status` and `cancel` use this module without it
+        from worker.persistent import run_persistent
+        from worker.train import run_worker
         return run_persistent(task) if task.persistent else run_worker(task)
 
     def checkpoint(self, task: WorkerTask) -> submitit.helpers.DelayedSubmission:
         # Called in the job when Slurm signals a time limit or preemption: save where we are so
         # the requeued job resumes mid-round instead of starting the round over. A persistent
         # worker comes back at the round it was serving, not the one it started with.
+        from worker.persistent import current_round
+        from worker.train import checkpoint_active
         checkpoint_active()
         if task.persistent and current_round() is not None:
             task = dataclasses.replace(task, round=current_round())
@@ -91,7 +101,7 @@ class Executor:
 
     def submit(self, tasks: list[WorkerTask]) -> list[str]:
         """Submit a round's tasks together (one job array on Slurm); return their job ids."""
-        with self._ex.batch():
+        with _sigint_ignored(self.kind == "local"), self._ex.batch():
             jobs = [self._ex.submit(WorkerJob(), t) for t in tasks]
         for job in jobs:
             self._jobs[job.job_id] = job
@@ -115,6 +125,7 @@ class Executor:
             return {}
         if self.kind == "slurm":
             return self._poller.poll(job_ids)
+        self._reap()
         return {j: self._local_status(j) for j in job_ids}
 
     def watch(self, job_ids: list[str], news: bool) -> dict[str, JobStatus]:
@@ -124,14 +135,23 @@ class Executor:
             return self.status(job_ids)
         return self._poller.watch(job_ids, news, self.cfg.round.poll_s)
 
+    def own_jobs(self) -> list[str]:
+        """The local jobs this process started that still run."""
+        self._reap()
+        return list(self._jobs)
+
+    def _reap(self) -> None:
+        """Collect this process's local jobs that have ended (asking a submitit job its state waits
+        for its process): no <defunct> controllers pile up while the run goes on."""
+        for job_id, job in list(self._jobs.items()):
+            if job.state != "RUNNING":
+                del self._jobs[job_id]
+
     def _local_status(self, job_id: str) -> JobStatus:
-        job = self._jobs.get(job_id)
-        if job is not None:
-            state = job.state  # RUNNING, FINISHED, INTERRUPTED
-            return JobStatus(job_id, "RUNNING" if state == "RUNNING" else ("COMPLETED" if state == "FINISHED" else "FAILED"))
-        # A job from an earlier orchestrator process (resume): the local job id is the pid of
-        # submitit's controller, which outlives the orchestrator that started it.
-        return JobStatus(job_id, "RUNNING" if _pid_is_submitit(job_id) else "COMPLETED")
+        # A job this process started and has not reaped runs; else (ended, or started by an earlier
+        # orchestrator: resume) the local job id is the pid of submitit's controller, alive while it runs.
+        alive = job_id in self._jobs or _pid_is_submitit(job_id)
+        return local_job_status(self.folder, job_id, alive)
 
     def cancel(self, job_ids: list[str]) -> None:
         if not job_ids:
@@ -141,7 +161,10 @@ class Executor:
             return
         for j in job_ids:
             if _pid_is_submitit(j):
+                with contextlib.suppress(OSError):  # what status reads: this job was cancelled, not failed
+                    (self.folder / j / CANCELLED_MARK).touch()
                 kill_local_job(j)
+        self._reap()
 
     def stderr_tail(self, job_id: str, lines: int = 15) -> str:
         """The end of a job's stderr: why it ended without a contribution."""
@@ -173,6 +196,56 @@ def kill_local_job(job_id: str) -> None:
             os.kill(child, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sigint_ignored(local: bool) -> Iterator[None]:
+    """Start local jobs with SIGINT ignored (a disposition a child keeps): Ctrl-C at the terminal
+    reaches the whole foreground process group, and a worker's KeyboardInterrupt is a traceback
+    in the middle of the screen. The orchestrator stops its local jobs itself (kill_local_job)."""
+    if not local or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def local_job_status(folder: Path, job_id: str, alive: bool) -> JobStatus:
+    """A local job's state and times from submitit's files (a local job has no accounting): it was
+    submitted, and started at once, when its pickle was written; it ended when its result was (or,
+    killed, when its log was last written). Its result is never unpickled: submitit's own log line
+    tells a failure from a success."""
+    paths = submitit.core.utils.JobPaths(folder / "%j", job_id)
+    started = _stamp(paths.submitted_pickle)
+    if alive:
+        return JobStatus(job_id, "RUNNING", started, started)
+    if (folder / job_id / CANCELLED_MARK).exists():
+        state = "CANCELLED"
+    elif paths.result_pickle.exists():
+        state = "FAILED" if FAILED_LINE in _tail(paths.stderr) else "COMPLETED"
+    else:
+        state = "FAILED"  # killed before it could say anything
+    ended = _stamp(paths.result_pickle) or _stamp(paths.stderr) or started
+    return JobStatus(job_id, state, started, started, ended)
+
+
+def _stamp(path: Path) -> str | None:
+    try:
+        return dt.datetime.fromtimestamp(path.stat().st_mtime).isoformat(timespec="seconds")
+    except OSError:
+        return None
+
+
+def _tail(path: Path, size: int = 4096) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _children(pid: int) -> list[int]:

@@ -34,7 +34,8 @@ from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
 from orchestrator.records import RoundJobs, RoundRecord
 from orchestrator.round_merge import RoundMerger
-from orchestrator.runstate import Evaluator, arrived_workers, export_final
+from orchestrator.runstate import arrived_workers
+from orchestrator.run_models import Evaluator, export_final
 from orchestrator.submission import UNKNOWN, Submitter
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from merge.engine import DEFAULT_BUFFER_BYTES
-from merge.methods import PUBLIC
+from merge import DEFAULT_BUFFER_BYTES, METHOD_NAMES  # torch-free: `orchestrate --help` never loads torch
 
 EXAMPLES = """examples:
   orchestrate merge a.safetensors b.safetensors --out soup.safetensors
@@ -24,7 +23,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=".safetensors file or Hugging Face model directory")
     p.add_argument("--out", "-o", required=True, help="output .safetensors file or model directory")
-    p.add_argument("--method", "-m", default="average", choices=PUBLIC, help="merge method (default: average)")
+    p.add_argument("--method", "-m", default="average", choices=METHOD_NAMES, help="merge method (default: average)")
     p.add_argument("--weights", help="comma-separated weight per input (default: all 1)")
     p.add_argument("--base", help="the inputs' common starting point (task-arithmetic, ties, outer)")
     p.add_argument("--density", type=float, help="ties: fraction of each task vector kept (default 0.2)")

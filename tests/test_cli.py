@@ -1,15 +1,27 @@
-"""What a person meets at the command line: help for every option, and a reader that goes away."""
+"""What a person meets at the command line: help for every option, a reader that goes away, one
+round numbering, commands that do not load torch, true job states, the screen of a run, and a
+cancel that stops everything."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from core.config import config_from_dict
 from core.storage import Storage
-from orchestrator.cli import build_parser
-from orchestrator.runstate import create_run
+from orchestrator.cli import build_parser, main
+from orchestrator.executor import CANCELLED_MARK, FAILED_LINE, local_job_status
+from orchestrator.run_models import create_run
+from orchestrator.run_view import duration, round_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,3 +53,191 @@ def test_a_reader_that_goes_away_gets_no_traceback(tmp_path, corpus_cache):
             f"sys.exit(main(['status', {cfg.run_dir!r}, '--json']))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+
+
+# -- one round numbering, the round line ------------------------------------------------------------
+
+def test_round_lines_count_rounds_from_0_and_say_how_many_are_done():
+    rec = {"round": 0, "eval_loss": 3.27981, "merged": [0, 1, 2, 3], "dropped": [], "rejected": [], "merge_seconds": 0.061}
+    assert round_line(rec, 8, 4, 14.7, 103.0) == \
+        "round 0 (1/8): eval loss 3.2798, merged 4/4, merge 0.06s, round 15s, ETA 1m43s"
+    last = {**rec, "round": 7, "merged": [0, 2], "dropped": [1], "rejected": [3], "eval_loss": None}
+    assert round_line(last, 8, 4, 3725, 0.0) == ("round 7 (8/8): eval loss not evaluated, merged 2/4, dropped [1], "
+                                                 "rejected [3], merge 0.06s, round 1h02m")
+    assert [duration(s) for s in (0.4, 59.6, 61, 3599, 7200)] == ["0s", "1m00s", "1m01s", "59m59s", "2h00m"]
+
+
+# -- a light CLI ---------------------------------------------------------------------------------------
+
+NO_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "safetensors", "matplotlib"):
+            raise ImportError(f"{name} imported by a command that must stay light")
+sys.meta_path.insert(0, NoTorch())
+from orchestrator.cli import build_parser, main
+"""
+
+
+def test_help_status_and_cancel_never_import_torch(tmp_path, corpus_cache):
+    run = _tiny_run(tmp_path, corpus_cache)
+    code = NO_TORCH + f"""
+import contextlib, io
+for sub in ("", "submit", "resume", "status", "cancel", "report", "eval", "merge", "bench"):
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        main([*sub.split(), "--help"])
+assert main(["status", {run!r}, "--json"]) == 0 and main(["status", {run!r}]) == 0
+assert main(["cancel", {run!r}]) == 0
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "cancelled round 0's jobs []" in done.stdout
+
+
+def test_the_merge_methods_the_cli_offers_are_the_method_table():
+    from merge import METHOD_NAMES
+    from merge.methods import METHODS
+    assert sorted(METHOD_NAMES) == sorted(METHODS)  # merge/__init__.py keeps --help free of torch
+
+
+def _tiny_run(tmp_path: Path, corpus_cache: str) -> str:
+    cfg = config_from_dict({"model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
+                            "data": {"cache_dir": corpus_cache}, "run_dir": str(tmp_path / "run"),
+                            "executor": {"kind": "local"}})
+    create_run(Storage(cfg.run_dir), cfg)
+    return cfg.run_dir
+
+
+# -- local jobs: true states and times, from submitit's files --------------------------------------
+
+def test_a_local_job_state_and_times_come_from_its_files(tmp_path):
+    folder = tmp_path / "jobs"
+
+    def job(job_id: str, result: bool = False, log: str = "", cancelled: bool = False, t: float = 1_800_000_000.0):
+        d = folder / job_id
+        d.mkdir(parents=True)
+        for name, body, at in ((f"{job_id}_submitted.pkl", "x", t), (f"{job_id}_0_log.err", log, t + 7),
+                               *([(f"{job_id}_0_result.pkl", "x", t + 5)] if result else []),
+                               *([(CANCELLED_MARK, "", t + 9)] if cancelled else [])):
+            (d / name).write_text(body)
+            os.utime(d / name, (at, at))
+        return job_id
+
+    ok = local_job_status(folder, job("1", result=True, log="... Job completed successfully\n"), alive=False)
+    assert ok.state == "COMPLETED" and ok.timing() == {"queue_wait_s": 0.0, "run_s": 5.0}
+    raised = local_job_status(folder, job("2", result=True, log=f"Traceback ...\n{FAILED_LINE}\n"), alive=False)
+    assert raised.state == "FAILED" and raised.timing()["run_s"] == 5.0
+    killed = local_job_status(folder, job("3"), alive=False)  # no result: ended when its log last moved
+    assert killed.state == "FAILED" and killed.timing()["run_s"] == 7.0
+    assert local_job_status(folder, job("4", cancelled=True), alive=False).state == "CANCELLED"
+    running = local_job_status(folder, job("5", t=time.time() - 30), alive=True)
+    assert running.state == "RUNNING" and 29 <= running.timing()["run_s"] <= 60 and running.end is None
+
+
+# -- the run as a person sees it, and a cancel that stops it ----------------------------------------
+
+TINY = ["--executor", "local", "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
+        "--set", "model.block_size=32", "--set", "inner.batch_size=4", "--set", "inner.warmup_steps=2",
+        "--set", "data.eval_batches=2", "--set", "round.poll_s=0.2"]
+
+
+@pytest.mark.slow
+def test_the_readme_run_on_a_terminal_shows_round_lines_and_a_live_footer(tmp_path, corpus_cache):
+    """The README's first command in a pseudo-terminal (pyte reads the screen as a person would)."""
+    import pyte
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--workers", "2", "--rounds", "2", "--inner-steps", "60",
+           "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY]
+    raw = _in_a_terminal(cmd, cols=100, rows=30)
+    screen = pyte.Screen(100, 30)
+    pyte.ByteStream(screen).feed(raw)
+    lines = [line.rstrip() for line in screen.display if line.strip()]
+    text = raw.decode(errors="replace")
+    assert "Traceback" not in text and " INFO " not in text and "WARNING" not in text, text[-3000:]
+    assert "running for" in text and "worker 1: " in text  # the live footer was drawn (and is gone at the end)
+    assert lines[0] == f"run directory: {run}" and lines[1].startswith("diloco: 2 workers x 2 rounds x 60 inner"), lines
+    number = r"\d+(\.\d+)?"
+    assert re.fullmatch(rf"round 0 \(1/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+, ETA \w+", lines[2]), lines
+    assert re.fullmatch(rf"round 1 \(2/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+", lines[3]), lines
+    assert lines[4].startswith("done in ") and "".join(lines[4:]).endswith(f"inspect it with: orchestrate status {run}"), lines
+    log = (run / "orchestrator.log").read_text()  # what -v would have shown is all in the run's log
+    assert "INFO orchestrator.submission: round 0: submitted workers [0, 1]" in log
+
+
+def _in_a_terminal(cmd: list[str], cols: int, rows: int, timeout: float = 300) -> bytes:
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                            env={**os.environ, "TERM": "xterm-256color", "COLUMNS": str(cols), "LINES": str(rows)})
+    os.close(slave)
+    out, deadline = bytearray(), time.time() + timeout
+    while time.time() < deadline:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer has gone
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=30) == 0, out.decode(errors="replace")[-3000:]
+    return bytes(out)
+
+
+@pytest.mark.slow
+def test_cancel_stops_a_run_started_under_setsid_nohup(tmp_path, corpus_cache):
+    """`setsid nohup orchestrate submit ... &` ignores SIGINT: cancel still stops every process of the
+    run within 30 s, with no traceback anywhere; while it ran, ended jobs did not linger as zombies
+    (per-round jobs: each round's end; test_e2e_local cancels persistent workers)."""
+    run, out = tmp_path / "run", tmp_path / "out.txt"
+    args = ["submit", "--workers", "2", "--rounds", "50", "--inner-steps", "300", "--run-dir", str(run),
+            "--set", f"data.cache_dir={corpus_cache}", "--set", "round.worker_mode=per_round", *TINY]
+    subprocess.run(["bash", "-c", f"setsid nohup {sys.executable} -m orchestrator.cli {shlex.join(args)} > {out} 2>&1 &"],
+                   cwd=ROOT, check=True)
+    s = Storage(str(run))
+    try:
+        _wait(lambda: s.exists("rounds/00001/jobs.json") and s.exists("rounds/00000/record.json"), 180, out)
+        ended = {int(j) for e in s.read_json("rounds/00000/jobs.json")["workers"].values() for j in e["job_ids"]}
+        _wait(lambda: all(_state(pid) in ("Z", None) for pid in ended), 30, out)  # round 0's local jobs have exited
+        time.sleep(2.0)  # the service polls every 0.2 s, and reaps what ended each time
+        assert [_state(pid) for pid in ended] == [None] * len(ended), "ended jobs left <defunct>"
+    finally:  # whatever failed above, the run is cancelled: a 50-round run must not outlive the test
+        assert main(["cancel", str(run)]) == 0
+    _wait(lambda: not _processes_of(run), 30, out)
+    text = out.read_text()
+    assert "run cancelled during round 1" in text and "Traceback" not in text, text[-3000:]
+    logs = "".join(p.read_text(errors="replace") for p in (run / "jobs").rglob("*.err"))
+    assert "Traceback" not in logs and "KeyboardInterrupt" not in logs, logs[-3000:]
+    assert json.loads(subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run), "--json"],
+                                     capture_output=True, cwd=ROOT).stdout)["state"] == "cancelled"
+
+
+def _wait(ok, timeout: float, out: Path) -> None:
+    deadline = time.time() + timeout
+    while not ok():
+        assert time.time() < deadline, out.read_text()[-3000:] if out.exists() else "no output"
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (Z: a zombie), None when it has gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _processes_of(run: Path) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if str(run) in text:
+                found.append(text)
+    return found

@@ -51,7 +51,7 @@ def publish(s: Storage, r: int, w: int, base_key: str, delta: float, **manifest)
 def _run(tmp_path, ex: ThreadExecutor, rounds: int = 1, policy: str = "continue") -> Storage:
     s = Storage(str(tmp_path / "run"))
     cfg = load_config(None, {"workers": 2, "rounds": rounds, "executor.kind": "local", "run_dir": s.url}, [
-        "round.min_workers=1", "round.poll_s=0.05", "round.max_retries=0", f"round.late_policy={policy}",
+        "round.min_workers=1", "round.worker_mode=per_round", "round.poll_s=0.05", "round.max_retries=0", f"round.late_policy={policy}",
         "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"])
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
     run_service(s, cfg, ex)

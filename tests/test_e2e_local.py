@@ -121,7 +121,8 @@ def test_a_second_service_forced_onto_a_live_run_fences_the_first(tmp_path, corp
     """`resume` while the first service lives is refused; `resume --force` takes the run, and the
     first stops before its next commit, naming who took it: no round submitted or merged twice."""
     run = tmp_path / "run"
-    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "4", "--inner-steps", "3")
+    # per-round jobs: each round's submissions are then countable (one batch, one job per worker)
+    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "4", "--inner-steps", "3", "--set", "round.worker_mode=per_round")
     first = _until_round_0(run, args)
     s = Storage(str(run))
     refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], capture_output=True,

@@ -511,7 +511,7 @@ def test_worker_killed_between_data_and_manifest_is_never_merged(tmp_path):
 def test_export_final_copies_once_and_replaces_a_stale_final(tmp_path):
     """A resumed finished run exports nothing again; a final/ left from other weights is replaced."""
     from core.config import config_from_dict
-    from orchestrator.runstate import export_final
+    from orchestrator.run_models import export_final
     s, lay = Storage(str(tmp_path)), RunLayout()
     cfg = config_from_dict({"workers": 1, "rounds": 2, "run_dir": str(tmp_path)})
     write_checkpoint(s, lay.global_weights(2), {"w": torch.ones(3)})

@@ -43,10 +43,12 @@ def clean_run(tmp_path_factory, corpus_cache) -> list[str]:
 def test_killed_service_resumes_round_exactly_once(point, tmp_path, corpus_cache, clean_run):
     run = tmp_path / "run"
     env = {**os.environ, "ISLANDS_FAILPOINT": point}
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--run-dir", str(run),
-                           "--set", f"data.cache_dir={corpus_cache}", *TINY], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 137, proc.stdout[-2000:] + proc.stderr[-2000:]  # died at the failpoint
+    out = tmp_path / "out.txt"  # a file, not a pipe: the persistent workers live on and hold what they inherit
+    with open(out, "wb") as f:
+        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--run-dir", str(run),
+                               "--set", f"data.cache_dir={corpus_cache}", *TINY], cwd=ROOT, env=env,
+                              stdout=f, stderr=subprocess.STDOUT, timeout=240)
+    assert proc.returncode == 137, out.read_text()[-3000:]  # died at the failpoint
     s = Storage(str(run))
     assert not s.exists("rounds/00002/record.json")
     assert main(["resume", str(run)]) == 0

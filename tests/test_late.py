@@ -94,7 +94,7 @@ def run_service(s: Storage, cfg, ex) -> Service:
 def _run(tmp_path, policy: str) -> tuple[Storage, ThreadExecutor]:
     s = Storage(str(tmp_path / "run"))
     cfg = load_config(None, {"workers": 3, "rounds": 3, "executor.kind": "local", "run_dir": s.url}, [
-        "round.min_workers=2", f"round.deadline_s={DEADLINE}", f"round.late_policy={policy}", "round.poll_s=0.05",
+        "round.min_workers=2", "round.worker_mode=per_round", f"round.deadline_s={DEADLINE}", f"round.late_policy={policy}", "round.poll_s=0.05",
         "round.staleness_decay=0.5", "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"])
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
     ex = ThreadExecutor()

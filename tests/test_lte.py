@@ -245,7 +245,7 @@ def test_appendix_a2_merging_recovers_a_full_rank_solution_a_single_head_plateau
 
 # -- a worker across rounds: B reset, A and optimizer state kept ---------------------------------
 def _run(tmp_path, corpus_cache, name: str, **lte) -> Storage:
-    from orchestrator.runstate import create_run
+    from orchestrator.run_models import create_run
     cfg = config_from_dict({"algorithm": "lte", "workers": 2, "rounds": 2, "model": TINY_MODEL,
                             "inner": {"steps": 2, "batch_size": 2, "warmup_steps": 1},
                             "data": {"cache_dir": corpus_cache}, "lte": {"rank": 4, **lte}})

@@ -19,7 +19,8 @@ from core.config import config_from_dict
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from orchestrator.runstate import RUN_INFO, create_run
+from orchestrator.runstate import RUN_INFO
+from orchestrator.run_models import create_run
 from orchestrator.slurm import rank_problems, service_parameters, slurm_parameters, worker_tasks
 
 L = RunLayout()

@@ -16,7 +16,7 @@ from core.storage import Storage
 from orchestrator.observe.checkpoint_eval import ensemble_losses, evaluate_checkpoints, nll
 from orchestrator.cli import main
 from orchestrator.observe.metrics import FIELDS, parse_jsonl, read_metrics, tensorboard_scalars, to_jsonl
-from orchestrator.observe.report import FIGURES, write_report
+from orchestrator.observe.report import FIGURES, stats_cache, write_report
 from orchestrator.observe.report_data import outer_grad_stats, outer_stats_cached, time_budget, timeline
 from orchestrator.runstate import load_run
 
@@ -52,15 +52,18 @@ def _pngs_ok(result: dict, out: Path) -> str:
 
 # -- the report ---------------------------------------------------------------------------------
 @slow
-def test_report_of_a_finished_run(tiny_run, tmp_path, capsys):
+def test_report_of_a_finished_run(tiny_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "report"
     assert main(["report", str(tiny_run), "--out", str(out)]) == 0
     assert "2 rounds committed" in capsys.readouterr().out
     result = write_report(Storage(str(tiny_run)), out)  # again: outer-gradient stats come from the cache
     html = _pngs_ok(result, out)
     assert result["state"] == "done" and result["rounds"] == 2 and result["problems"] == []
-    assert "Round in progress" not in html and "<td>2</td>" in html
-    cache = json.loads((out / "cache" / "outer_gradients.json").read_text())
+    assert "Round in progress" not in html and "<tr><td>0</td>" in html and "<tr><td>1</td>" in html  # rounds from 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(["report.html", "metrics.jsonl", *(f"{f}.png" for f in FIGURES)])
+    cache = json.loads(stats_cache(Storage(str(tiny_run))).read_text())  # this machine's cache, not --out's
+    assert stats_cache(Storage(str(tiny_run))).is_relative_to(tmp_path / "cache")
     assert sorted(cache) == ["0", "1"] and all(len(c["norms"]) == 2 for c in cache.values())
     # the merge's own outer-gradient norm (token-weighted mean) is what the streamed Gram matrix gives
     rounds = [ln for ln in read_metrics(Storage(str(tiny_run)), load_run(Storage(str(tiny_run)))) if ln["kind"] == "round"]
@@ -240,6 +243,17 @@ def test_eval_of_different_models_and_the_ensemble_of_one(tiny_run, capsys):
     assert main(["eval", contrib, str(tiny_run)]) == 0
     out = capsys.readouterr().out
     assert "ensemble of 2" in out and "worker_000.safetensors" in out
+
+
+@slow
+def test_eval_of_a_manual_merge_of_the_runs_own_contributions_takes_the_model_from_run(tiny_run, tmp_path, capsys):
+    merged = str(tmp_path / "soup.safetensors")  # outside the run: only --run says which model it is
+    assert main(["merge", *(str(tiny_run / L.contribution(1, w)) for w in (0, 1)), "--out", merged]) == 0
+    assert main(["eval", merged, "--json"]) == 2  # nothing names the model: refused, with the fix
+    assert "carries no model description" in capsys.readouterr().out
+    assert main(["eval", merged, "--run", str(tiny_run), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["data"]["config"].endswith("config.yaml") and 0 < got["models"][0]["loss"] < 6
 
 
 def test_eval_refuses_what_is_not_a_checkpoint(tmp_path, capsys):

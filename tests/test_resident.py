@@ -20,7 +20,7 @@ from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.rounds import Contribution, merge_round
-from orchestrator.runstate import create_run
+from orchestrator.run_models import create_run
 
 L = RunLayout()
 ROUNDS = 3

@@ -201,7 +201,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def _made_run(tmp_path) -> Path:
     run = tmp_path / "run"
-    from orchestrator.runstate import create_run
+    from orchestrator.run_models import create_run
     create_run(Storage(str(run)), load_config(None, {"workers": 1, "rounds": 1, "run_dir": str(run)},
                                               ["model.n_layer=1", "model.n_embd=32", "model.n_head=2"]))
     return run

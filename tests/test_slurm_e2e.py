@@ -65,7 +65,8 @@ def test_rounds_are_one_array_job_each(tmp_path, corpus_cache, monkeypatch):
     (shim / "sbatch").chmod(stat.S_IRWXU)
     monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
     run = tmp_path / "run"
-    assert main(_args(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3")) == 0
+    assert main(_args(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3",
+                      "--set", "round.worker_mode=per_round")) == 0  # a job array per round, counted here
     scripts = (tmp_path / "sbatch.log").read_text()
     assert scripts.count("#!/bin/bash") == 3  # one sbatch per round, not one per worker
     assert scripts.count("#SBATCH --array=0-1%2") == 3 and "#SBATCH --nodes=1" in scripts
@@ -97,6 +98,12 @@ def test_scancelled_worker_round_closes_with_quorum(tmp_path, corpus_cache):
     assert failures[0]["job_id"] == victim and failures[0]["state"].startswith("CANCELLED")
     # a replacement worker 1 is submitted for the next round and is merged
     assert s.read_json("rounds/00001/record.json")["merged"] == [0, 1]
+    # status after the run: how each job ended (sacct), not how it looked when its round merged
+    from orchestrator.status_cli import status_with_jobs
+    st = status_with_jobs(s, str(run / "jobs"))
+    ended = {(r["round"], w): j for r in st["rounds"] for w, j in r["jobs"].items()}
+    assert st["scheduler"] == "answered" and ended[(0, "1")]["state"].startswith("CANCELLED"), ended
+    assert all(j["state"] == "COMPLETED" and j["run_s"] is not None for k, j in ended.items() if k != (0, "1")), ended
 
 
 def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
@@ -109,8 +116,8 @@ def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
                      "worker 0 training", proc=proc)
     job = s.read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
     # status shows the running worker's Slurm job, its state, queue wait, run time and progress
-    from orchestrator.cli import _status_with_jobs
-    w0 = _status_with_jobs(s)["current_round"]["workers"]["0"]
+    from orchestrator.status_cli import status_with_jobs
+    w0 = status_with_jobs(s, str(run / "jobs"))["current_round"]["workers"]["0"]
     assert w0["job_id"] == job and w0["state"] == "RUNNING" and w0["queue_wait_s"] is not None
     assert w0["run_s"] >= 0 and w0["progress"]["step"] >= 20
     # What Slurm sends before a time limit or preemption (submitit's own test helper does the same)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from core.layout import local_cache_root
 from core.progress import progress
 from worker.corpus_cache import FORMAT_VERSION, load_cache, save_cache
 
@@ -90,10 +91,6 @@ def corpus_for(cfg: Config, cache_dir: str | os.PathLike | None = None) -> Corpu
 def _read_bytes(path: Path) -> bytes:
     # the one place that reads source files, so tests can prove a warm load never calls it
     return path.read_bytes()
-
-
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("ISLANDS_CACHE") or Path.home() / ".cache" / "islands")
 
 
 def _group_of(rel: str) -> str:
@@ -214,7 +211,7 @@ def load_corpus(
         raise ValueError(f"Corpus source {root} has no files to read; point the source at a "
                          "directory that contains text files.")
     fingerprint = _fingerprint(root, source, include_tests, files, tokenizer)
-    directory = Path(cache_dir or _default_cache_dir()) / "data" / fingerprint
+    directory = Path(cache_dir or local_cache_root()) / "data" / fingerprint
     if (directory / "index.json").exists():
         try:
             tokens, docs = load_cache(directory, fingerprint, torch.uint8 if tokenizer is None else torch.int32)

@@ -146,7 +146,8 @@ def load_model(url: str, **overrides: Any) -> torch.nn.Module:
         meta = ck.metadata
     if MODEL_META not in meta:
         raise CheckpointError(f"{url} carries no model description ({MODEL_META} metadata); "
-                              "build the model yourself and use load_weights()")
+                              "build the model yourself and use load_weights(), or, to evaluate it, name the run "
+                              "whose model it is: `orchestrate eval CHECKPOINT --run RUN`")
     arch = {**json.loads(meta[MODEL_META]), **overrides}
     model = build_model(ModelConfig(**arch))
     load_weights(model, tensors, url)

@@ -103,7 +103,7 @@ class SimWorker(InnerTrainer):
 
 
 def init_weights(cfg: Config, init: Weights | None = None) -> Weights:
-    """The round-0 global weights, as orchestrator/runstate.py makes them (seeded init or init_from)."""
+    """The round-0 global weights, as orchestrator/run_models.py makes them (seeded init or init_from)."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
     if init is not None:

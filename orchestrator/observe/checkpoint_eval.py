@@ -76,19 +76,21 @@ def resolve(arg: str) -> Target:
                    "give a run directory or the path of a .safetensors checkpoint")
 
 
-def load(target: Target) -> torch.nn.Module:
+def load(target: Target, run: str | None = None) -> torch.nn.Module:
     """The model of a checkpoint: rebuilt from its metadata (global and final models carry it), or
-    from its run's config (workers' contributions do not)."""
+    from the config of its run, else of `run` (`--run`): workers' contributions, and a manual merge
+    of them written anywhere, carry none."""
     root, name = posixpath.split(target.url)
     storage = Storage(root or ".", follow_links=True)  # a path the user names
+    config_of = target.run or run
     with TensorFile(storage, name, read_manifest(storage, name), label=target.label) as ck:
-        if MODEL_META in ck.metadata or target.run is None:
+        if MODEL_META in ck.metadata or config_of is None:
             tensors = None
         else:
             tensors = ck.load_all(verify=ck.manifest is not None)
     if tensors is None:
         return load_model(target.url)
-    model = build_model(load_run(Storage(target.run)).model)
+    model = build_model(load_run(Storage(config_of)).model)
     load_weights(model, tensors, target.label)
     return model
 
@@ -140,7 +142,7 @@ def evaluate_checkpoints(args: Sequence[str], batches: int | None = None, run: s
         raise RunError("give at least one checkpoint or run directory to evaluate")
     targets = [resolve(a) for a in args]
     cfg, source = data_config(targets, run)
-    models = [load(t) for t in targets]
+    models = [load(t, run) for t in targets]
     if len({m.vocab_size for m in models}) > 1:
         raise CheckpointError("the checkpoints have different vocabularies: "
                               + ", ".join(f"{t.label}: {m.vocab_size}" for t, m in zip(targets, models)))

@@ -48,7 +48,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
               "late", "dropped_reasons", "rejected_reasons", "weights", "outer_grad_norm", "merge_seconds",
               "round_seconds", "bytes_read", "bytes_contributions", "bytes_global", "bytes_outer_state", "bytes_worker_states",
               "tokens", "train_loss", "submitted_at", "merge_started_at", "committed_at"),
-    "worker": ("kind", "schema", "t", "round", "worker", "contributed", "merged", "job_id", "attempts", "state",
+    "worker": ("kind", "schema", "t", "round", "worker", "contributed", "merged", "job_id", "attempts", "persistent", "state",
                "submitted_at", "queue_wait_s", "run_s", "seconds", "written_at", "steps", "tokens", "bytes",
                "loss_first", "loss_last"),
     "step": ("kind", "schema", "round", "worker", "step", "loss"),
@@ -100,7 +100,7 @@ def worker_lines(record: Mapping[str, Any], jobs: Mapping[str, Any], manifests: 
         sched = record.get("jobs", {}).get(str(w), {})
         out.append({"kind": "worker", "schema": SCHEMA, "t": t, "round": r, "worker": w, "contributed": w in manifests,
                     "merged": w in merged, "job_id": (entry.get("job_ids") or [m.get("job_id")])[-1],
-                    "attempts": entry.get("attempts"), "state": sched.get("state"),
+                    "attempts": entry.get("attempts"), "persistent": bool(entry.get("persistent")), "state": sched.get("state"),
                     "submitted_at": entry.get("submitted_at", jobs.get("submitted_at")),
                     "queue_wait_s": sched.get("queue_wait_s"), "run_s": sched.get("run_s"),
                     **{k: m.get(k) for k in ("seconds", "written_at", "steps", "tokens", "bytes", "loss_first", "loss_last")}})

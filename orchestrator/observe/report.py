@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
 import html
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from core.layout import local_cache_root
 from core.storage import Storage
 from orchestrator.observe.metrics import to_jsonl
 from orchestrator.observe.report_data import (RunData, Segment, bytes_series, collect, eval_curve, outer_stats_cached,
@@ -127,7 +129,7 @@ def plot_timeline(data: RunData, segments: Sequence[Segment]) -> Any:
     if len(starts) <= 30:
         for r, start in starts:
             ax.axvline((start - t0) / unit, color="black", linewidth=0.5, alpha=0.4)
-            ax.text((start - t0) / unit, -0.45, f" r{r + 1}", fontsize=8, va="bottom")
+            ax.text((start - t0) / unit, -0.45, f" r{r}", fontsize=8, va="bottom")
     ax.set_yticks(range(len(rows)), rows)
     ax.set_ylim(len(rows) - 0.5, -0.75)  # worker 0 on top, round labels above it
     ax.set_xlabel(f"wall time since the first submission ({label})")
@@ -151,7 +153,7 @@ def plot_bytes(data: RunData) -> Any:
         _empty(ax, "no round committed yet")
         return fig
     s = bytes_series(rounds)
-    xs = [line["round"] + 1 for line in rounds]
+    xs = [line["round"] for line in rounds]
     written = ("bytes_contributions", "bytes_global", "bytes_outer_state", "bytes_worker_states")
     totals = [sum(v) for v in zip(*(s[k] for k in written))]
     scale, unit = _byte_unit(max(totals + s["bytes_read"]))
@@ -179,9 +181,9 @@ def plot_outer(data: RunData) -> Any:
         _empty(norm_ax, "no merged round with readable checkpoints yet")
         _empty(cos_ax, "needs a merged round with 2+ workers")
         return fig
-    xs = [r + 1 for r in stats]
+    xs = list(stats)
     for r, s in stats.items():
-        norm_ax.scatter([r + 1] * len(s["norms"]), s["norms"], s=14, color="tab:blue", alpha=0.6,
+        norm_ax.scatter([r] * len(s["norms"]), s["norms"], s=14, color="tab:blue", alpha=0.6,
                         label="each worker" if r == next(iter(stats)) else None)
     norm_ax.plot(xs, [s["mean_grad_norm"] for s in stats.values()], color="black", marker="o", markersize=_marker(len(xs)),
                  label="merged outer gradient (weighted mean)")
@@ -194,7 +196,7 @@ def plot_outer(data: RunData) -> Any:
     if not paired:
         _empty(cos_ax, "cosine similarity needs 2+ merged workers in a round")
         return fig
-    px = [r + 1 for r in paired]
+    px = list(paired)
     cos_ax.fill_between(px, [min(p) for p in paired.values()], [max(p) for p in paired.values()], alpha=0.25,
                         color="tab:green", label="min-max over worker pairs")
     cos_ax.plot(px, [sum(p) / len(p) for p in paired.values()], marker="o", markersize=_marker(len(px)), color="tab:green",
@@ -227,7 +229,7 @@ def plot_contributions(data: RunData) -> Any:
     if not rounds:
         _empty(ax, "no round committed yet")
         return fig
-    xs = [line["round"] + 1 for line in rounds]
+    xs = [line["round"] for line in rounds]
     counts = contribution_counts(rounds)
     colors = {"merged": "tab:green", "late": "tab:orange", "dropped": "tab:gray", "rejected": "tab:red"}
     labels = {"merged": "merged", "late": "late (published after the merge)", "dropped": "dropped (no contribution)",
@@ -280,7 +282,7 @@ def round_rows(data: RunData, budget: Sequence[Mapping[str, Any]]) -> list[list[
         pairs = o.get("pairwise") or []
         written = sum(line.get(k) or 0 for k in ("bytes_contributions", "bytes_global", "bytes_outer_state",
                                                  "bytes_worker_states"))
-        rows.append([str(r + 1), _cell(line["eval_loss"], "{:.4f}"), _cell(line["merged"]), _cell(line["dropped"]),
+        rows.append([str(r), _cell(line["eval_loss"], "{:.4f}"), _cell(line["merged"]), _cell(line["dropped"]),
                      _cell(line["rejected"]), _cell(line["round_seconds"], "{:.1f}"), _cell(b.get("queued"), "{:.1f}"),
                      _cell(b.get("running"), "{:.1f}"), _cell(line["merge_seconds"], "{:.2f}"),
                      _cell(b.get("evaluating"), "{:.2f}"), _cell(written / 1e6, "{:.2f}"),
@@ -294,8 +296,8 @@ def problem_items(data: RunData) -> list[str]:
     for line in data.kind("round"):
         for kind in ("dropped", "rejected"):
             for w, why in sorted((line.get(f"{kind}_reasons") or {}).items(), key=lambda kv: int(kv[0])):
-                items.append(f"round {line['round'] + 1}: worker {w} {kind}: {why}")
-    items += [f"round {r + 1}: outer-gradient statistics unavailable: {s['error']}"
+                items.append(f"round {line['round']}: worker {w} {kind}: {why}")
+    items += [f"round {r}: outer-gradient statistics unavailable: {s['error']}"
               for r, s in sorted(data.outer.items()) if "error" in s]
     return items
 
@@ -308,7 +310,7 @@ def current_rows(data: RunData) -> list[list[str]]:
     for w, entry in sorted(cur["jobs"].get("workers", {}).items(), key=lambda kv: int(kv[0])):
         p = cur["progress"].get(int(w)) or {}
         here = p.get("round") == cur["round"]
-        rows.append([str(cur["round"] + 1), w, html.escape(str(entry["job_ids"][-1])),
+        rows.append([str(cur["round"]), w, html.escape(str(entry["job_ids"][-1])),
                      "published" if int(w) in cur["manifests"] else "in flight",
                      _cell(p.get("step") if here else None), _cell(p.get("loss") if here else None, "{:.4f}")])
     return rows
@@ -349,12 +351,19 @@ def build_figures(data: RunData, segments: Sequence[Segment]) -> dict[str, bytes
     return {name: _png(fig) for name, fig in figs.items()}
 
 
+def stats_cache(storage: Storage) -> Path:
+    """Where a run's outer-gradient statistics are kept between reports: a cache of this machine's
+    ($ISLANDS_CACHE or ~/.cache/islands), not a file in --out, which holds the report only."""
+    run = hashlib.sha256(storage.display().encode()).hexdigest()[:16]
+    return local_cache_root() / "report" / run / "outer_gradients.json"
+
+
 def write_report(storage: Storage, out: Path | str, now: float | None = None) -> dict[str, Any]:
     """Write DIR/<figure>.png, DIR/report.html (self-contained) and DIR/metrics.jsonl; return what was written."""
     out = Path(out)
     data = collect(storage, now)
     out.mkdir(parents=True, exist_ok=True)
-    data.outer = outer_stats_cached(storage, data.kind("round"), out / "cache" / "outer_gradients.json")
+    data.outer = outer_stats_cached(storage, data.kind("round"), stats_cache(storage))
     segments = timeline(data.kind("round"), data.kind("worker"), data.current, data.now)
     budget = time_budget(segments, data.kind("round"))
     images = build_figures(data, segments)

@@ -27,7 +27,7 @@ from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.observe.metrics import SCHEMA, read_metrics, step_lines
 from orchestrator.records import RoundJobs
-from orchestrator.runstate import RUN_INFO, arrived_workers, load_run, run_status
+from orchestrator.runstate import RUN_INFO, arrived_workers, load_run, read_heartbeat, run_status
 
 L = RunLayout()
 
@@ -71,7 +71,7 @@ def collect(storage: Storage, now: float | None = None) -> RunData:
     if r < cfg.rounds and status["state"] == "running":
         jobs = RoundJobs.load(storage, r).to_json()
         manifests = {w: m for w in arrived_workers(storage, r) if (m := read_manifest(storage, L.contribution(r, w)))}
-        progress = {int(w): storage.read_json(L.worker_progress(int(w))) for w in jobs["workers"]}
+        progress = {int(w): read_heartbeat(storage, int(w)) for w in jobs["workers"]}
         current = {"round": r, "jobs": jobs, "manifests": manifests, "progress": progress}
     return RunData(storage.display(), cfg, status["state"], storage.read_json(RUN_INFO) or {}, lines, current,
                    time.time() if now is None else now)
@@ -165,7 +165,8 @@ def _worker_segments(line: Mapping[str, Any], end_if_lost: float | None) -> list
     row, r, sub = f"worker {line['worker']}", line["round"], line.get("submitted_at")
     if sub is None:
         return []
-    if line.get("queue_wait_s") is not None:  # the scheduler's own timings
+    # the scheduler's own timings are a job's; a persistent job's span many rounds: its round is its own clock
+    if line.get("queue_wait_s") is not None and not line.get("persistent"):
         start = sub + line["queue_wait_s"]
         end = start + line["run_s"] if line.get("run_s") is not None else line.get("written_at") or start
     elif line.get("written_at") is not None and line.get("seconds") is not None:  # the worker's own clock

@@ -1,0 +1,88 @@
+"""A run's models: the round-0 global weights, the held-out evaluation, the final export (torch)."""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import torch
+
+from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.config import Config, to_yaml
+from core.errors import RunError
+from core.layout import RunLayout, manifest_key
+from core.storage import Storage
+from orchestrator.runstate import RUN_INFO
+from worker.data import corpus_for, eval_batches, estimate_loss, split_heldout
+from worker.weights import build_model, load_weights, model_metadata, weights_of
+
+log = logging.getLogger(__name__)
+L = RunLayout()
+
+
+def create_run(storage: Storage, cfg: Config) -> None:
+    """Write the resolved config and the round-0 global weights into a new run directory."""
+    if storage.exists(L.CONFIG):
+        raise RunError(f"{storage.display()} already holds a run; `orchestrate resume {storage.display()}` "
+                       "continues it, or choose another --run-dir")
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    if cfg.model.init_from:
+        root, _, name = cfg.model.init_from.rstrip("/").rpartition("/")
+        tensors, _, _ = load_checkpoint(Storage(root or ".", follow_links=True), name, label=f"model.init_from {cfg.model.init_from}")
+        load_weights(model, tensors, f"model.init_from {cfg.model.init_from}")
+    write_checkpoint(storage, L.global_weights(0), weights_of(model), metadata=model_metadata(cfg.model),
+                     manifest={"round": 0, "init_from": cfg.model.init_from})
+    storage.write_json(RUN_INFO, {"created_at": time.time(), "host": socket.gethostname(),
+                                  "params": sum(p.numel() for p in model.parameters())})
+    storage.write_bytes(L.CONFIG, to_yaml(cfg).encode())  # last: a run exists once its config does
+
+
+class Evaluator:
+    """Eval loss of global checkpoints on the held-out documents (same batches every round)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.metadata = model_metadata(cfg.model)
+        self._batches: list | None = None
+
+    def batches(self) -> list:
+        if self._batches is None:
+            c = self.cfg
+            corpus = corpus_for(c)
+            _, heldout = split_heldout(corpus, c.data.heldout_fraction, c.seed)
+            self._batches = eval_batches(corpus, heldout, c.model.block_size, c.inner.batch_size, c.data.eval_batches, c.seed)
+        return self._batches
+
+    def loss(self, storage: Storage, key: str) -> float:
+        model = build_model(self.cfg.model)
+        tensors, _, _ = load_checkpoint(storage, key, label=f"global weights {storage.display(key)}")
+        load_weights(model, tensors, storage.display(key))
+        return round(estimate_loss(model, self.batches()), 5)
+
+
+def export_final(storage: Storage, cfg: Config) -> None:
+    """The last global checkpoint, copied to final/model.safetensors (loads with worker.weights.load_model);
+    with model.hf also written as a Hugging Face directory, final/hf (loads with from_pretrained)."""
+    last = L.global_weights(cfg.rounds)
+    last_m = read_manifest(storage, last)
+    final_m = read_manifest(storage, L.FINAL)
+    if last_m is None or final_m is None or final_m.get("digest") != last_m.get("digest"):  # not exported yet
+        storage.copy(last, L.FINAL)
+        storage.write_json(manifest_key(L.FINAL), {**(last_m or {}), "file": L.FINAL.rsplit("/", 1)[-1]})
+    if cfg.model.hf is not None and not storage.exists(L.final_hf_file("config.json")):  # written last
+        from worker.hf import save_pretrained_dir
+        model = build_model(cfg.model)
+        tensors, _, _ = load_checkpoint(storage, L.FINAL, label=f"final model {storage.display(L.FINAL)}")
+        load_weights(model, tensors, storage.display(L.FINAL))
+        save_pretrained_dir(model, cfg.model.hf, storage, L.FINAL_HF)
+        log.info("final model exported as a Hugging Face directory: %s", storage.display(L.FINAL_HF))
+
+
+def initial_eval(storage: Storage, evaluator: Evaluator) -> float:
+    info = storage.read_json(RUN_INFO) or {}
+    if info.get("initial_eval_loss") is None:
+        info["initial_eval_loss"] = evaluator.loss(storage, L.global_weights(0))
+        storage.write_json(RUN_INFO, info)
+    return info["initial_eval_loss"]
+

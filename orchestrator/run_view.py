@@ -1,0 +1,114 @@
+"""What `submit` and `resume` show while the merge service drives a run.
+
+One line per round, the same on a terminal and in a log file: its eval loss, who was merged, the
+merge's and the round's wall time, and the ETA from the rounds measured so far. On a terminal a
+live footer below those lines shows the round in progress: each worker's step and loss from its
+heartbeat, ETA and rounds per hour (rich, redrawn once a second). Log records are not shown here
+unless asked for (`-v`); they always go to the run's log file (orchestrator.console).
+
+Rounds count from 0 wherever a person reads one (these lines, `status`, `report`, `cancel`, log
+records and error messages), as in the run directory: round 0 is rounds/00000 and turns
+global/round_00000 into global/round_00001. `(1/8)` beside it counts rounds done.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console, Group
+from rich.text import Text
+
+from core.config import Config
+from core.storage import Storage
+from orchestrator.runstate import arrived_workers, read_heartbeat
+
+SHOWN_WORKERS = 8
+"""Workers listed one per line in the footer; beyond, a summary line."""
+
+
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 2h10m: what a person reads at a glance."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class RunView:
+    """The round lines and, on a terminal, the live footer. `round_done(record)` after each round."""
+
+    def __init__(self, console: Console, storage: Storage, cfg: Config, first_round: int) -> None:
+        self.console, self.storage, self.cfg = console, storage, cfg
+        self.current = first_round
+        self.started = self.last = time.monotonic()
+        self.measured: list[float] = []
+
+    def round_done(self, rec: dict[str, Any]) -> None:
+        now = time.monotonic()
+        self.measured.append(now - self.last)
+        self.last, self.current = now, rec["round"] + 1
+        self.console.print(round_line(rec, self.cfg.rounds, self.cfg.workers, self.measured[-1], self.eta()), markup=False)
+        self.console.file.flush()  # a file or a pipe (a Slurm log, `| tee`) gets each round when it ends
+
+    def eta(self) -> float | None:
+        """Seconds left at the mean measured round time; None before a round was measured."""
+        if not self.measured:
+            return None
+        return sum(self.measured) / len(self.measured) * max(0, self.cfg.rounds - self.current)
+
+    @contextmanager
+    def live(self) -> Iterator[None]:
+        """The footer, on a terminal only; elsewhere (a pipe, a Slurm log) nothing but the lines."""
+        if not self.console.is_terminal or self.console.is_dumb_terminal:
+            yield
+            return
+        from rich.live import Live
+        with Live(console=self.console, get_renderable=self.footer, refresh_per_second=1, transient=True):
+            yield
+
+    def footer(self) -> Group | Text:
+        try:  # drawn from rich's refresh thread: a storage hiccup is shown, never raised there
+            return self._footer()
+        except Exception as exc:  # noqa: BLE001
+            return Text(f"round {self.current}: progress unavailable ({type(exc).__name__}: {exc})")
+
+    def _footer(self) -> Group:
+        r, total, now = self.current, self.cfg.rounds, time.monotonic()
+        head = f"round {r} ({r + 1}/{total}) running for {duration(now - self.last)}"
+        if (eta := self.eta()) is not None:
+            rate = 3600 * len(self.measured) / sum(self.measured) if sum(self.measured) > 0 else 0.0
+            head += f", ETA {duration(max(0.0, eta - (now - self.last)))}, {rate:.0f} rounds/h"
+        lines = [Text(head, style="bold")]
+        arrived = set(arrived_workers(self.storage, r)) if r < total else set()
+        for w in range(min(self.cfg.workers, SHOWN_WORKERS)):
+            lines.append(Text(f"  worker {w}: {worker_state(w, r, arrived, read_heartbeat(self.storage, w))}"))
+        if self.cfg.workers > SHOWN_WORKERS:
+            lines.append(Text(f"  ... {len(arrived)}/{self.cfg.workers} workers published"))
+        return Group(*lines)
+
+
+def worker_state(w: int, r: int, arrived: set[int], beat: dict[str, Any] | None) -> str:
+    if w in arrived:
+        return "published"
+    if beat is None or beat["round"] != r:
+        return "starting"
+    loss = "" if beat["loss"] is None else f", loss {beat['loss']:.3f}"
+    return f"step {beat['step']}/{beat['steps']}{loss}"
+
+
+def round_line(rec: dict[str, Any], total: int, workers: int, wall_s: float, eta_s: float | None) -> str:
+    r = rec["round"]
+    loss = "not evaluated" if rec["eval_loss"] is None else f"{rec['eval_loss']:.4f}"
+    line = f"round {r} ({r + 1}/{total}): eval loss {loss}, merged {len(rec['merged'])}/{workers}"
+    if rec["dropped"]:
+        line += f", dropped {rec['dropped']}"
+    if rec["rejected"]:
+        line += f", rejected {rec['rejected']}"
+    line += f", merge {rec['merge_seconds']:.2f}s, round {duration(wall_s)}"
+    if eta_s is not None and r + 1 < total:
+        line += f", ETA {duration(eta_s)}"
+    return line
