@@ -54,7 +54,10 @@ L = RunLayout()
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
         "--set", "inner.batch_size=4", "--set", "inner.warmup_steps=2", "--set", "data.eval_batches=1",
-        "--set", "round.poll_s=0.2", "--set", "executor.preset=local"]
+        "--set", "round.poll_s=0.2", "--set", "executor.preset=local",
+        # per-round jobs: a planted file is kept from being overwritten by cancelling the one job that
+        # would publish over it; a persistent worker may already have published (docs/reliability.md)
+        "--set", "round.worker_mode=per_round"]
 PLANTED = ("corrupt", "nan", "shape", "fifo", "symlink")
 KILL_POINTS = ("merge.after_global", "service.after_record", "merge.while_reading")
 

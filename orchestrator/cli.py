@@ -136,7 +136,7 @@ def _jobs_folder(storage: Storage, create: bool = True) -> str:
     """submitit's folder: inside a local run directory, else a local cache (it holds job scripts)."""
     folder = storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
     if create:
-        type(storage)(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
+        _storage(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
     return folder
 
 

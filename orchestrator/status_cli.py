@@ -124,8 +124,10 @@ def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:
         return 0
     storage.write_bytes(L.CANCEL, str(time.time()).encode())
     r = status["rounds_done"]
-    # the round in progress and the next one, whose workers may already queue (orchestrator.loop)
-    ids = [j for k in (r, r + 1) if k < cfg.rounds for j in RoundJobs.load(storage, k).latest().values()]
+    # the round in progress; the next one, whose workers may already queue (orchestrator.loop); and the
+    # last one, whose persistent workers wait to be handed this round
+    ids = [j for k in (r - 1, r, r + 1) if 0 <= k < cfg.rounds for j in RoundJobs.load(storage, k).latest().values()]
+    ids = list(dict.fromkeys(ids))  # a persistent job serves several rounds: cancel it once
     Executor(cfg, jobs_folder).cancel(ids)
-    console.print(f"cancelled round {r}'s jobs {ids}; the merge service stops at its next poll", markup=False)
+    console.print(f"cancelled the run during round {r}: jobs {ids}; the merge service stops at its next poll", markup=False)
     return 0

@@ -92,7 +92,7 @@ assert main(["cancel", {run!r}]) == 0
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "cancelled round 0's jobs []" in done.stdout
+    assert "cancelled the run during round 0: jobs []" in done.stdout
 
 
 def test_the_merge_methods_the_cli_offers_are_the_method_table():

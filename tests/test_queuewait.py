@@ -332,11 +332,11 @@ def test_live_probes_single_node_starts_first(background_load):
 @pytest.mark.slurm
 @requires_slurm
 def test_live_probes_cancelled_on_sigterm(background_load):
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "bench", "queue-wait", "--live",
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "-v", "bench", "queue-wait", "--live",
                              "--probe-nodes", "4", "--probes-per-size", "2", "--max-seconds", "60"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ids: list[str] = []
-    for line in proc.stderr:  # the log says which jobs it submitted
+    for line in proc.stderr:  # the log (-v) says which jobs it submitted
         if "submitted" in line and "probe jobs:" in line:
             ids = line.rsplit(":", 1)[1].strip().split(",")
             break

@@ -99,9 +99,14 @@ def test_scancelled_worker_round_closes_with_quorum(tmp_path, corpus_cache):
     # a replacement worker 1 is submitted for the next round and is merged
     assert s.read_json("rounds/00001/record.json")["merged"] == [0, 1]
     # status after the run: how each job ended (sacct), not how it looked when its round merged
+    from orchestrator.jobstatus import ACTIVE
     from orchestrator.status_cli import status_with_jobs
-    st = status_with_jobs(s, str(run / "jobs"))
-    ended = {(r["round"], w): j for r in st["rounds"] for w, j in r["jobs"].items()}
+
+    def ended_jobs():  # the last jobs end as the run does, and sacct lags the controller by seconds
+        st = status_with_jobs(s, str(run / "jobs"))
+        jobs = {(r["round"], w): j for r in st["rounds"] for w, j in r["jobs"].items()}
+        return not any(j["state"].split()[0] in ACTIVE for j in jobs.values()) and (st, jobs)
+    st, ended = _wait_for(ended_jobs, "every job of the run to have ended in sacct")
     assert st["scheduler"] == "answered" and ended[(0, "1")]["state"].startswith("CANCELLED"), ended
     assert all(j["state"] == "COMPLETED" and j["run_s"] is not None for k, j in ended.items() if k != (0, "1")), ended
 
