@@ -44,14 +44,16 @@ class RunView:
     def __init__(self, console: Console, storage: Storage, cfg: Config, first_round: int) -> None:
         self.console, self.storage, self.cfg = console, storage, cfg
         self.current = first_round
-        self.started = self.last = time.monotonic()
+        self.last = time.monotonic()
         self.measured: list[float] = []
 
     def round_done(self, rec: dict[str, Any]) -> None:
         now = time.monotonic()
-        self.measured.append(now - self.last)
-        self.last, self.current = now, rec["round"] + 1
-        self.console.print(round_line(rec, self.cfg.rounds, self.cfg.workers, self.measured[-1], self.eta()), markup=False)
+        if rec["round"] >= self.current:  # not a round committed before a resume, evaluated only now
+            self.measured.append(now - self.last)
+            self.last, self.current = now, rec["round"] + 1
+        wall = self.measured[-1] if self.measured and rec["round"] + 1 == self.current else None
+        self.console.print(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), markup=False)
         self.console.file.flush()  # a file or a pipe (a Slurm log, `| tee`) gets each round when it ends
 
     def eta(self) -> float | None:
@@ -100,7 +102,7 @@ def worker_state(w: int, r: int, arrived: set[int], beat: dict[str, Any] | None)
     return f"step {beat['step']}/{beat['steps']}{loss}"
 
 
-def round_line(rec: dict[str, Any], total: int, workers: int, wall_s: float, eta_s: float | None) -> str:
+def round_line(rec: dict[str, Any], total: int, workers: int, wall_s: float | None, eta_s: float | None) -> str:
     r = rec["round"]
     loss = "not evaluated" if rec["eval_loss"] is None else f"{rec['eval_loss']:.4f}"
     line = f"round {r} ({r + 1}/{total}): eval loss {loss}, merged {len(rec['merged'])}/{workers}"
@@ -108,7 +110,9 @@ def round_line(rec: dict[str, Any], total: int, workers: int, wall_s: float, eta
         line += f", dropped {rec['dropped']}"
     if rec["rejected"]:
         line += f", rejected {rec['rejected']}"
-    line += f", merge {rec['merge_seconds']:.2f}s, round {duration(wall_s)}"
+    line += f", merge {rec['merge_seconds']:.2f}s"
+    if wall_s is not None:
+        line += f", round {duration(wall_s)}"
     if eta_s is not None and r + 1 < total:
         line += f", ETA {duration(eta_s)}"
     return line

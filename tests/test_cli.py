@@ -64,6 +64,8 @@ def test_round_lines_count_rounds_from_0_and_say_how_many_are_done():
     last = {**rec, "round": 7, "merged": [0, 2], "dropped": [1], "rejected": [3], "eval_loss": None}
     assert round_line(last, 8, 4, 3725, 0.0) == ("round 7 (8/8): eval loss not evaluated, merged 2/4, dropped [1], "
                                                  "rejected [3], merge 0.06s, round 1h02m")
+    # a round committed before a resume, evaluated only now: this process did not see it run
+    assert round_line(rec, 8, 4, None, None) == "round 0 (1/8): eval loss 3.2798, merged 4/4, merge 0.06s"
     assert [duration(s) for s in (0.4, 59.6, 61, 3599, 7200)] == ["0s", "1m00s", "1m01s", "59m59s", "2h00m"]
 
 
