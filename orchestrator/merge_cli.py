@@ -28,10 +28,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--base", help="the inputs' common starting point (task-arithmetic, ties, outer)")
     p.add_argument("--density", type=float, help="ties: fraction of each task vector kept (default 0.2)")
     p.add_argument("--scale", type=float, help="task-arithmetic, ties: factor on the merged task vector (default 1.0)")
+    p.add_argument("--ties-normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="ties: divide the agreeing entries' weighted sum by their weights (mergekit's normalize; "
+                        "default: on)")
     p.add_argument("--outer-optimizer", choices=["nesterov", "sgd", "sgdm", "adam"],
                    help="outer: the torch.optim optimizer of the outer step (default nesterov)")
     p.add_argument("--outer-lr", type=float, help="outer: learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, help="outer: momentum for nesterov/sgdm (default 0.9)")
+    p.add_argument("--outer-betas", metavar="B1,B2", help="outer: Adam's betas for adam (default 0.9,0.95)")
+    p.add_argument("--outer-eps", type=float, help="outer: Adam's epsilon for adam (default 0.1, the DiLoCo paper's)")
     p.add_argument("--outer-state", metavar="STATE",
                    help="outer: optimizer state file, read if it exists and replaced by the new state")
     p.add_argument("--buffer-mib", type=int, default=DEFAULT_BUFFER_BYTES >> 20,
@@ -51,9 +56,21 @@ def cmd_merge(args: argparse.Namespace) -> int:
             weights = [float(w) for w in args.weights.split(",")]
         except ValueError:
             raise MergeError([f"--weights {args.weights!r} is not a comma-separated list of numbers"]) from None
-    params = {k: v for k, v in (("density", args.density), ("scale", args.scale)) if v is not None}
+    params = {k: v for k, v in (("density", args.density), ("scale", args.scale), ("normalize", args.ties_normalize))
+              if v is not None}
+    betas = None
+    if args.outer_betas:
+        try:
+            betas = tuple(float(b) for b in args.outer_betas.split(","))
+        except ValueError:
+            betas = ()
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise MergeError([f"--outer-betas {args.outer_betas!r} is not two numbers in [0, 1), e.g. 0.9,0.95"])
+    if args.outer_eps is not None and not args.outer_eps > 0:
+        raise MergeError([f"--outer-eps {args.outer_eps} must be a positive number, e.g. 0.1"])
     outer_opts = {k: v for k, v in (("optimizer", args.outer_optimizer), ("lr", args.outer_lr),
-                                    ("momentum", args.outer_momentum)) if v is not None}
+                                    ("momentum", args.outer_momentum), ("betas", betas), ("eps", args.outer_eps))
+                  if v is not None}
     outer = OuterConfig(**outer_opts) if outer_opts else None
     res = manual_merge(args.inputs, args.out, method=args.method, weights=weights, base=args.base, params=params,
                        outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20)

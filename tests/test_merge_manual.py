@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import struct
 
@@ -85,9 +84,35 @@ def test_ties_by_hand():
 def test_ties_scale_and_base_by_hand():
     base = torch.tensor([10.0, 10.0])
     ts = [torch.tensor([12.0, 9.0]), torch.tensor([14.0, 11.0])]  # task vectors [2,-1], [4,1]
-    # density 1: no trimming; signs: [+, 0 -> sum 0 -> sign 0: no entry agrees] -> [3, 0]; scale .5
+    # density 1: no trimming; sums [6, 0]: signs [+, + (a sum of exactly 0 elects +, as mergekit)]
+    # agreeing means [3, 1]; scale .5 -> base + [1.5, 0.5]
     out = ties(ts, [1.0, 1.0], base=base, density=1.0, scale=0.5)
-    assert torch.allclose(out, torch.tensor([11.5, 10.0]))
+    assert torch.equal(out, torch.tensor([11.5, 10.5]))
+    # normalize=False (mergekit's normalize: false): the agreeing entries' weighted sum [6, 1], scaled
+    assert torch.equal(ties(ts, [1.0, 1.0], base=base, density=1.0, scale=0.5, normalize=False), torch.tensor([13.0, 10.5]))
+
+
+def test_ties_keeps_int_of_density_times_n_as_mergekit():
+    # density 0.07 of 100 entries: 0.07 * 100 = 7.000000000000001 in floats; int() keeps 7, ceil() kept 8
+    tv = torch.arange(1.0, 101.0)  # distinct magnitudes 1..100
+    out = ties([tv], [1.0], base=torch.zeros(100), density=0.07)
+    assert torch.equal(out.nonzero().flatten(), torch.arange(93, 100))  # the 7 largest: 94..100
+    # density * n under 1 still keeps the largest entry (mergekit refuses k = 0)
+    assert torch.equal(ties([tv], [1.0], base=torch.zeros(100), density=0.001).nonzero().flatten(), torch.tensor([99]))
+
+
+def test_task_arithmetic_forms_each_task_vector_first():
+    # base 1, three fine-tunes one float32 step above it (1 + 2^-23): the exact answer, 1 + 3 * 2^-23,
+    # is a float32; summing the weights first gives 3 + 3 * 2^-23, which float32 cannot hold
+    base = torch.ones(1)
+    t = torch.full((1,), 1.0 + 2.0**-23)
+    assert torch.equal(task_arithmetic([t, t, t], [1.0, 1.0, 1.0], base=base), torch.full((1,), 1.0 + 3 * 2.0**-23))
+    # the issue's case against float64: K = 8 task vectors of 1e-5 on weights around 1
+    g = torch.Generator().manual_seed(0)
+    b = 1 + 0.1 * torch.randn(100_000, generator=g)
+    fts = [b + 1e-5 * torch.randn(100_000, generator=g) for _ in range(8)]
+    exact = b.double() + sum(f.double() - b.double() for f in fts)
+    assert (task_arithmetic(fts, [1.0] * 8, base=b).double() - exact).abs().max() < 2.5e-7  # was 1.7e-6
 
 
 def test_median_by_hand():
@@ -111,12 +136,12 @@ def _oracle(method, models, weights, base=None, density=0.2, scale=1.0):
         elif method == "ties":
             tv = (xs - base[k].double()).reshape(len(models), -1)
             n = tv.shape[1]
-            kk = math.ceil(density * n)
+            kk = max(1, int(density * n))  # mergekit's count (sparsify.magnitude)
             for i in range(len(models)):  # plain top-k by sorting
                 thresh = tv[i].abs().sort(descending=True).values[kk - 1]
                 tv[i] = torch.where(tv[i].abs() >= thresh, tv[i], torch.zeros(()))
             wf = w.reshape(-1, 1)
-            sign = torch.sign((wf * tv).sum(0))
+            sign = torch.where((wf * tv).sum(0) >= 0, 1.0, -1.0).double()  # mergekit: a tie elects +
             agree = ((torch.sign(tv) == sign) & (tv != 0)).double()
             den = (wf * agree).sum(0)
             mean = torch.where(den > 0, (wf * tv * agree).sum(0) / den.clamp_min(1e-300), torch.zeros(()))
@@ -408,6 +433,40 @@ def test_cli_merge(tmp_path, capsys):
     assert torch.equal(load_file(str(tmp_path / "o.safetensors"))["w"], torch.full((2, 2), 3.0))  # sgd lr 1 = average
     assert main(["merge", paths[0], "--out", str(tmp_path / "x.safetensors"), "--method", "ties"]) == 2
     assert "method ties needs a base model" in capsys.readouterr().out
+
+
+def test_cli_outer_adam_betas_and_eps_reach_torch_optim(tmp_path, capsys):
+    from orchestrator.cli import build_parser, main
+    w0, w1 = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.0, 1.0, 0.25])
+    base, ft = str(tmp_path / "g.safetensors"), str(tmp_path / "w.safetensors")
+    save_file({"w": w0}, base)
+    save_file({"w": w1}, ft)
+    out = str(tmp_path / "o.safetensors")
+    assert main(["merge", ft, "--out", out, "--method", "outer", "--base", base, "--outer-optimizer", "adam",
+                 "--outer-lr", "0.5", "--outer-betas", "0.8,0.99", "--outer-eps", "0.001"]) == 0
+    p = torch.nn.Parameter(w0.clone())  # the oracle: torch.optim.Adam's first step on the pseudo-gradient
+    opt = torch.optim.Adam([p], lr=0.5, betas=(0.8, 0.99), eps=0.001)
+    p.grad = w0 - w1
+    opt.step()
+    assert torch.equal(load_file(out)["w"], p.detach())
+    for bad, why in ((["--outer-betas", "0.9"], "--outer-betas '0.9' is not two numbers in [0, 1)"),
+                     (["--outer-eps", "0"], "--outer-eps 0.0 must be a positive number")):
+        assert main(["merge", ft, "--out", out, "--method", "outer", "--base", base, *bad]) == 2
+        assert why in capsys.readouterr().out
+    text = build_parser()._subparsers._group_actions[0].choices["merge"].format_help()
+    assert "(default 0.9,0.95)" in text and "(default 0.1" in text and "--no-ties-normalize" in text
+
+
+def test_cli_no_ties_normalize_sums_the_agreeing_entries(tmp_path):
+    from orchestrator.cli import main
+    base, a, b = (str(tmp_path / f"{n}.safetensors") for n in "gab")
+    save_file({"w": torch.tensor([10.0, 10.0])}, base)
+    save_file({"w": torch.tensor([12.0, 9.0])}, a)
+    save_file({"w": torch.tensor([14.0, 11.0])}, b)
+    for flag, want in (("--ties-normalize", [13.0, 11.0]), ("--no-ties-normalize", [16.0, 11.0])):
+        out = str(tmp_path / f"{flag}.safetensors")
+        assert main(["merge", a, b, "--out", out, "--method", "ties", "--base", base, "--density", "1", flag]) == 0
+        assert torch.equal(load_file(out)["w"], torch.tensor(want))  # as test_ties_scale_and_base_by_hand, scale 1
 
 
 # -- properties of the maths ------------------------------------------------------------------
