@@ -4,7 +4,7 @@ What the command line needs before it knows it will merge lives here, free of to
 `orchestrate --help` does not load it (merge/methods.py's table is checked against it by a test).
 """
 
-METHOD_NAMES = ("average", "median", "outer", "task-arithmetic", "ties")
+METHOD_NAMES = ("average", "median", "outer", "slerp", "task-arithmetic", "ties")
 """The methods `orchestrate merge --method` takes: the keys of merge.methods.METHODS."""
 
 DEFAULT_BUFFER_BYTES = 256 << 20

@@ -17,6 +17,7 @@ first, reading one whole tensor of one input at a time.
 | task-arithmetic | base + scale * sum_i w_i (t_i - base)            (Ilharco et al. 2023)       |
 | ties            | base + scale * disjoint-mean(trim(t_i - base))   (Yadav et al. 2023)         |
 | median          | element-wise median of the inputs (mean of the middle two for even K)        |
+| slerp           | s0(t, angle) a + s1(t, angle) b: spherical interpolation of two models       |
 | outer           | one DiLoCo outer step from base with the pseudo-gradient base - average      |
 """
 from __future__ import annotations
@@ -123,6 +124,42 @@ def ties_thresholds(inputs: Sequence[Any], base: Any, params: Mapping[str, Any])
     return out
 
 
+SLERP_COLINEAR = 0.9995
+"""|cos| of the angle above which SLERP takes the straight line (mergekit's DOT_THRESHOLD)."""
+
+
+def slerp(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, t: float = 0.5,
+          aux: tuple[float, float] | None = None, **_: object) -> torch.Tensor:
+    """Spherical interpolation of two models, per tensor: s0 * a + s1 * b, where s0, s1 come from
+    the angle between the two whole tensors (`slerp_coefficients`; the engine feeds slices and
+    passes them as `aux`). t = 0 gives a, t = 1 gives b; weights are not used."""
+    a, b = tensors
+    s0, s1 = aux if aux is not None else slerp_coefficients_of(a, b, t)
+    return torch.mul(_f32(a), s0).add_(_f32(b), alpha=s1)
+
+
+def slerp_coefficients_of(a: torch.Tensor, b: torch.Tensor, t: float) -> tuple[float, float]:
+    """SLERP's two coefficients for whole tensors a and b, as mergekit computes them: from the
+    angle between their directions (a zero-norm tensor is taken as it is), the straight line
+    (1 - t, t) when they are nearly colinear."""
+    a64, b64 = a.reshape(-1).to(torch.float64), b.reshape(-1).to(torch.float64)
+    na, nb = float(a64.norm()), float(b64.norm())
+    dot = float(torch.dot(a64, b64)) / ((na if na > 1e-8 else 1.0) * (nb if nb > 1e-8 else 1.0))
+    if abs(dot) > SLERP_COLINEAR:
+        return 1.0 - t, t
+    theta = math.acos(dot)
+    return math.sin((1 - t) * theta) / math.sin(theta), math.sin(t * theta) / math.sin(theta)
+
+
+def slerp_coefficients(inputs: Sequence[Any], base: Any, params: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """Every float tensor's SLERP coefficients, reading the two whole tensors one at a time."""
+    out = {}
+    for name, (f, spec) in inputs[0].tensors.items():
+        if spec.dtype in FLOATS:
+            out[name] = slerp_coefficients_of(f.read(name), inputs[1].tensors[name][0].read(name), params.get("t", 0.5))
+    return out
+
+
 def median(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: object) -> torch.Tensor:
     """Element-wise median; for an even count, the mean of the two middle values. Unweighted."""
     if len(tensors) == 1:
@@ -170,6 +207,15 @@ def _check_scale(p: Mapping[str, Any]) -> list[str]:
     return [] if isinstance(s, (int, float)) and math.isfinite(s) else [f"scale must be a finite number, got {s!r}"]
 
 
+def _check_t(p: Mapping[str, Any]) -> list[str]:
+    t = p.get("t", 0.5)
+    return [] if isinstance(t, (int, float)) and 0 <= t <= 1 else [f"t must be in [0, 1], got {t!r}"]
+
+
+def _two(w: Sequence[float]) -> list[str]:
+    return [] if len(w) == 2 else [f"slerp interpolates exactly two models; got {len(w)}"]
+
+
 def _check_normalize(p: Mapping[str, Any]) -> list[str]:
     n = p.get("normalize", True)
     return [] if isinstance(n, bool) else [f"normalize must be true or false, got {n!r}"]
@@ -215,6 +261,7 @@ METHODS: dict[str, Method] = {
                    checks=(_check_density, _check_scale, _check_normalize),
                    prepare=ties_thresholds),
     "median": Method(median, weight_checks=(_uniform,)),
+    "slerp": Method(slerp, params=("t",), checks=(_check_t,), weight_checks=(_two, _uniform), prepare=slerp_coefficients),
     "outer": Method(outer, needs_base=True, params=("optimizer", "inner"), checks=(_check_optimizer,),
                     stateful=True, propagates_nonfinite=True),  # when `inner` does: see the engine
 }

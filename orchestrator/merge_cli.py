@@ -28,6 +28,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--base", help="the inputs' common starting point (task-arithmetic, ties, outer)")
     p.add_argument("--density", type=float, help="ties: fraction of each task vector kept (default 0.2)")
     p.add_argument("--scale", type=float, help="task-arithmetic, ties: factor on the merged task vector (default 1.0)")
+    p.add_argument("--t", type=float, dest="slerp_t",
+                   help="slerp: where between the two inputs, 0 (the first) to 1 (the second) (default 0.5)")
     p.add_argument("--ties-normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="ties: divide the agreeing entries' weighted sum by their weights (mergekit's normalize; "
                         "default: on)")
@@ -56,7 +58,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
             weights = [float(w) for w in args.weights.split(",")]
         except ValueError:
             raise MergeError([f"--weights {args.weights!r} is not a comma-separated list of numbers"]) from None
-    params = {k: v for k, v in (("density", args.density), ("scale", args.scale), ("normalize", args.ties_normalize))
+    params = {k: v for k, v in (("density", args.density), ("scale", args.scale), ("normalize", args.ties_normalize),
+              ("t", args.slerp_t))
               if v is not None}
     betas = None
     if args.outer_betas:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import struct
 
@@ -24,7 +25,7 @@ from core.checkpoint import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
 from merge.manual import MergeError, manual_merge
-from merge.methods import average, check_method_args, median, task_arithmetic, ties
+from merge.methods import average, check_method_args, median, slerp, task_arithmetic, ties
 
 _ids = itertools.count()
 
@@ -113,6 +114,35 @@ def test_task_arithmetic_forms_each_task_vector_first():
     fts = [b + 1e-5 * torch.randn(100_000, generator=g) for _ in range(8)]
     exact = b.double() + sum(f.double() - b.double() for f in fts)
     assert (task_arithmetic(fts, [1.0] * 8, base=b).double() - exact).abs().max() < 2.5e-7  # was 1.7e-6
+
+
+def test_slerp_by_hand():
+    # orthogonal a = [2, 0], b = [0, 3]: angle pi/2; t = 0.5 -> s0 = s1 = sin(pi/4) / sin(pi/2) = 0.7071
+    a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 3.0])
+    assert torch.allclose(slerp([a, b], [1, 1], t=0.5), torch.tensor([2.0, 3.0]) * math.sqrt(0.5))
+    assert torch.equal(slerp([a, b], [1, 1], t=0.0), a) and torch.allclose(slerp([a, b], [1, 1], t=1.0), b)
+    # colinear ([1, 1] and [2, 2]): the straight line, 0.75 a + 0.25 b
+    assert torch.equal(slerp([torch.ones(2), torch.full((2,), 2.0)], [1, 1], t=0.25), torch.full((2,), 1.25))
+
+
+def test_slerp_streamed_in_slices_matches_mergekits_formula_in_float64(tmp_path):
+    a, b = _model(1), _model(2)
+    paths = [_save(str(tmp_path / f"{n}.safetensors"), m) for n, m in (("a", a), ("b", b))]
+    out = str(tmp_path / "s.safetensors")
+    manual_merge(paths, out, method="slerp", params={"t": 0.3}, buffer_bytes=1)  # 1-byte buffers: many slices
+    got = load_file(out)
+    for k in a:  # mergekit's slerp (merge_methods/slerp.py), written out in float64
+        x, y = a[k].double().reshape(-1), b[k].double().reshape(-1)
+        dot = float((x / x.norm()) @ (y / y.norm()))
+        if abs(dot) > 0.9995:  # nearly colinear (the 1-element tensor): the straight line
+            s0, s1 = 0.7, 0.3
+        else:
+            theta = math.acos(dot)
+            s0, s1 = math.sin(0.7 * theta) / math.sin(theta), math.sin(0.3 * theta) / math.sin(theta)
+        want = s0 * a[k].double() + s1 * b[k].double()
+        assert torch.allclose(got[k].double(), want, rtol=1e-6, atol=1e-6), k
+    problems = check_method_args("slerp", [1.0, 1.0, 1.0], {"t": 1.5}, has_base=False)
+    assert problems == ["slerp interpolates exactly two models; got 3", "t must be in [0, 1], got 1.5"]
 
 
 def test_median_by_hand():
@@ -402,7 +432,7 @@ def test_failed_outer_merge_keeps_the_old_state(tmp_path):
     ({"weights": [1.0, -1.0]}, "weights must sum to a positive number"),
     ({"method": "median", "weights": [1.0, 2.0]}, "median is unweighted"),
     ({"method": "average", "state": "s.safetensors"}, "--outer-state are for --method outer"),
-    ({"method": "nope"}, "valid methods: average, median, outer, task-arithmetic, ties"),
+    ({"method": "nope"}, "valid methods: average, median, outer, slerp, task-arithmetic, ties"),
 ])
 def test_bad_arguments_are_refused_before_reading(tmp_path, kw, pattern):
     paths = _pair(tmp_path, {"w": torch.ones(2, 2), "b": torch.ones(2)})
@@ -539,3 +569,17 @@ def test_ties_streamed_in_slices_equals_ties_on_whole_tensors(tmp_path, monkeypa
     for k in shapes:
         want = ties([m[k] for m in models], [1, 2, 3], base=base[k], density=0.3)
         assert torch.equal(got[k], want.reshape(got[k].shape)), k
+
+
+def test_cli_slerp_of_two_models(tmp_path, capsys):
+    from orchestrator.cli import main
+    a, b, c = (str(tmp_path / f"{n}.safetensors") for n in "abc")
+    save_file({"w": torch.ones(2)}, a)
+    save_file({"w": torch.full((2,), 2.0)}, b)
+    save_file({"w": torch.full((2,), 3.0)}, c)
+    out = str(tmp_path / "s.safetensors")
+    assert main(["merge", a, b, "--out", out, "--method", "slerp", "--t", "0.25"]) == 0
+    assert torch.equal(load_file(out)["w"], torch.full((2,), 1.25))  # colinear: 0.75 a + 0.25 b
+    assert main(["merge", a, b, c, "--out", out, "--method", "slerp"]) == 2
+    assert "slerp interpolates exactly two models; got 3" in capsys.readouterr().out
+
