@@ -39,6 +39,17 @@ def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
     assert st["state"] == "done" and st["rounds_done"] == 2 and st["algorithm"] == "diloco"
     assert [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]]
     assert all(r["dropped"] == [] and r["rejected"] == [] and r["bytes_read"] > 0 for r in st["rounds"])
+    # after the run, status says how each local job ended, from its files (not RUNNING as at each
+    # commit); a persistent worker ends just after its last contribution, once its state is written
+    deadline = time.time() + 30
+    while True:
+        later = _status(run, capsys)
+        jobs = [j for r in later["rounds"] for j in r["jobs"].values()]
+        if not any(j["state"] == "RUNNING" for j in jobs):
+            break
+        assert time.time() < deadline, jobs
+        time.sleep(0.2)
+    assert later["scheduler"] == "answered" and all(j["state"] == "COMPLETED" and j["run_s"] > 0 for j in jobs), jobs
     losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]
     assert losses[1] < losses[0]
     # the export loads back into the built-in model with one call
