@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from core.config import OuterConfig
 from merge import DEFAULT_BUFFER_BYTES, METHOD_NAMES  # torch-free: `orchestrate --help` never loads torch
+
+OUTER = OuterConfig()  # the defaults --help shows
 
 EXAMPLES = """examples:
   orchestrate merge a.safetensors b.safetensors --out soup.safetensors
@@ -34,11 +37,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="ties: divide the agreeing entries' weighted sum by their weights (mergekit's normalize; "
                         "default: on)")
     p.add_argument("--outer-optimizer", choices=["nesterov", "sgd", "sgdm", "adam"],
-                   help="outer: the torch.optim optimizer of the outer step (default nesterov)")
-    p.add_argument("--outer-lr", type=float, help="outer: learning rate (default 0.7)")
-    p.add_argument("--outer-momentum", type=float, help="outer: momentum for nesterov/sgdm (default 0.9)")
-    p.add_argument("--outer-betas", metavar="B1,B2", help="outer: Adam's betas for adam (default 0.9,0.95)")
-    p.add_argument("--outer-eps", type=float, help="outer: Adam's epsilon for adam (default 0.1, the DiLoCo paper's)")
+                   help=f"outer: the torch.optim optimizer of the outer step (default {OUTER.optimizer})")
+    p.add_argument("--outer-lr", type=float, help=f"outer: learning rate (default {OUTER.lr})")
+    p.add_argument("--outer-momentum", type=float, help=f"outer: momentum for nesterov/sgdm (default {OUTER.momentum})")
+    p.add_argument("--outer-betas", metavar="B1,B2", help=f"outer: Adam's betas for adam (default {OUTER.betas[0]},{OUTER.betas[1]})")
+    p.add_argument("--outer-eps", type=float, help=f"outer: Adam's epsilon for adam (default {OUTER.eps}, the DiLoCo paper's)")
     p.add_argument("--outer-state", metavar="STATE",
                    help="outer: optimizer state file, read if it exists and replaced by the new state")
     p.add_argument("--buffer-mib", type=int, default=DEFAULT_BUFFER_BYTES >> 20,
@@ -48,7 +51,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from core.config import OuterConfig
     from merge.manual import MergeError, manual_merge
     from orchestrator.console import console
 
