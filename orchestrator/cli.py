@@ -171,8 +171,8 @@ def _drive(storage: Storage, args: argparse.Namespace) -> int:
     storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
     t0 = time.monotonic()
     try:
-        view = RunView(console, storage, cfg, run_status(storage)["rounds_done"])
         service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()))
+        view = RunView(console, storage, cfg, service.first_open_round())
         console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
                       f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}")
         with view.live():

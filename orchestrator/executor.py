@@ -168,12 +168,7 @@ class Executor:
 
     def stderr_tail(self, job_id: str, lines: int = 15) -> str:
         """The end of a job's stderr: why it ended without a contribution."""
-        job = self._jobs.get(job_id)
-        path = job.paths.stderr if job is not None else submitit.core.utils.JobPaths(self.folder / "%j", job_id).stderr
-        try:
-            text = Path(path).read_text(errors="replace")
-        except OSError:
-            return ""
+        text = _tail(submitit.core.utils.JobPaths(self.folder / "%j", job_id).stderr, 256 * lines)
         return "\n".join(text.strip().splitlines()[-lines:])
 
 

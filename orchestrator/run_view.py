@@ -82,7 +82,8 @@ class RunView:
         r, total, now = self.current, self.cfg.rounds, time.monotonic()
         head = f"round {r} ({r + 1}/{total}) running for {duration(now - self.last)}"
         if (eta := self.eta()) is not None:
-            rate = 3600 * len(self.measured) / sum(self.measured) if sum(self.measured) > 0 else 0.0
+            spent = sum(self.measured)
+            rate = 3600 * len(self.measured) / spent if spent > 0 else 0.0
             head += f", ETA {duration(max(0.0, eta - (now - self.last)))}, {rate:.0f} rounds/h"
         lines = [Text(head, style="bold")]
         arrived = set(arrived_workers(self.storage, r)) if r < total else set()

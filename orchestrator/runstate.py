@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from core.config import Config, config_from_dict
-from core.errors import RunError, StorageError
+from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.records import RoundJobs
@@ -41,9 +41,9 @@ def arrived_workers(storage: Storage, r: int) -> list[int]:
                   and manifest_key(L.contribution(r, w)).rsplit("/", 1)[-1] in names)
 
 
-def run_status(storage: Storage) -> dict[str, Any]:
-    """What `orchestrate status --json` prints; read from storage alone."""
-    cfg = load_run(storage)
+def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
+    """What `orchestrate status --json` prints; read from storage alone (`cfg`: the run's, if read already)."""
+    cfg = cfg or load_run(storage)
     rounds = []
     r = 0
     while (rec := storage.read_json(L.round_record(r))) is not None:
@@ -76,7 +76,7 @@ def read_heartbeat(storage: Storage, worker: int) -> dict[str, Any] | None:
     write it, so it is read as untrusted (a planted or torn file shows as no heartbeat)."""
     try:
         raw = storage.read_json(L.worker_progress(worker), limit=HEARTBEAT_LIMIT)
-    except (StorageError, OSError):
+    except (IslandsError, OSError):  # absent, not JSON, over the limit, unreadable
         return None
     ints = ("round", "step", "steps")
     if not isinstance(raw, dict) or not all(type(raw.get(k)) is int for k in ints):

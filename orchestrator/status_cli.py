@@ -17,7 +17,7 @@ from typing import Any
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.console import console
-from orchestrator.run_view import duration
+from orchestrator.run_view import duration, worker_state
 from orchestrator.runstate import load_run, run_status
 
 L = RunLayout()
@@ -28,8 +28,8 @@ def status_with_jobs(storage: Storage, jobs_folder: str) -> dict[str, Any]:
     from orchestrator.executor import Executor
     from orchestrator.slurm import unreachable
 
-    status = run_status(storage)
     cfg = load_run(storage)
+    status = run_status(storage, cfg)
     entries = [v for r in status["rounds"] for v in (r["jobs"] or {}).values() if isinstance(v, dict) and "job_id" in v]
     current = status["current_round"]
     if current:
@@ -61,7 +61,8 @@ def status_table(status: dict[str, Any]) -> Any:
         table.add_section()
         for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
             table.add_row(f"{current['round']} (w{w})", "", f"job {v['job_id']} {v.get('state', '')}",
-                          _times(v), "", _steps(int(w), v, current), "", "")
+                          _times(v), "", worker_state(int(w), current["round"], set(current["arrived"]), v.get("progress")),
+                          "", "")
     return table
 
 
@@ -73,16 +74,6 @@ def _times(job: dict[str, Any]) -> str:
     parts = [f"{label} {duration(job[k])}" for label, k in (("queued", "queue_wait_s"), ("ran", "run_s"))
              if job.get(k) is not None]
     return ", ".join(parts)
-
-
-def _steps(w: int, job: dict[str, Any], current: dict[str, Any]) -> str:
-    if w in current["arrived"]:
-        return "published"
-    p = job.get("progress")
-    if not p or p["round"] != current["round"]:
-        return ""
-    loss = "" if p["loss"] is None else f" loss {p['loss']:.3f}"
-    return f"step {p['step']}/{p['steps']}{loss}"
 
 
 def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
@@ -118,7 +109,7 @@ def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:
 
     storage = Storage(args.run)
     cfg = load_run(storage)
-    status = run_status(storage)
+    status = run_status(storage, cfg)
     if status["state"] != "running":
         console.print(f"nothing to cancel: the run is {status['state']}", markup=False)
         return 0

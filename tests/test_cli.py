@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from orchestrator.cli import build_parser, main
 from orchestrator.executor import CANCELLED_MARK, FAILED_LINE, local_job_status
 from orchestrator.run_models import create_run
 from orchestrator.run_view import duration, round_line
+from orchestrator.runstate import read_heartbeat
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -243,3 +245,40 @@ def _processes_of(run: Path) -> list[str]:
             if str(run) in text:
                 found.append(text)
     return found
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, corpus_cache):
+    """SIGINT to the whole process group, as a terminal sends it: the workers (started with SIGINT
+    ignored) print no KeyboardInterrupt; the service stops them itself and says how to go on."""
+    run, out = tmp_path / "run", tmp_path / "out.txt"
+    args = ["submit", "--workers", "2", "--rounds", "50", "--inner-steps", "300", "--run-dir", str(run),
+            "--set", f"data.cache_dir={corpus_cache}", *TINY]
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        s = Storage(str(run))
+        _wait(lambda: (read_heartbeat(s, 1) or {}).get("step", 0) > 0, 120, out)  # the workers are training
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, out.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    _wait(lambda: not _processes_of(run), 30, out)
+    text = out.read_text()
+    assert f"interrupted: this run's local jobs are stopped; `orchestrate resume {run}` continues the run" in text
+    assert "Traceback" not in text, text[-3000:]
+    logs = "".join(p.read_text(errors="replace") for p in (run / "jobs").rglob("*.err"))
+    assert "KeyboardInterrupt" not in logs and "Traceback" not in logs, logs[-3000:]
+
+
+def test_a_planted_heartbeat_is_no_heartbeat(tmp_path, corpus_cache):
+    run = _tiny_run(tmp_path, corpus_cache)
+    s = Storage(run)
+    for junk in (b'{"round": "0", "step": 3, "steps": 5}', b"[1, 2]", b"{not json", b"x" * 10_000):
+        s.write_bytes("workers/worker_000/progress.json", junk)
+        assert read_heartbeat(s, 0) is None, junk[:40]
+    s.write_bytes("workers/worker_000/progress.json", b'{"round": 0, "step": 3, "steps": 5, "loss": "nan?"}')
+    assert read_heartbeat(s, 0) == {"round": 0, "step": 3, "steps": 5, "loss": None}
+

@@ -50,6 +50,9 @@ def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
         assert time.time() < deadline, jobs
         time.sleep(0.2)
     assert later["scheduler"] == "answered" and all(j["state"] == "COMPLETED" and j["run_s"] > 0 for j in jobs), jobs
+    assert all(r["wall_s"] > 0 for r in later["rounds"])  # each round's first submission to its commit
+    assert main(["cancel", str(run)]) == 0 and "nothing to cancel: the run is done" in capsys.readouterr().out
+    assert not Storage(str(run)).exists("CANCEL")
     losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]
     assert losses[1] < losses[0]
     # the export loads back into the built-in model with one call

@@ -64,7 +64,7 @@ class RunData:
 def collect(storage: Storage, now: float | None = None) -> RunData:
     """Everything but the outer-gradient statistics (see outer_stats_cached)."""
     cfg = load_run(storage)  # raises "... is not a run directory" for anything else
-    status = run_status(storage)
+    status = run_status(storage, cfg)
     lines = read_metrics(storage, cfg)
     r = sum(1 for line in lines if line["kind"] == "round")
     current = None
