@@ -255,8 +255,11 @@ def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, c
     args = ["submit", "--workers", "2", "--rounds", "50", "--inner-steps", "300", "--run-dir", str(run),
             "--set", f"data.cache_dir={corpus_cache}", *TINY]
     with open(out, "wb") as f:
+        # as a terminal's foreground job: SIGINT at its default (a test run in the background of a
+        # non-interactive shell, as CI's, inherits it ignored, and Python then never raises KeyboardInterrupt)
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         s = Storage(str(run))
         _wait(lambda: (read_heartbeat(s, 1) or {}).get("step", 0) > 0, 120, out)  # the workers are training
