@@ -186,6 +186,17 @@ class RoundConfig:
     paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the kept values are
     stored with their column index (2 bytes each for rows up to 32768 wide): it saves bytes only
     below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
+    aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
+    """How a round combines its contributions before the outer step: `mean`, weighted by each
+    contribution's weight (DiLoCo, FedAvg); `median`, element-wise (Flower's FedMedian); or
+    `trimmed_mean`, per element the mean of what is left once `round.trim` of the contributions
+    are dropped at each end (Flower's FedTrimmedAvg). The last two are unweighted, so that one
+    valid-looking but wrong contribution cannot drag a round; they read every contribution again
+    at the merge (K x the largest tensor in memory) instead of using the running sum alone. Not
+    with `lte` nor late_policy `fold` (which weighs late contributions down)."""
+    trim: float = 0.2
+    """`trimmed_mean` only: int(trim x K) contributions dropped at each end, per element (Flower's
+    beta); in [0, 0.5)."""
     stream_merge: bool = True
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
     worker lands reads one contribution instead of K. The service also holds the round's global

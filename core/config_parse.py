@@ -187,6 +187,10 @@ def check(cfg: Config) -> list[str]:
          "round.contribution=delta does not apply to lte, whose workers send LoRA heads: drop it")
     need(rc.contribution == "weights" or rc.late_policy != "fold",
          "round.contribution=delta with round.late_policy=fold is not supported yet: use late_policy continue or drop")
+    need(rc.aggregate == "mean" or (cfg.algorithm != "lte" and rc.late_policy != "fold"),
+         f"round.aggregate={rc.aggregate} is unweighted and per element: it does not apply to lte (LoRA heads) nor "
+         "to late_policy=fold (late contributions weighed down): use aggregate mean, or late_policy continue or drop")
+    need(0 <= rc.trim < 0.5, f"round.trim must be in [0, 0.5), got {rc.trim}")
     m = cfg.model
     need(min(m.n_layer, m.n_head, m.n_embd, m.block_size) >= 1, "model sizes (n_layer, n_head, n_embd, block_size) must be >= 1")
     need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,

@@ -218,14 +218,18 @@ def run_merge(inputs: Sequence[Model], weights: Sequence[float], method: str, ou
             m.close()
 
 
-def _plan(outputs: list[OutputFile], n_lanes: int, buffer_bytes: int) -> list[_Segment]:
-    # slices of at most `chunk` elements: n_lanes * DEPTH float32 slices fill the buffer budget
+def _plan(outputs: list[OutputFile], n_lanes: int, buffer_bytes: int, rows: bool = False) -> list[_Segment]:
+    # slices of at most `chunk` elements (n_lanes * DEPTH float32 slices fill the buffer budget);
+    # with `rows`, of whole rows (one row when a row is longer than a chunk)
     chunk = max(_MIN_CHUNK, min(_MAX_CHUNK, buffer_bytes // max(1, n_lanes * DEPTH * 4)))
     segments = []
     for out in outputs:
         for name, dtype, shape, _ in out.specs:
             numel = math.prod(shape)
-            step = chunk if dtype in FLOATS else max(numel, 1)
+            row = 1
+            if rows:
+                row = numel // shape[0] if len(shape) >= 2 and shape[0] else max(numel, 1)
+            step = max(1, chunk // row) * row if dtype in FLOATS else max(numel, 1)
             segments += [_Segment(name, s, min(s + step, numel), numel, dtype in FLOATS)
                          for s in range(0, max(numel, 1), step)]
     return segments
@@ -259,7 +263,7 @@ def _run_merge(inputs, weights, spec, method, outputs, params, base, state_in, s
     writers: list[StreamWriter] = []
     try:
         n_lanes = len(inputs) + (base is not None) + (state_in is not None)
-        segments = _plan(outputs, n_lanes, buffer_bytes)
+        segments = _plan(outputs, n_lanes, buffer_bytes, spec.rows)
         order = [(n, d, s) for out in outputs for n, d, s, _ in out.specs]
         slots = state_slots(params["optimizer"]) if spec.stateful else []
         have = {}
@@ -345,7 +349,7 @@ def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, p
         kwargs["state"] = state
     if "aux" in params:
         kwargs["aux"] = params["aux"][seg.name]
-    result = spec.fn(parts, weights, **kwargs)
+    result = spec.fn(parts, weights, start=seg.start, **kwargs)
     if not finite(result):
         for m, p in named:
             if not finite(p):

@@ -17,6 +17,7 @@ file, by inode, whatever its name) is refused.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import posixpath
@@ -33,10 +34,12 @@ from core.errors import CheckpointError, IslandsError, StorageError
 from core.storage import Storage
 from merge.engine import DEFAULT_BUFFER_BYTES, run_merge
 from merge.inputs import INDEX, InputError, Model, compare_specs, open_file_model, open_model, split_url
-from merge.methods import check_method_args
+from merge.methods import check_method_args, with_defaults
 from merge.outer import state_out_specs
 from merge.writer import OutputFile
 
+MERGE_KEY = "islands.merge"
+"""safetensors metadata key of every output file: the method, inputs, weights and parameters as JSON."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 
 
@@ -89,6 +92,7 @@ def manual_merge(
         problems.append(f"outer-optimizer options and --outer-state are for --method outer, not {method}")
     problems += check_method_args(method, weights if len(weights) == len(inputs) else [1.0] * len(inputs), params,
                                   base is not None)
+    params = with_defaults(method, params)  # recorded with the output: a DARE merge's seed
     sources = {_norm(u): u for u in [*inputs, *([base] if base else [])]}
     for target in [out, *([state] if state else [])]:
         if _norm(target) in sources:
@@ -163,17 +167,22 @@ def _output_layout(ref: Model, out: str, method: str, inputs: Sequence[str], wei
                 for n in names for sp in [ref.tensors[n][1]]]
 
     layout = ref.layout()
+    note = {"method": method, "inputs": list(inputs), "weights": list(weights),
+            **{k: v for k, v in params.items() if isinstance(v, (int, float, str))}}
+    tag = {MERGE_KEY: json.dumps(note, sort_keys=True)}  # in every file: how it was made, a DARE seed included
+
+    def meta(m: Mapping[str, str] | None) -> dict[str, str]:
+        return {**dict(m or {}), **tag}
+
     if out.endswith(".safetensors"):
         parent, name = split_url(out)
         st = Storage(parent)
         names = [n for _, ns in layout for n in ns]
-        note = {"method": method, "inputs": list(inputs), "weights": list(weights),
-                **{k: v for k, v in params.items() if isinstance(v, (int, float, str))}}
-        return [OutputFile(st, name, specs(names), layout[0][0].metadata, note)], None, st
+        return [OutputFile(st, name, specs(names), meta(layout[0][0].metadata), note)], None, st
     st = Storage(out)
     if not ref.directory:
-        return [OutputFile(st, "model.safetensors", specs(layout[0][1]), layout[0][0].metadata)], None, st
-    files = [OutputFile(st, f.key, specs(names), f.metadata) for f, names in layout]
+        return [OutputFile(st, "model.safetensors", specs(layout[0][1]), meta(layout[0][0].metadata))], None, st
+    files = [OutputFile(st, f.key, specs(names), meta(f.metadata)) for f, names in layout]
     return files, (INDEX if ref.index is not None else None), st
 
 

@@ -6,31 +6,41 @@ Accumulation is always float32, whatever the inputs' dtype, so bf16 checkpoints 
 the sum. Methods that need the starting point of the inputs (task vectors are `input - base`)
 receive it as `base=`; the engine passes it only to methods registered with `needs_base`.
 
-Every method is element-wise (output element i depends only on element i of the inputs), so the
-engine feeds slices of big tensors and memory stays at a few MiB per input whatever the tensor
-sizes; what `ties` needs of a whole tensor (each input's trim threshold) its `prepare` computes
-first, reading one whole tensor of one input at a time.
+Every method is element-wise given a few numbers per whole tensor (output element i depends only
+on element i of the inputs, and on DELLA's ranks within its row), so the engine feeds slices and
+memory stays at a few MiB per input whatever the tensor sizes; those numbers (TIES's trim
+thresholds, SLERP's angle, Model Stock's ratio) a method's `prepare` computes first, reading whole
+tensors. The task-vector family (TIES, DARE, Breadcrumbs, DELLA) lives in merge.task_vectors.
 
-| method          | result                                                                      |
-|-----------------|-----------------------------------------------------------------------------|
-| average         | sum_i w_i t_i / sum_i w_i (lo-fi, model soups, FedAvg)                       |
-| task-arithmetic | base + scale * sum_i w_i (t_i - base)            (Ilharco et al. 2023)       |
-| ties            | base + scale * disjoint-mean(trim(t_i - base))   (Yadav et al. 2023)         |
-| median          | element-wise median of the inputs (mean of the middle two for even K)        |
-| slerp           | s0(t, angle) a + s1(t, angle) b: spherical interpolation of two models       |
-| outer           | one DiLoCo outer step from base with the pseudo-gradient base - average      |
+| method           | result                                                                     |
+|------------------|----------------------------------------------------------------------------|
+| average          | sum_i w_i t_i / sum_i w_i (lo-fi, model soups, FedAvg)                      |
+| task-arithmetic  | base + scale * sum_i w_i (t_i - base)            (Ilharco et al. 2023)      |
+| ties             | base + scale * disjoint-mean(top-k(t_i - base))  (Yadav et al. 2023)        |
+| dare-linear      | base + scale * sum_i w_i drop(t_i - base) / density (Yu et al. 2024)        |
+| dare-ties        | dare's random drop, then TIES's sign election                               |
+| breadcrumbs      | base + scale * sum_i w_i band(t_i - base)  (Davari & Belilovsky 2024)       |
+| breadcrumbs-ties | breadcrumbs' band, then TIES's sign election                                |
+| della            | DELLA's rank-weighted random drop, then TIES's election (Deep et al. 2024)  |
+| della-linear     | DELLA's drop, summed                                                        |
+| model-stock      | base + r (mean_i t_i - base), r from the task vectors' angle (Jang et al. 2024) |
+| median           | element-wise median of the inputs (mean of the middle two for even K)       |
+| slerp            | s0(t, angle) a + s1(t, angle) b: spherical interpolation of two models      |
+| outer            | one DiLoCo outer step from base with the pseudo-gradient base - average     |
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from core.config import OuterConfig
 from core.checkpoint import FLOATS
+from merge import METHOD_DEFAULTS, task_vectors
 from merge.outer import outer_step
 
 MergeFn = Callable[..., torch.Tensor]
@@ -49,11 +59,17 @@ def _weighted_sum(tensors: Sequence[torch.Tensor], coeffs: Sequence[float]) -> t
 
 
 def average(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: object) -> torch.Tensor:
-    """Weighted mean: lo-fi's final average, a model soup, the mean inside DiLoCo's outer gradient."""
+    """Weighted mean: lo-fi's final average, a model soup, the mean inside DiLoCo's outer gradient.
+    Summed input by input (one fused multiply-add each), then divided by the weights' sum: the
+    operations of mergekit's linear merge, so the two agree bit for bit."""
     total = float(sum(weights))
     if total <= 0:
         raise ValueError(f"weights must sum to a positive number, got {list(weights)}")
-    return _weighted_sum(tensors, [w / total for w in weights])
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
+    acc = torch.zeros_like(_f32(tensors[0]))
+    for t, c in zip(tensors, w):
+        acc.addcmul_(_f32(t), c)
+    return acc.div_(w.sum())
 
 
 def task_arithmetic(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
@@ -62,66 +78,12 @@ def task_arithmetic(tensors: Sequence[torch.Tensor], weights: Sequence[float], *
 
     Each task vector is formed before it is weighted: fine-tuned weights sit close to the base, so
     `t_i - base` is exact in float32, where `sum_i w_i t_i - (sum_i w_i) base` cancels large numbers
-    (1.7e-6 off a float64 reference for K = 8 task vectors of 1e-5 on weights of 1)."""
+    (1.7e-6 off a float64 reference for K = 8 task vectors of 1e-5 on weights of 1). The sum is
+    merge.task_vectors.combine's (mergekit's operations, bit for bit)."""
     b = _f32(base)
-    acc = torch.zeros_like(b)
-    for t, w in zip(tensors, weights):
-        acc.add_(_f32(t) - b, alpha=scale * float(w))  # one task vector at a time: memory is two tensors
-    return acc.add_(b)
-
-
-def ties(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
-         density: float = 0.2, scale: float = 1.0, normalize: bool = True, aux: Sequence[float] | None = None,
-         **_: object) -> torch.Tensor:
-    """TIES: trim each task vector to its top `density` fraction by magnitude, elect each element's
-    sign by the weighted sum of the trimmed vectors (a sum of exactly 0 elects +, as mergekit
-    does), then take the weighted mean of the entries that agree with the elected sign (zero where
-    none does; with `normalize=False` their weighted sum), scaled and added to base.
-
-    Trimming keeps the entries whose magnitude reaches the int(density * n)-th largest of their
-    task vector, mergekit's count (entries tied with it are all kept, where mergekit keeps the
-    first k). The engine feeds slices: `aux` then holds each input's threshold over the whole
-    tensor (`ties_thresholds`); without it the tensors are whole.
-    """
-    b = _f32(base)
-    thresholds = aux if aux is not None else [ties_threshold(t, b, density) for t in tensors]
-    trimmed = []
-    for t, thr in zip(tensors, thresholds):
-        tv = (_f32(t) - b).reshape(-1)
-        trimmed.append(tv.where(tv.abs() >= thr, torch.zeros((), dtype=tv.dtype)))
-    elected = torch.where(_weighted_sum(trimmed, weights) >= 0, 1.0, -1.0)
-    num = torch.zeros(b.numel(), dtype=torch.float32)
-    den = torch.zeros(b.numel(), dtype=torch.float32)
-    for tv, w in zip(trimmed, weights):
-        agree = (torch.sign(tv) == elected) & (tv != 0)
-        num.add_(tv * agree, alpha=float(w))
-        den.add_(agree.to(torch.float32), alpha=float(w))
-    merged = num / den.where(den != 0, torch.ones((), dtype=den.dtype)) if normalize else num
-    return b.add(merged.reshape(b.shape), alpha=float(scale))
-
-
-def ties_threshold(t: torch.Tensor, base: torch.Tensor, density: float) -> float:
-    """The magnitude an entry of the task vector `t - base` must reach to survive TIES's trim: its
-    int(density * n)-th largest magnitude, at least the largest (found in place, without sorting a copy)."""
-    n = base.numel()
-    if n == 0:
-        return 0.0
-    k = min(n, max(1, int(density * n)))
-    tv = t.to(torch.float32, copy=True).reshape(-1).sub_(_f32(base).reshape(-1)).abs_()
-    a = tv.numpy()
-    a.partition(n - k)
-    return float(a[n - k])
-
-
-def ties_thresholds(inputs: Sequence[Any], base: Any, params: Mapping[str, Any]) -> dict[str, list[float]]:
-    """Every input's trim threshold of every float tensor, reading one whole tensor of one input
-    at a time (merge.inputs.Model): the engine then streams TIES slice by slice."""
-    out: dict[str, list[float]] = {}
-    for name, (f, spec) in base.tensors.items():
-        if spec.dtype in FLOATS:
-            b = f.read(name).to(torch.float32)
-            out[name] = [ties_threshold(m.tensors[name][0].read(name), b, params.get("density", 0.2)) for m in inputs]
-    return out
+    tvs = [(_f32(t) - b).reshape(-1) for t in tensors]
+    merged = task_vectors.combine(tvs, weights, consensus=False, normalize=False)
+    return task_vectors.scaled_sum(b, merged, scale)
 
 
 SLERP_COLINEAR = 0.9995
@@ -157,6 +119,43 @@ def slerp_coefficients(inputs: Sequence[Any], base: Any, params: Mapping[str, An
     for name, (f, spec) in inputs[0].tensors.items():
         if spec.dtype in FLOATS:
             out[name] = slerp_coefficients_of(f.read(name), inputs[1].tensors[name][0].read(name), params.get("t", 0.5))
+    return out
+
+
+def model_stock(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
+                aux: float | None = None, **_: object) -> torch.Tensor:
+    """Model Stock: base + r (mean_i t_i - base), with r = K cos / (1 + (K - 1) cos) from the mean
+    cosine between the task vectors `t_i - base` of the whole tensor (`model_stock_ratio`; the
+    engine feeds slices and passes it as `aux`). Unweighted; needs two inputs or more."""
+    r = aux if aux is not None else model_stock_ratio([t.reshape(-1) - base.reshape(-1) for t in tensors])
+    avg = _weighted_sum(tensors, [1.0] * len(tensors)).div_(len(tensors))
+    return avg.mul_(r).add_(_f32(base), alpha=1.0 - r)
+
+
+def model_stock_ratio(offsets: Sequence[torch.Tensor], name: str = "") -> float:
+    """r from the task vectors' mean pairwise cosine (float64; a zero vector counts as orthogonal,
+    as in mergekit). Anti-aligned vectors (1 + (K - 1) cos near 0) have no ratio: an error."""
+    k = len(offsets)
+    o64 = [o.to(torch.float64) for o in offsets]
+    norms = [float(o.norm()) for o in o64]
+    cos = [max(-1.0, min(1.0, float(torch.dot(o64[i], o64[j])) / max(norms[i] * norms[j], 1e-6)))
+           for i in range(k) for j in range(i + 1, k)]
+    c = sum(cos) / len(cos)
+    if 1 + (k - 1) * c < 1e-6:
+        raise ValueError(f"model-stock: the task vectors of tensor {name or '?'} point in opposite directions "
+                         f"(mean cosine {c:.3f}), which leaves the interpolation ratio undefined; merge them "
+                         "with another method")
+    return k * c / (1 + (k - 1) * c)
+
+
+def model_stock_ratios(inputs: Sequence[Any], base: Any, params: Mapping[str, Any]) -> dict[str, float]:
+    """Every float tensor's Model Stock ratio, reading the K whole tensors of one name at a time."""
+    out = {}
+    for name, (f, spec) in base.tensors.items():
+        if spec.dtype in FLOATS:
+            b = f.read(name).to(torch.float32).reshape(-1)
+            out[name] = model_stock_ratio([m.tensors[name][0].read(name).to(torch.float32).reshape(-1) - b
+                                           for m in inputs], name)
     return out
 
 
@@ -197,9 +196,19 @@ def _stepped(step: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], s
 
 
 # -- the registry ---------------------------------------------------------------------------
-def _check_density(p: Mapping[str, Any]) -> list[str]:
-    d = p.get("density", 0.2)
-    return [] if isinstance(d, (int, float)) and 0 < d <= 1 else [f"density must be in (0, 1], got {d!r}"]
+def _number(key: str, lo: float, hi: float, lo_open: bool = True, hi_open: bool = False):
+    def check(p: Mapping[str, Any]) -> list[str]:
+        v = p.get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (lo < v if lo_open else lo <= v) and (
+            v < hi if hi_open else v <= hi)
+        return [] if ok else [f"{key} must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {v!r}"]
+    return check
+
+
+def _flag(key: str):
+    def check(p: Mapping[str, Any]) -> list[str]:
+        return [] if isinstance(p.get(key), bool) else [f"{key} must be true or false, got {p.get(key)!r}"]
+    return check
 
 
 def _check_scale(p: Mapping[str, Any]) -> list[str]:
@@ -207,18 +216,17 @@ def _check_scale(p: Mapping[str, Any]) -> list[str]:
     return [] if isinstance(s, (int, float)) and math.isfinite(s) else [f"scale must be a finite number, got {s!r}"]
 
 
-def _check_t(p: Mapping[str, Any]) -> list[str]:
-    t = p.get("t", 0.5)
-    return [] if isinstance(t, (int, float)) and 0 <= t <= 1 else [f"t must be in [0, 1], got {t!r}"]
+def _check_seed(p: Mapping[str, Any]) -> list[str]:
+    s = p.get("seed")
+    return [] if isinstance(s, int) and not isinstance(s, bool) and s >= 0 else [f"seed must be an integer >= 0, got {s!r}"]
 
 
-def _two(w: Sequence[float]) -> list[str]:
-    return [] if len(w) == 2 else [f"slerp interpolates exactly two models; got {len(w)}"]
-
-
-def _check_normalize(p: Mapping[str, Any]) -> list[str]:
-    n = p.get("normalize", True)
-    return [] if isinstance(n, bool) else [f"normalize must be true or false, got {n!r}"]
+def _check_epsilon(p: Mapping[str, Any]) -> list[str]:
+    d, e = p.get("density"), p.get("epsilon")
+    if isinstance(d, (int, float)) and isinstance(e, (int, float)) and e >= 0 and d - e > 0 and d + e <= 1:
+        return []
+    return [f"DELLA keeps entries with probabilities density - epsilon to density + epsilon: they must lie in "
+            f"(0, 1], got density {d!r}, epsilon {e!r}"]
 
 
 def _check_optimizer(p: Mapping[str, Any]) -> list[str]:
@@ -229,19 +237,32 @@ def _positive_sum(w: Sequence[float]) -> list[str]:
     return [] if sum(w) > 0 else [f"weights must sum to a positive number, got {list(w)}"]
 
 
-def _uniform(w: Sequence[float]) -> list[str]:
-    return [] if len(set(w)) <= 1 else [f"median is unweighted; drop the weights (got {list(w)})"]
+def _count(method: str, lo: int, hi: int | None = None):
+    def check(w: Sequence[float]) -> list[str]:
+        ok = lo <= len(w) and (hi is None or len(w) <= hi)
+        want = f"exactly {lo}" if hi == lo else f"at least {lo}"
+        return [] if ok else [f"{method} takes {want} input models; got {len(w)}"]
+    return check
+
+
+def _unweighted(method: str):
+    def check(w: Sequence[float]) -> list[str]:
+        return [] if len(set(w)) <= 1 else [f"{method} is unweighted; drop the weights (got {list(w)})"]
+    return check
 
 
 @dataclass(frozen=True)
 class Method:
     fn: MergeFn
-    """Merges one segment (a slice of a tensor, every input's same elements): element-wise."""
+    """Merges one segment (a slice of a tensor, every input's same elements), given `aux`."""
     needs_base: bool = False
     """The method is given `base=` (the inputs' common starting point)."""
     params: tuple[str, ...] = ()
-    """Keyword parameters it accepts (besides base, state, stats, aux)."""
+    """Keyword parameters it accepts (besides base, state, stats, aux, start)."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Values of `params` when not given; recorded with the output (a DARE merge's seed)."""
     checks: tuple[Callable[[Mapping[str, Any]], list[str]], ...] = ()
+    """Each returns the problems with the parameters (defaults filled in)."""
     weight_checks: tuple[Callable[[Sequence[float]], list[str]], ...] = (_positive_sum,)
     stateful: bool = False
     """Reads and replaces optimizer state (`state=`), saved between merges."""
@@ -251,17 +272,41 @@ class Method:
     prepare: Callable[[Sequence[Any], Any, Mapping[str, Any]], dict[str, Any]] | None = None
     """(inputs, base, params) -> per tensor name, what `fn` needs of the whole tensors (`aux=`),
     computed before the stream starts."""
+    rows: bool = False
+    """Slices hold whole rows (shape[0] rows of a tensor, a vector is one row): DELLA ranks in rows."""
+
+
+_DENSITY = _number("density", 0, 1)
+_TV_CHECKS = (_DENSITY, _check_scale, _flag("normalize"))
+
+
+def _task_vector_method(name: str, sparsify: str, consensus: bool) -> Method:
+    """A member of merge.task_vectors' family: TIES, DARE, Breadcrumbs, DELLA."""
+    defaults = METHOD_DEFAULTS[name]
+    checks = _TV_CHECKS + tuple(c for k, c in (("gamma", _number("gamma", 0, 1, lo_open=False, hi_open=True)),
+                                              ("seed", _check_seed), ("rescale", _flag("rescale")),
+                                              ("epsilon", _check_epsilon)) if k in defaults)
+    return Method(partial(task_vectors.merge, sparsify=sparsify, consensus=consensus, **defaults), needs_base=True,
+                  params=tuple(defaults), defaults=defaults, checks=checks, prepare=task_vectors.prepare(sparsify),
+                  rows=sparsify == "della")
 
 
 METHODS: dict[str, Method] = {
     "average": Method(average, propagates_nonfinite=True),
-    "task-arithmetic": Method(task_arithmetic, needs_base=True, params=("scale",), checks=(_check_scale,),
-                              weight_checks=(), propagates_nonfinite=True),
-    "ties": Method(ties, needs_base=True, params=("density", "scale", "normalize"),
-                   checks=(_check_density, _check_scale, _check_normalize),
-                   prepare=ties_thresholds),
-    "median": Method(median, weight_checks=(_uniform,)),
-    "slerp": Method(slerp, params=("t",), checks=(_check_t,), weight_checks=(_two, _uniform), prepare=slerp_coefficients),
+    "task-arithmetic": Method(task_arithmetic, needs_base=True, params=("scale",), defaults=METHOD_DEFAULTS["task-arithmetic"],
+                              checks=(_check_scale,), weight_checks=(), propagates_nonfinite=True),
+    "ties": _task_vector_method("ties", "magnitude", True),
+    "dare-linear": _task_vector_method("dare-linear", "random", False),
+    "dare-ties": _task_vector_method("dare-ties", "random", True),
+    "breadcrumbs": _task_vector_method("breadcrumbs", "outliers", False),
+    "breadcrumbs-ties": _task_vector_method("breadcrumbs-ties", "outliers", True),
+    "della": _task_vector_method("della", "della", True),
+    "della-linear": _task_vector_method("della-linear", "della", False),
+    "model-stock": Method(model_stock, needs_base=True, weight_checks=(_count("model-stock", 2), _unweighted("model-stock")),
+                          prepare=model_stock_ratios),
+    "median": Method(median, weight_checks=(_unweighted("median"),)),
+    "slerp": Method(slerp, params=("t",), defaults=METHOD_DEFAULTS["slerp"], checks=(_number("t", 0, 1, lo_open=False),),
+                    weight_checks=(_count("slerp", 2, 2), _unweighted("slerp")), prepare=slerp_coefficients),
     "outer": Method(outer, needs_base=True, params=("optimizer", "inner"), checks=(_check_optimizer,),
                     stateful=True, propagates_nonfinite=True),  # when `inner` does: see the engine
 }
@@ -297,6 +342,12 @@ def check_method_args(name: str, weights: Sequence[float], params: Mapping[str, 
     else:
         for check in m.weight_checks:
             problems += check(weights)
+    full = with_defaults(name, params)
     for check in m.checks:
-        problems += check(params)
+        problems += check(full)
     return problems
+
+
+def with_defaults(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` with method `name`'s defaults for those not given."""
+    return {**method_spec(name).defaults, **params}

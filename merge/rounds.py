@@ -40,6 +40,8 @@ from core.failpoints import failpoint
 from core.storage import Storage
 from merge.engine import DEPTH, Buffer, Prefetch, Read, finite, merging
 from merge.inputs import compare_specs
+from merge.robust import Values
+from merge.robust import aggregate as robust_aggregate
 from merge.outer import outer_step_from_grad, state_in_specs, state_key, state_out_specs, state_slots
 from merge.writer import OutputFile, StreamWriter
 
@@ -251,9 +253,11 @@ class RunningSum:
     # -- the merge ----------------------------------------------------------------------
     def merge(self, contributions: Sequence[Contribution], out_key: str, outer: OuterConfig, *,
               state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
-              metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None) -> MergeResult:
+              metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None,
+              aggregate: str = "mean", trim: float = 0.2) -> MergeResult:
         """Make S the sum over exactly `contributions` (what is folded already, in its order, then
-        the rest in the given order), then one outer step into `out_key` (and the outer state)."""
+        the rest in the given order), then one outer step into `out_key` (and the outer state).
+        `aggregate` median or trimmed_mean (merge.robust) replaces S's mean in that step."""
         t0 = time.perf_counter()
         want = {c.worker: c for c in contributions}
         keep = []
@@ -274,8 +278,10 @@ class RunningSum:
             raise QuorumError(f"only {len(order)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
                               f"rejected: {rejected or 'none'}", rejected)
         with merging():
+            robust = None if aggregate == "mean" else (aggregate, trim)
+            extra = {"merge_order": order, **({"aggregate": aggregate} if robust else {})}
             out_manifest, grad_sq = self._step(out_key, outer, state_in_key, state_out_key, metadata,
-                                               {**(manifest or {}), "merge_order": order})
+                                               {**(manifest or {}), **extra}, robust)
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=sum(f.nbytes for f in self.folded),
                            seconds=time.perf_counter() - t0, outer_grad_norm=grad_sq ** 0.5, manifest=out_manifest,
                            order=order)
@@ -292,17 +298,22 @@ class RunningSum:
         return opened[-1].read, {k: (sp.dtype, sp.shape) for k, sp in opened[-1].specs.items()}
 
     def _step(self, out_key: str, outer: OuterConfig, state_in_key: str | None, state_out_key: str | None,
-              metadata: Mapping[str, str] | None, manifest: dict[str, Any]) -> tuple[dict[str, Any], float]:
+              metadata: Mapping[str, str] | None, manifest: dict[str, Any],
+              robust: tuple[str, float] | None = None) -> tuple[dict[str, Any], float]:
         """The outer step, tensor by tensor, from S into the new global (and state) files: the
         pseudo-gradient `base - S / total` (the mean of deltas, for deltas) into a real torch.optim
-        step (merge.outer), over tensors this merge owns (held copies or fresh reads)."""
+        step (merge.outer), over tensors this merge owns (held copies or fresh reads). `robust`
+        (how, trim): the contributions' median or trimmed mean instead of S / total."""
         s, total = self.storage, float(sum(f.weight for f in self.folded))
         self._dirty = True  # S becomes the mean
         order = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
         opened: list[TensorFile] = []
         writers: list[StreamWriter] = []
         grad_sq = 0.0
+        values: Values | None = None
         try:
+            if robust is not None:
+                values = Values(s, self.folded, self.space or "weights", self.base_digest)
             base, _ = self._source(self.base_key, f"global weights {s.display(self.base_key)}", opened)
             state: Callable[[str], torch.Tensor] | None = None
             have: dict[str, list[tuple[str, bool]]] = {}  # tensor -> its state slots (none: a first step)
@@ -320,7 +331,8 @@ class RunningSum:
                 if sp.dtype not in FLOATS:
                     writers[0].put(name, b)
                     continue
-                grad = self._sum[name].div_(total)
+                grad = self._sum[name].div_(total) if values is None else \
+                    robust_aggregate(values.get(name, lambda: b), *robust)  # type: ignore[misc]
                 if self.space != "delta":
                     torch.sub(b.to(torch.float32), grad, out=grad)
                 slots = {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])} if state else {}
@@ -340,6 +352,8 @@ class RunningSum:
                 w.finish()
             for f in opened:
                 f.verify()
+            if values is not None:
+                values.verify()
             out = writers[0].commit()[0]
             failpoint("merge.after_global")  # crash tests: the new global published, its outer state not yet
             if len(writers) > 1:
@@ -352,12 +366,14 @@ class RunningSum:
         finally:
             for f in opened:
                 f.close()
+            if values is not None:
+                values.close()
 
 
 def merge_round(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,
                 outer: OuterConfig, *, state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
                 metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None,
-                accumulator: RunningSum | None = None) -> MergeResult:
+                accumulator: RunningSum | None = None, aggregate: str = "mean", trim: float = 0.2) -> MergeResult:
     """Merge `contributions` into the weights at `base_key`; write `out_key` (and the outer state).
 
     Rejected contributions are reported in the result, not raised; QuorumError if fewer than
@@ -365,4 +381,4 @@ def merge_round(storage: Storage, base_key: str, contributions: Sequence[Contrib
     or a fresh RunningSum fed `contributions` in their order."""
     acc = accumulator if accumulator is not None else RunningSum(storage, base_key)
     return acc.merge(contributions, out_key, outer, state_in_key=state_in_key, state_out_key=state_out_key,
-                     min_inputs=min_inputs, metadata=metadata, manifest=manifest)
+                     min_inputs=min_inputs, metadata=metadata, manifest=manifest, aggregate=aggregate, trim=trim)

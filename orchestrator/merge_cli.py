@@ -5,13 +5,14 @@ import argparse
 from typing import Any
 
 from core.config import OuterConfig
-from merge import DEFAULT_BUFFER_BYTES, METHOD_NAMES  # torch-free: `orchestrate --help` never loads torch
+from merge import DEFAULT_BUFFER_BYTES, METHOD_NAMES, defaults_of  # torch-free: `--help` never loads torch
 
 OUTER = OuterConfig()  # the defaults --help shows
 
 EXAMPLES = """examples:
   orchestrate merge a.safetensors b.safetensors --out soup.safetensors
   orchestrate merge ft1/ ft2/ ft3/ --base pretrained/ --method ties --density 0.2 --out merged/
+  orchestrate merge ft1/ ft2/ --base pretrained/ --method dare-ties --density 0.3 --seed 7 --out merged/
   orchestrate merge s3://b/w0.safetensors s3://b/w1.safetensors --method outer --base g.safetensors \\
       --outer-state outer_state.safetensors --out g_next.safetensors
 """
@@ -28,14 +29,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", "-o", required=True, help="output .safetensors file or model directory")
     p.add_argument("--method", "-m", default="average", choices=METHOD_NAMES, help="merge method (default: average)")
     p.add_argument("--weights", help="comma-separated weight per input (default: all 1)")
-    p.add_argument("--base", help="the inputs' common starting point (task-arithmetic, ties, outer)")
-    p.add_argument("--density", type=float, help="ties: fraction of each task vector kept (default 0.2)")
-    p.add_argument("--scale", type=float, help="task-arithmetic, ties: factor on the merged task vector (default 1.0)")
+    p.add_argument("--base", help="the inputs' common starting point (task-vector methods, model-stock, outer)")
+    p.add_argument("--density", type=float, help=f"fraction of each task vector kept ({defaults_of('density')})")
+    p.add_argument("--gamma", type=float, help=f"breadcrumbs: fraction of largest entries dropped ({defaults_of('gamma')})")
+    p.add_argument("--epsilon", type=float,
+                   help=f"della: keep probabilities range over density +/- epsilon by magnitude rank ({defaults_of('epsilon')})")
+    p.add_argument("--seed", type=int, help=f"dare, della: seed of the random drop, recorded in the output ({defaults_of('seed')})")
+    p.add_argument("--rescale", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"dare, della: divide kept entries by their keep probability ({defaults_of('rescale')})")
+    p.add_argument("--scale", type=float, help=f"factor on the merged task vector ({defaults_of('scale')})")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="task-vector methods: divide the summed task vectors by the weights (with a sign election: "
+                        f"by the weights of the agreeing entries), mergekit's normalize ({defaults_of('normalize')})")
     p.add_argument("--t", type=float, dest="slerp_t",
                    help="slerp: where between the two inputs, 0 (the first) to 1 (the second) (default 0.5)")
-    p.add_argument("--ties-normalize", action=argparse.BooleanOptionalAction, default=None,
-                   help="ties: divide the agreeing entries' weighted sum by their weights (mergekit's normalize; "
-                        "default: on)")
     p.add_argument("--outer-optimizer", choices=["nesterov", "sgd", "sgdm", "adam"],
                    help=f"outer: the torch.optim optimizer of the outer step (default {OUTER.optimizer})")
     p.add_argument("--outer-lr", type=float, help=f"outer: learning rate (default {OUTER.lr})")
@@ -60,9 +67,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
             weights = [float(w) for w in args.weights.split(",")]
         except ValueError:
             raise MergeError([f"--weights {args.weights!r} is not a comma-separated list of numbers"]) from None
-    params = {k: v for k, v in (("density", args.density), ("scale", args.scale), ("normalize", args.ties_normalize),
-              ("t", args.slerp_t))
-              if v is not None}
+    given = {"density": args.density, "gamma": args.gamma, "epsilon": args.epsilon, "seed": args.seed,
+             "rescale": args.rescale, "scale": args.scale, "normalize": args.normalize, "t": args.slerp_t}
+    params = {k: v for k, v in given.items() if v is not None}
     betas = None
     if args.outer_betas:
         try:

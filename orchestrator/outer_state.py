@@ -85,7 +85,8 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
         try:
             result = merge_round(storage, L.global_weights(r), contribs, scratch, cfg.outer,
                                  state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=scratch_state,
-                                 min_inputs=len(contribs), metadata=metadata, manifest={"round": r + 1})
+                                 min_inputs=len(contribs), metadata=metadata, manifest={"round": r + 1},
+                                 aggregate=cfg.round.aggregate, trim=cfg.round.trim)
         except (RunError, CheckpointError) as exc:
             raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
         if result.rejected or not _is_published(storage, scratch, result.manifest, published, L.global_weights(r + 1)):

@@ -45,7 +45,8 @@ class OuterMerge:
                  **common: Any) -> MergeResult:
         return merge_round(storage, L.global_weights(r), inputs, L.global_weights(r + 1), self.cfg.outer,
                            state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
-                           accumulator=accumulator, **common)
+                           accumulator=accumulator, aggregate=self.cfg.round.aggregate, trim=self.cfg.round.trim,
+                           **common)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""Robust aggregation of a round (round.aggregate): the element-wise median or trimmed mean of the
+contributions in place of their weighted mean, so that one valid-looking but wrong contribution
+(a diverged worker, a bad shard, a co-tenant's file with a worker's manifest) cannot drag a round.
+
+Flower's FedMedian and FedTrimmedAvg are the reference: unweighted, per element; the trimmed
+mean drops int(trim x K) values at each end. The running sum (merge.rounds) still validates every
+contribution as it lands; at the merge, `Values` reads the accepted ones again, one tensor of
+every contribution at a time (K x the largest tensor in memory), each in the running sum's space.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from core import codec
+from core.checkpoint import TensorFile, read_manifest
+from core.errors import CheckpointError
+from core.storage import Storage
+from merge.methods import median
+
+AGGREGATES = ("mean", "median", "trimmed_mean")
+
+
+def trimmed_mean(x: torch.Tensor, trim: float) -> torch.Tensor:
+    """Per element, the mean of the K values along dim 0 once int(trim * K) are dropped at each end."""
+    k = x.shape[0]
+    cut = int(trim * k)
+    if 2 * cut >= k:
+        raise ValueError(f"trimmed mean: trimming {cut} of {k} at each end leaves nothing; lower round.trim")
+    return x.sort(dim=0).values[cut:k - cut].mean(dim=0)
+
+
+def aggregate(values: Sequence[torch.Tensor], how: str, trim: float) -> torch.Tensor:
+    """`median` (merge.methods's: the mean of the middle two for even K) or `trimmed_mean` of the values."""
+    if how == "median":
+        return median(values, [1.0] * len(values))
+    return trimmed_mean(torch.stack([v.to(torch.float32) for v in values]), trim)
+
+
+class Values:
+    """Each accepted contribution's value of one tensor, in the running sum's space (`weights`, or
+    `delta` = base - weights), read again from storage and checked against the digest it was
+    folded with. A contribution in the other space or against another base (a late worker's)
+    is decoded whole once (codec.load_weights) and converted per tensor."""
+
+    def __init__(self, storage: Storage, folded: Sequence[Any], space: str, base_digest: str) -> None:
+        self._stack = contextlib.ExitStack()
+        self._sources: list[tuple[str, Any]] = []  # ("file", (TensorFile, encoding)) or ("whole", weights)
+        self.space = space
+        try:
+            for f in folded:
+                label = f"worker {f.worker} ({storage.display(f.key)})"
+                m = read_manifest(storage, f.key, label)
+                if m is None or m.get("digest") != f.digest:
+                    raise CheckpointError(f"{label}: replaced or removed since it was validated; merge the round again")
+                tf = self._stack.enter_context(TensorFile(storage, f.key, m, label))
+                enc = codec.encoding_of(tf.metadata, label)
+                same = (enc is None) == (space == "weights") and (enc is None or enc.base_digest == base_digest)
+                self._sources.append(("file", (tf, enc)) if same else ("whole", codec.load_weights(storage, f.key, label)))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def get(self, name: str, base: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for kind, src in self._sources:
+            if kind == "file":
+                tf, enc = src
+                out.append(tf.read(name).to(torch.float32) if enc is None
+                           else codec.decode_tensor(name, tuple(base().shape), enc, tf.read))
+            else:
+                w = src[name].to(torch.float32)
+                out.append(base().to(torch.float32) - w if self.space == "delta" else w)
+        return out
+
+    def verify(self) -> None:
+        for kind, src in self._sources:
+            if kind == "file":
+                src[0].verify()
+
+    def close(self) -> None:
+        self._stack.close()
