@@ -35,6 +35,7 @@ from core.errors import CheckpointError
 from core.progress import track
 from merge.inputs import InputError, Model
 from merge.methods import check_method_args, method_spec
+from merge.task_vectors import row_length
 from merge.outer import state_in_specs, state_key, state_slots
 from merge import DEFAULT_BUFFER_BYTES
 from merge.writer import OutputFile, StreamWriter
@@ -226,9 +227,7 @@ def _plan(outputs: list[OutputFile], n_lanes: int, buffer_bytes: int, rows: bool
     for out in outputs:
         for name, dtype, shape, _ in out.specs:
             numel = math.prod(shape)
-            row = 1
-            if rows:
-                row = numel // shape[0] if len(shape) >= 2 and shape[0] else max(numel, 1)
+            row = row_length(shape) if rows else 1
             step = max(1, chunk // row) * row if dtype in FLOATS else max(numel, 1)
             segments += [_Segment(name, s, min(s + step, numel), numel, dtype in FLOATS)
                          for s in range(0, max(numel, 1), step)]

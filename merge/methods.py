@@ -50,14 +50,6 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
-def _weighted_sum(tensors: Sequence[torch.Tensor], coeffs: Sequence[float]) -> torch.Tensor:
-    """sum_i c_i t_i in float32, one input at a time (no stacking: memory is one tensor)."""
-    acc = torch.mul(_f32(tensors[0]), float(coeffs[0]))
-    for t, c in zip(tensors[1:], coeffs[1:]):
-        acc.add_(_f32(t), alpha=float(c))
-    return acc
-
-
 def average(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: object) -> torch.Tensor:
     """Weighted mean: lo-fi's final average, a model soup, the mean inside DiLoCo's outer gradient.
     Summed input by input (one fused multiply-add each), then divided by the weights' sum: the
@@ -128,7 +120,10 @@ def model_stock(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, ba
     cosine between the task vectors `t_i - base` of the whole tensor (`model_stock_ratio`; the
     engine feeds slices and passes it as `aux`). Unweighted; needs two inputs or more."""
     r = aux if aux is not None else model_stock_ratio([t.reshape(-1) - base.reshape(-1) for t in tensors])
-    avg = _weighted_sum(tensors, [1.0] * len(tensors)).div_(len(tensors))
+    avg = _f32(tensors[0]).clone()
+    for t in tensors[1:]:
+        avg.add_(_f32(t))  # left to right, as mergekit's sum(ws)
+    avg.div_(len(tensors))
     return avg.mul_(r).add_(_f32(base), alpha=1.0 - r)
 
 

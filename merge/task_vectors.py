@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ class TensorAux:
     cuts: list[Cut]
     """One per input, in input order."""
     row: int
-    """Elements per row (della ranks within rows): numel // shape[0], or numel for a vector."""
+    """Elements per row (della ranks within rows): `row_length`."""
 
 
 def mask_key(seed: int, index: int, name: str) -> int:
@@ -88,21 +88,32 @@ def cut_of(t: torch.Tensor, base: torch.Tensor, sparsify: str, p: Mapping[str, A
     return Cut(lo=lo, hi=_kth_smallest(a, n_bot + keep) if n_bot + keep < n else math.inf)
 
 
+def row_length(shape: Sequence[int]) -> int:
+    """Elements per row: a tensor of 2+ dims is shape[0] rows, a vector (or scalar) is one row."""
+    numel = math.prod(shape)
+    return numel // shape[0] if len(shape) >= 2 and shape[0] else max(numel, 1)
+
+
+def tensor_aux(sparsify: str, params: Mapping[str, Any], name: str, base: torch.Tensor,
+               inputs: Iterable[torch.Tensor]) -> TensorAux:
+    """What the sparsifier needs of tensor `name` (whole `base` and `inputs`, read one at a time)."""
+    if sparsify in ("random", "della"):
+        cuts = [Cut(key=mask_key(params["seed"], i, name)) for i, _ in enumerate(inputs)]
+    else:
+        cuts = [cut_of(t, base, sparsify, params) for t in inputs]
+    return TensorAux(cuts, row_length(base.shape))
+
+
 def prepare(sparsify: str):
     """The engine's `prepare` for a sparsifier: (inputs, base, params) -> {tensor name: TensorAux}."""
     def run(inputs: Sequence[Any], base: Any, params: Mapping[str, Any]) -> dict[str, TensorAux]:
+        reads = sparsify not in ("random", "della")  # random masks need only the names
         out = {}
         for name, (f, spec) in base.tensors.items():
-            if spec.dtype not in FLOATS:
-                continue
-            numel = math.prod(spec.shape)
-            row = numel // spec.shape[0] if len(spec.shape) >= 2 and spec.shape[0] else max(numel, 1)
-            if sparsify in ("random", "della"):
-                cuts = [Cut(key=mask_key(params["seed"], i, name)) for i in range(len(inputs))]
-            else:
-                b = f.read(name).to(torch.float32)
-                cuts = [cut_of(m.tensors[name][0].read(name), b, sparsify, params) for m in inputs]
-            out[name] = TensorAux(cuts, row)
+            if spec.dtype in FLOATS:
+                b = f.read(name).to(torch.float32) if reads else torch.empty(spec.shape, device="meta")
+                ts = (m.tensors[name][0].read(name) if reads else b for m in inputs)
+                out[name] = tensor_aux(sparsify, params, name, b, ts)
         return out
     return run
 
@@ -158,12 +169,8 @@ def merge(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: to
           normalize: bool = False, **p: Any) -> torch.Tensor:
     """base + scale * combine(sparsify(t_i - base)): see the module docstring. `aux` comes from
     `prepare` when the engine feeds slices; without it the tensors are whole and it is computed."""
+    aux = aux if aux is not None else tensor_aux(sparsify, p, "", base, tensors)
     b = base.to(torch.float32).reshape(-1)
-    if aux is None:
-        row = b.numel() // base.shape[0] if base.dim() >= 2 and base.shape[0] else max(b.numel(), 1)
-        cuts = [Cut(key=mask_key(p["seed"], i, "")) if sparsify in ("random", "della")
-                else cut_of(t, base, sparsify, p) for i, t in enumerate(tensors)]
-        aux = TensorAux(cuts, row)
     tvs = [sparsified(t.to(torch.float32).reshape(-1) - b, cut, sparsify, p, start, aux.row)
            for t, cut in zip(tensors, aux.cuts)]
     return scaled_sum(b, combine(tvs, weights, consensus, normalize), scale).reshape(base.shape)
