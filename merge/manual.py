@@ -6,7 +6,8 @@ checkpoints) is checked against the manifest's digest; plain files from elsewher
 they are. The output follows the first input's layout: a `.safetensors` OUT is one file (with a
 manifest, so it is a checkpoint of ours); any other OUT is a model directory with the first
 input's shard names and grouping, its safetensors metadata, its index (written last) and its
-other files (config, tokenizer, ...) copied, so `from_pretrained(OUT)` works.
+other files (config, tokenizer, ...) copied, so `from_pretrained(OUT)` works. PEFT LoRA adapter
+directories are merged into one adapter directory, or folded into `--base` (merge/adapters.py).
 
 Every problem found before the maths (unreadable or truncated files, malformed headers or indexes,
 missing tensors, shape or dtype mismatches, bad parameters) is reported at once, each naming the
@@ -22,21 +23,24 @@ import math
 import os
 import posixpath
 import stat
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import torch
 
-from core.checkpoint import ITEMSIZE
+from core.checkpoint import DTYPES, ITEMSIZE, TORCH_DTYPES
 from core.config import OuterConfig
 from core.errors import CheckpointError, IslandsError, StorageError
 from core.storage import Storage
-from merge.engine import DEFAULT_BUFFER_BYTES, run_merge
+from merge import adapters as lora
+from merge.engine import DEFAULT_BUFFER_BYTES, finite, nonfinite, read_tensors, run_merge
 from merge.inputs import INDEX, InputError, Model, compare_specs, open_file_model, open_model, split_url
-from merge.methods import check_method_args, with_defaults
+from merge.methods import check_method_args, method_spec, with_defaults
 from merge.outer import state_out_specs
-from merge.writer import OutputFile
+from merge.writer import OutputFile, StreamWriter
 
 MERGE_KEY = "islands.merge"
 """safetensors metadata key of every output file: the method, inputs, weights and parameters as JSON."""
@@ -86,10 +90,12 @@ def manual_merge(
     problems: list[str] = []
     if len(weights) != len(inputs):
         problems.append(f"{len(weights)} weights for {len(inputs)} inputs: give one weight per input")
+    if any(lora.is_adapter(u) for u in inputs):
+        return _adapter_merge(inputs, out, method, weights, base, params, problems + _no_outer(outer, state))
     if method == "outer":
         params.setdefault("optimizer", outer or OuterConfig())
-    elif outer is not None or state is not None:
-        problems.append(f"outer-optimizer options and --outer-state are for --method outer, not {method}")
+    else:
+        problems += _no_outer(outer, state, method)
     problems += check_method_args(method, weights if len(weights) == len(inputs) else [1.0] * len(inputs), params,
                                   base is not None)
     params = with_defaults(method, params)  # recorded with the output: a DARE merge's seed
@@ -101,27 +107,16 @@ def manual_merge(
         raise MergeError(problems)
 
     models: list[Model] = []
+    base_model = None
     try:
-        for i, url in enumerate(inputs):
-            try:
-                models.append(open_model(url, ident=i))
-            except CheckpointError as exc:
-                problems.append(str(exc))
-        base_model = None
-        if base:
-            try:
-                base_model = open_model(base, ident="base", label=f"{base} (base)")
-            except CheckpointError as exc:
-                problems.append(str(exc))
-        if problems:
-            raise MergeError(problems)
+        base_model = _open_inputs(open_model, inputs, base, problems, models)
         ref = models[0]
         for m in [*models[1:], *([base_model] if base_model else [])]:
             problems += [f"{m.label}: {p}" for p in compare_specs(ref.specs, m.specs, ref.label)]
         if problems:
             raise MergeError(problems + ["merge models of the same architecture and dtype (convert them first)"])
 
-        outputs, index_key, out_storage = _output_layout(ref, out, method, inputs, weights, params)
+        outputs, index_key, out_storage = _output_layout(ref, out, _note(method, inputs, weights, params))
         if clash := _clashes([(o.storage, o.key) for o in outputs], [*models, *([base_model] if base_model else [])]):
             raise MergeError(clash)
         order = [(n, d, s) for o in outputs for n, d, s, _ in o.specs]
@@ -144,32 +139,191 @@ def manual_merge(
             raise MergeError([exc.reason]) from None
         except (CheckpointError, StorageError, ValueError) as exc:
             raise MergeError([str(exc)]) from None
-        if ref.directory and not out.endswith(".safetensors"):
-            _copy_other_files(ref, out_storage)
-        if index_key is not None:
-            index = dict(ref.index or {})
-            index["metadata"] = {**dict(index.get("metadata") or {}),
-                                 "total_size": sum(nb for o in outputs for *_, nb in o.specs)}
-            index["weight_map"] = {n: o.key for o in outputs for n, *_ in o.specs}
-            out_storage.write_json(index_key, index)  # last: the directory is whole from now on
+        _finish_dir(ref, out, outputs, index_key, out_storage)
         return ManualResult(method, len(inputs), stats.bytes_read, stats.seconds,
                             [o.storage.display(o.key) for o in outputs], state)
     finally:
-        for m in models:
+        for m in [*models, *([base_model] if base_model else [])]:
             m.close()
 
 
-def _output_layout(ref: Model, out: str, method: str, inputs: Sequence[str], weights: Sequence[float],
-                   params: Mapping[str, Any]) -> tuple[list[OutputFile], str | None, Storage]:
-    """The output files (the first input's layout), the index key if sharded, and the output storage."""
+def _open_inputs(open_one: Callable[[str, int], Any], inputs: Sequence[str], base: str | None,
+                 problems: list[str], opened: list[Any]) -> Model | None:
+    """Every input opened into `opened` (the caller closes them), and the base model; all problems
+    at once (MergeError)."""
+    for i, url in enumerate(inputs):
+        try:
+            opened.append(open_one(url, i))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    base_model = None
+    if base:
+        try:
+            base_model = open_model(base, ident="base", label=f"{base} (base)")
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    if problems:
+        if base_model is not None:
+            base_model.close()
+        raise MergeError(problems)
+    return base_model
+
+
+def _finish_dir(ref: Model, out: str, outputs: list[OutputFile], index_key: str | None, st: Storage) -> None:
+    """A model directory's other files (config, tokenizer), then its index: last, the directory is
+    whole from then on."""
+    if ref.directory and not out.endswith(".safetensors"):
+        _copy_other_files(ref, st)
+    if index_key is not None:
+        index = dict(ref.index or {})
+        index["metadata"] = {**dict(index.get("metadata") or {}),
+                             "total_size": sum(nb for o in outputs for *_, nb in o.specs)}
+        index["weight_map"] = {n: o.key for o in outputs for n, *_ in o.specs}
+        st.write_json(index_key, index)
+
+
+def _adapter_merge(inputs: Sequence[str], out: str, method: str, weights: list[float], base: str | None,
+                   params: dict[str, Any], problems: list[str]) -> ManualResult:
+    """PEFT LoRA adapters (merge.adapters): merged into one adapter directory, or with `base`, folded
+    into that model."""
+    if method not in ("average", "task-arithmetic"):
+        problems.append(f"LoRA adapters merge with --method average or task-arithmetic (their updates summed, ranks "
+                        f"concatenated), not {method}: fold each adapter into its base first (orchestrate merge "
+                        f"ADAPTER --base MODEL --out DIR) and merge those models with {method}")
+    elif len(weights) == len(inputs):  # --base names the model to fold into, not a task-vector base
+        problems += check_method_args(method, weights, params, method_spec(method).needs_base)
+    plain = [u for u in inputs if not lora.is_adapter(u)]
+    if plain:
+        problems.append(f"{plain} are not LoRA adapter directories (no {lora.CONFIG}): merge adapters with adapters, "
+                        "or fold an adapter into a model with --base MODEL")
+    if base and lora.is_adapter(base):
+        problems.append(f"--base {base} is an adapter: --base names the model the adapters are folded into")
+    if not base and out.endswith(".safetensors"):
+        problems.append(f"merging adapters writes a PEFT adapter directory: give --out a directory, not {out}")
+    if _norm(out) in {_norm(u) for u in [*inputs, *([base] if base else [])]}:
+        problems.append(f"{out} is also an input: write the merge somewhere else")
+    if problems:
+        raise MergeError(problems)
+    params = with_defaults(method, params)
+    total = sum(weights)
+    coeffs = [w / total for w in weights] if method == "average" else [params["scale"] * w for w in weights]
+    ads: list[lora.Adapter] = []
+    base_model = None
+    t0 = time.perf_counter()
+    try:
+        base_model = _open_inputs(lora.open_adapter, inputs, base, problems, ads)
+        problems += lora.check_together(ads)
+        if lora.wholes(ads) and total <= 0:
+            problems.append(f"the adapters' whole tensors {sorted(lora.wholes(ads))[:3]} are merged as the weights' mean: "
+                            f"the weights must sum to a positive number, got {weights}")
+        if base_model is not None:
+            problems += lora.fold_problems(ads, base_model.specs, base_model.label)
+        if problems:
+            raise MergeError(problems)
+        note = {"lora": "folded" if base_model else "concatenated ranks", "coefficients": coeffs}
+        try:
+            if base_model is not None:
+                written = _fold(ads, coeffs, weights, base_model, out, _note(method, inputs, weights, params, **note))
+            else:
+                written = _write_adapter(ads, coeffs, weights, out, _note(method, inputs, weights, params, **note))
+        except InputError as exc:
+            raise MergeError([exc.reason]) from None
+        except (CheckpointError, StorageError) as exc:
+            raise MergeError([str(exc)]) from None
+        read = sum(a.model.bytes for a in ads) + (base_model.bytes if base_model else 0)
+        how = f"{method} of LoRA adapters, " + ("folded into the base" if base_model else "ranks concatenated")
+        return ManualResult(how, len(inputs), read, time.perf_counter() - t0, written, None)
+    finally:
+        for m in [*(a.model for a in ads), *([base_model] if base_model else [])]:
+            m.close()
+
+
+def _fold(ads: list[lora.Adapter], coeffs: list[float], weights: list[float], base: Model, out: str,
+          note: dict[str, Any]) -> list[str]:
+    """base + sum_i c_i delta_i, tensor by tensor in the base's layout; whole tensors replaced."""
+    outputs, index_key, st = _output_layout(base, out, note)
+    if clash := _clashes([(o.storage, o.key) for o in outputs], [base, *(a.model for a in ads)]):
+        raise MergeError(clash)
+    targets = {f"{m}.weight": m for m in lora.modules(ads)}
+    full = lora.wholes(ads)
+    writer = StreamWriter(list(outputs))
+    try:
+        for f, names in base.layout():
+            for name, t in read_tensors(f, base.ident, names):
+                if name in full:
+                    t = lora.whole(ads, weights, name)
+                if name in targets:
+                    t = t.float() + lora.delta(ads, coeffs, targets[name])
+                if t.is_floating_point() and not finite(t):
+                    raise CheckpointError(nonfinite(base.label if name not in targets else f"{out} (folded)", name))
+                writer.put(name, t.to(TORCH_DTYPES[f.specs[name].dtype]))
+        writer.finish()
+        for m in [base, *(a.model for a in ads)]:
+            m.verify()
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    _finish_dir(base, out, outputs, index_key, st)
+    return [o.storage.display(o.key) for o in outputs]
+
+
+def _write_adapter(ads: list[lora.Adapter], coeffs: list[float], weights: list[float], out: str,
+                   note: dict[str, Any]) -> list[str]:
+    """The merged adapter: its tensors, the first adapter's other files, and its config, last."""
+    tensors: dict[str, torch.Tensor] = {}
+    for m in lora.modules(ads):
+        a, b = lora.concatenated(ads, coeffs, m)
+        emb = next(ad.loras[m].embedding for ad in ads if m in ad.loras)
+        parts = (".lora_embedding_A", ".lora_embedding_B") if emb else (".lora_A.weight", ".lora_B.weight")
+        tensors[lora.PREFIX + m + parts[0]], tensors[lora.PREFIX + m + parts[1]] = a, b
+    for name, key in lora.wholes(ads).items():
+        tensors[key] = lora.whole(ads, weights, name)
+    st = Storage(out)
+    if clash := _clashes([(st, lora.WEIGHTS)], [a.model for a in ads]):
+        raise MergeError(clash)
+    specs = [(n, DTYPES[t.dtype], tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+    meta = {**ads[0].model.files[0].metadata, MERGE_KEY: json.dumps(note, sort_keys=True)}
+    writer = StreamWriter([OutputFile(st, lora.WEIGHTS, specs, meta)])
+    try:
+        for n, t in tensors.items():
+            writer.put(n, t.contiguous())
+        writer.finish()
+        for ad in ads:
+            ad.model.verify()
+        if st.exists(lora.CONFIG):  # an old config must not describe the new weights, even for a moment
+            st.remove(lora.CONFIG)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    _copy_other_files(ads[0].model, st, skip=(lora.CONFIG,))
+    st.write_json(lora.CONFIG, lora.merged_config(ads))
+    return [st.display(lora.WEIGHTS), st.display(lora.CONFIG)]
+
+
+def _no_outer(outer: OuterConfig | None, state: str | None, method: str = "a LoRA merge") -> list[str]:
+    if outer is None and state is None:
+        return []
+    return [f"outer-optimizer options and --outer-state are for --method outer, not {method}"]
+
+
+def _note(method: str, inputs: Sequence[str], weights: Sequence[float], params: Mapping[str, Any],
+          **extra: Any) -> dict[str, Any]:
+    """How an output was made, in every file it writes (a DARE merge's seed included)."""
+    return {"method": method, "inputs": list(inputs), "weights": list(weights), **extra,
+            **{k: v for k, v in params.items() if isinstance(v, (int, float, str))}}
+
+
+def _output_layout(ref: Model, out: str, note: Mapping[str, Any]) -> tuple[list[OutputFile], str | None, Storage]:
+    """The output files (`ref`'s layout), the index key if sharded, and the output storage; every
+    file's metadata and a single file's manifest record `note`."""
     def specs(names: list[str]) -> list[tuple[str, str, tuple[int, ...], int]]:
         return [(n, sp.dtype, sp.shape, math.prod(sp.shape) * ITEMSIZE[sp.dtype])
                 for n in names for sp in [ref.tensors[n][1]]]
 
     layout = ref.layout()
-    note = {"method": method, "inputs": list(inputs), "weights": list(weights),
-            **{k: v for k, v in params.items() if isinstance(v, (int, float, str))}}
-    tag = {MERGE_KEY: json.dumps(note, sort_keys=True)}  # in every file: how it was made, a DARE seed included
+    tag = {MERGE_KEY: json.dumps(note, sort_keys=True)}
 
     def meta(m: Mapping[str, str] | None) -> dict[str, str]:
         return {**dict(m or {}), **tag}
@@ -207,13 +361,13 @@ def _clashes(outputs: list[tuple[Storage, str]], models: list[Model]) -> list[st
     return problems
 
 
-def _copy_other_files(ref: Model, dst: Storage) -> None:
+def _copy_other_files(ref: Model, dst: Storage, skip: tuple[str, ...] = ()) -> None:
     """Config, tokenizer, generation config...: every top-level non-weight file of the first input."""
     src = ref.storage
     assert src is not None
     shard_stems = {posixpath.splitext(f.key)[0] for f in ref.files}
     for name in src.list(""):
-        if name.startswith(".") or name == INDEX or name.endswith(WEIGHT_SUFFIXES):
+        if name.startswith(".") or name in (INDEX, *skip) or name.endswith(WEIGHT_SUFFIXES):
             continue
         if name.endswith(".json") and name[: -len(".json")] in shard_stems:  # a shard's manifest, not the model's
             continue

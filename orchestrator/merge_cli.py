@@ -13,6 +13,8 @@ EXAMPLES = """examples:
   orchestrate merge a.safetensors b.safetensors --out soup.safetensors
   orchestrate merge ft1/ ft2/ ft3/ --base pretrained/ --method ties --density 0.2 --out merged/
   orchestrate merge ft1/ ft2/ --base pretrained/ --method dare-ties --density 0.3 --seed 7 --out merged/
+  orchestrate merge lora1/ lora2/ --weights 1,2 --out lora_merged/     # one adapter, ranks concatenated
+  orchestrate merge lora1/ --base pretrained/ --out merged/            # the adapter folded into its base
   orchestrate merge s3://b/w0.safetensors s3://b/w1.safetensors --method outer --base g.safetensors \\
       --outer-state outer_state.safetensors --out g_next.safetensors
 """
@@ -20,16 +22,17 @@ EXAMPLES = """examples:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "merge", help="merge existing checkpoints (.safetensors files or Hugging Face model dirs)",
+        "merge", help="merge existing checkpoints (.safetensors files, Hugging Face model dirs, LoRA adapters)",
         description="Merge checkpoints tensor by tensor (memory does not grow with their number). Inputs and "
                     "OUT may be any fsspec URL; OUT follows the first input's layout (one file if OUT ends in "
                     ".safetensors, else a model directory). Nothing is written unless the whole merge succeeds.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".safetensors file or Hugging Face model directory")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".safetensors file, Hugging Face model directory or PEFT LoRA adapter directory")
     p.add_argument("--out", "-o", required=True, help="output .safetensors file or model directory")
     p.add_argument("--method", "-m", default="average", choices=METHOD_NAMES, help="merge method (default: average)")
     p.add_argument("--weights", help="comma-separated weight per input (default: all 1)")
-    p.add_argument("--base", help="the inputs' common starting point (task-vector methods, model-stock, outer)")
+    p.add_argument("--base", help="the inputs' common starting point (task-vector methods, model-stock, outer); "
+                                  "for LoRA adapters, the model to fold them into")
     p.add_argument("--density", type=float, help=f"fraction of each task vector kept ({defaults_of('density')})")
     p.add_argument("--gamma", type=float, help=f"breadcrumbs: fraction of largest entries dropped ({defaults_of('gamma')})")
     p.add_argument("--epsilon", type=float,
