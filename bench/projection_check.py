@@ -31,7 +31,9 @@ import numpy as np
 
 from core.storage import Storage
 from orchestrator.cli import main as orchestrate
-from orchestrator.queuewait.waits import ProjectionSpec, WaitData, parse_buckets, parse_sacct, project
+from orchestrator.queuewait.projection import ProjectionSpec, project
+from orchestrator.queuewait.stats import parse_buckets
+from orchestrator.queuewait.waits import WaitData, parse_sacct
 from orchestrator.queuewait.io import sacct_command
 
 log = logging.getLogger("bench.projection_check")

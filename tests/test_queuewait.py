@@ -16,6 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.queuewait import projection as qp
+from orchestrator.queuewait import stats as qs
 from orchestrator.queuewait import waits as qw
 from orchestrator.cli import main
 from orchestrator.queuewait.io import PROBE_NAME, read_sacct_file, read_swf, run_probes
@@ -74,7 +76,7 @@ def test_swf_hand_worked_stats():
     # Prepare
     data = qw.parse_swf(SWF.splitlines())
     # Execute
-    report = qw.summary(data, qw.parse_buckets())
+    report = qs.summary(data, qs.parse_buckets())
     # Assert: job 3 uses requested procs (alloc -1), job 11 too (alloc 0); 8 and 9 skipped
     assert data.cores_per_node == 4
     assert (report["jobs"], report["skipped"]) == (9, 2)
@@ -88,7 +90,9 @@ def test_swf_hand_worked_stats():
     assert mid["mean_wait_s"] == pytest.approx(400 / 3) and mid["median_wait_s"] == 100
     assert mid["p90_wait_s"] == pytest.approx(260)  # index 1.8: 100 + 0.8 * 200
     assert _bucket(report, "5-8") == {"nodes": "5-8", "jobs": 0, "mean_wait_s": None, "median_wait_s": None,
-                                      "p90_wait_s": None, "days": 0, "per_day_median_wait_s": None}
+                                      "p90_wait_s": None, "censored": 0, "km_median_wait_s": None,
+                                      "km_p90_wait_s": None, "median_ci_s": [None, None], "users": None, "days": 0,
+                                      "per_day_median_wait_s": None}
     assert _bucket(report, "9+")["p90_wait_s"] == 1000
 
 
@@ -105,7 +109,7 @@ def test_swf_without_header_needs_cores_per_node():
 
 
 def test_swf_malformed_lines_are_counted():
-    data = qw.parse_swf(["; MaxNodes: 1", "; MaxProcs: 1", "1 0 5", "2 0 x 1 1 1 1 1", "3 0 7 1 1 -1 -1 1"])
+    data = qw.parse_swf(["1 0 5", "2 0 x 1 1 1 1 1", "3 0 7 1 1 -1 -1 1"], cores_per_node=1)
     assert [j.wait_s for j in data.jobs] == [7] and data.skipped == {"malformed line": 2}
 
 
@@ -126,10 +130,10 @@ def test_missing_file_says_which(tmp_path):
 
 def test_sacct_hand_worked_stats(tmp_path):
     data = qw.parse_sacct(SACCT)
-    report = qw.summary(data, qw.parse_buckets())
+    report = qs.summary(data, qs.parse_buckets())
     # steps ignored; 12, 14 and the pending array 15 never started
     assert (report["jobs"], report["skipped"]) == (4, 3)
-    assert report["skipped_reasons"] == {"never started": 3}
+    assert report["skipped_reasons"] == {"still pending": 2, "never started, no end time": 1}
     one = _bucket(report, "1")  # 60 s on Jan 1, 30 s on Jan 2
     assert (one["jobs"], one["mean_wait_s"], one["median_wait_s"]) == (2, 45, 45)
     assert one["p90_wait_s"] == pytest.approx(57) and one["days"] == 2
@@ -146,7 +150,8 @@ def test_sacct_filters_and_headerless_input():
     alice = qw.parse_sacct(SACCT, user="alice")
     assert sorted(j.wait_s for j in alice.jobs) == [30, 60] and alice.n_skipped == 1
     headerless = "\n".join(SACCT.splitlines()[1:])
-    assert qw.parse_sacct(headerless).jobs == qw.parse_sacct(SACCT).jobs
+    old_fields = SACCT.splitlines()[0].split("|")
+    assert qw.parse_sacct(headerless, fields=old_fields).jobs == qw.parse_sacct(SACCT).jobs
     trailing = "\n".join(line + "|" for line in SACCT.splitlines())  # sacct -p instead of -P
     assert qw.parse_sacct(trailing).jobs == qw.parse_sacct(SACCT).jobs
 
@@ -160,19 +165,19 @@ def test_sacct_without_needed_fields_is_an_error():
 
 
 def test_buckets_parse_and_assign():
-    buckets = qw.parse_buckets("1,2-4,5-8,9+")
+    buckets = qs.parse_buckets("1,2-4,5-8,9+")
     assert [(b.lo, b.hi) for b in buckets] == [(1, 1), (2, 4), (5, 8), (9, None)]
-    assert [qw.bucket_index(n, buckets) for n in (1, 2, 4, 5, 8, 9, 1000)] == [0, 1, 1, 2, 2, 3, 3]
-    gaps = qw.parse_buckets("1,4")
-    assert qw.bucket_index(2, gaps) is None
-    report = qw.summary(_jobs({1: [1], 2: [2], 4: [4]}), gaps)
+    assert [qs.bucket_index(n, buckets) for n in (1, 2, 4, 5, 8, 9, 1000)] == [0, 1, 1, 2, 2, 3, 3]
+    gaps = qs.parse_buckets("1,4")
+    assert qs.bucket_index(2, gaps) is None
+    report = qs.summary(_jobs({1: [1], 2: [2], 4: [4]}), gaps)
     assert report["outside_buckets"] == 1 and [b["jobs"] for b in report["buckets"]] == [1, 1]
 
 
 @pytest.mark.parametrize("spec", ["2-1", "1,1-3", "9+,10", "x", "0", "1,,2"])
 def test_bad_buckets_are_refused(spec):
     with pytest.raises(qw.QueueWaitError, match="bucket"):
-        qw.parse_buckets(spec)
+        qs.parse_buckets(spec)
 
 
 swf_jobs = st.lists(st.tuples(st.integers(-1, 10**6), st.integers(-1, 64), st.integers(-1, 64)), max_size=40)
@@ -186,16 +191,16 @@ def test_property_swf_parse_and_bucketing(jobs, cpn):
     expected = [(w, a if a > 0 else r) for w, a, r in jobs if w >= 0 and (a > 0 or r > 0)]
     assert len(data.jobs) + data.n_skipped == len(jobs)
     assert [(j.wait_s, j.nodes) for j in data.jobs] == [(w, math.ceil(p / cpn)) for w, p in expected]
-    buckets = qw.parse_buckets()
-    stats = qw.summary(data, buckets)
+    buckets = qs.parse_buckets()
+    stats = qs.summary(data, buckets, n_boot=0)
     assert stats["outside_buckets"] == 0 and sum(b["jobs"] for b in stats["buckets"]) == len(expected)
-    for b, waits in zip(buckets, qw.waits_by_bucket(data.jobs, buckets)):
+    for b, waits in zip(buckets, qs.waits_by_bucket(data.jobs, buckets)):
         assert sorted(waits) == sorted(w for w, p in expected if math.ceil(p / cpn) in b)
 
 
 # ---------------------------------------------------------------- projection
 
-SPEC = qw.ProjectionSpec(rounds=10, round_seconds=60, workers=4, job_time_limit_s=300, samples=500, seed=1)
+SPEC = qp.ProjectionSpec(rounds=10, round_seconds=60, workers=4, job_time_limit_s=300, samples=500, seed=1)
 
 
 def _models(projection: dict) -> dict[str, dict]:
@@ -203,41 +208,42 @@ def _models(projection: dict) -> dict[str, dict]:
 
 
 def test_projection_with_zero_waits_is_compute_time():
-    projection = qw.project(_jobs({1: [0, 0], 4: [0]}), qw.parse_buckets(), SPEC)
+    projection = qp.project(_jobs({1: [0, 0], 4: [0]}), qs.parse_buckets(), SPEC)
     for m in projection["models"]:
         assert m["median_s"] == m["p90_s"] == 10 * 60 and m["idle_node_hours_median"] == 0
 
 
 def test_projection_hand_worked_constant_waits():
     # 1-node jobs wait 100 s, 4-node jobs 1000 s; a job lives floor(300 / 60) = 5 rounds: 2 lifetimes
-    projection = qw.project(_jobs({1: [100], 3: [1000]}), qw.parse_buckets(), SPEC)
+    projection = qp.project(_jobs({1: [100], 3: [1000]}), qs.parse_buckets(), SPEC)
     m = _models(projection)
     assert projection["lifetime_rounds"] == 5
     assert m["data_parallel"]["median_s"] == 2 * 1000 + 600 and m["data_parallel"]["job_submissions"] == 2
     assert m["per_round"]["median_s"] == 10 * 100 + 600 and m["per_round"]["job_submissions"] == 40
     assert m["persistent"]["median_s"] == 2 * 100 + 600 and m["persistent"]["job_submissions"] == 8
+    assert m["elastic"]["median_s"] == 2 * 100 + 600  # all start at once: the quorum changes nothing
 
 
 def test_projection_is_seeded_and_resubmitting_costs_more():
     data = _jobs({1: [5, 30, 60, 600, 3600], 4: [60, 7200]})
-    first = qw.project(data, qw.parse_buckets(), SPEC)
-    assert first == qw.project(data, qw.parse_buckets(), SPEC)
+    first = qp.project(data, qs.parse_buckets(), SPEC)
+    assert first == qp.project(data, qs.parse_buckets(), SPEC)
     m = _models(first)
     assert m["per_round"]["median_s"] >= m["persistent"]["median_s"] > 600
     assert m["per_round"]["p90_s"] >= m["persistent"]["p90_s"]
     assert m["persistent"]["idle_node_hours_median"] > 0 and m["per_round"]["idle_node_hours_median"] == 0
-    one_round = qw.ProjectionSpec(rounds=1, round_seconds=60, workers=4, samples=200)
-    m = _models(qw.project(data, qw.parse_buckets(), one_round))  # lo-fi: nobody waits for a merge
+    one_round = qp.ProjectionSpec(rounds=1, round_seconds=60, workers=4, samples=200)
+    m = _models(qp.project(data, qs.parse_buckets(), one_round))  # lo-fi: nobody waits for a merge
     assert m["persistent"]["idle_node_hours_median"] == 0
     assert m["persistent"]["median_s"] == pytest.approx(m["per_round"]["median_s"], rel=0.5)
 
 
 def test_projection_errors_say_how_to_fix():
     with pytest.raises(qw.QueueWaitError, match="--buckets"):
-        qw.project(_jobs({1: [1]}), qw.parse_buckets(), SPEC)  # no 4-node job measured
-    short = qw.ProjectionSpec(rounds=2, round_seconds=600, workers=1, job_time_limit_s=60)
+        qp.project(_jobs({1: [1]}), qs.parse_buckets(), SPEC)  # no 4-node job measured
+    short = qp.ProjectionSpec(rounds=2, round_seconds=600, workers=1, job_time_limit_s=60)
     with pytest.raises(qw.QueueWaitError, match="--job-time-limit"):
-        qw.project(_jobs({1: [1]}), qw.parse_buckets(), short)
+        qp.project(_jobs({1: [1]}), qs.parse_buckets(), short)
 
 
 # ---------------------------------------------------------------- CLI
@@ -254,7 +260,7 @@ def test_cli_json_projection_and_plot(tmp_path, capsys):
     assert (report["source"], report["jobs"], report["skipped"]) == ("swf:t.swf", 9, 2)
     assert [b["nodes"] for b in report["buckets"]] == ["1", "2-4", "5-8", "9+"]
     assert _bucket(report, "1")["p90_wait_s"] == pytest.approx(72)
-    assert report["projection"]["lifetime_rounds"] == 2 and len(report["projection"]["models"]) == 3
+    assert report["projection"]["lifetime_rounds"] == 2 and len(report["projection"]["models"]) == 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -279,9 +285,11 @@ def _kth() -> Path:
 
 
 def test_real_kth_trace():
-    data = read_swf(_kth())
-    report = qw.summary(data, qw.parse_buckets())
-    assert data.cores_per_node == 1  # header: MaxProcs 100 / MaxNodes 100
+    with pytest.raises(qw.QueueWaitError, match="MaxProcs = MaxNodes = 100"):
+        read_swf(_kth())  # one core per node, or nodes counted as processors: the header cannot say
+    data = read_swf(_kth(), cores_per_node=1)
+    report = qs.summary(data, qs.parse_buckets())
+    assert data.cores_per_node == 1
     assert (report["jobs"], report["skipped"]) == (27992, 0)
     one = _bucket(report, "1")
     assert (one["jobs"], one["median_wait_s"]) == (9119, 180)  # checked with awk on the file
@@ -321,7 +329,7 @@ def background_load():
 @requires_slurm
 def test_live_probes_single_node_starts_first(background_load):
     data = run_probes([1, 2, 4], per_size=2, max_seconds=45, poll_s=0.5)
-    waits = qw.waits_by_bucket(data.jobs, qw.parse_buckets("1,2,4"))
+    waits = qs.waits_by_bucket(data.jobs, qs.parse_buckets("1,2,4"))
     print("probe waits (s) for 1, 2, 4 nodes:", [w.tolist() for w in waits])
     assert len(data.jobs) + data.n_skipped == 6 and len(data.jobs) >= 2
     assert not _squeue("-n", PROBE_NAME, "-t", "PD,R"), "probe jobs left behind"
@@ -331,9 +339,25 @@ def test_live_probes_single_node_starts_first(background_load):
 
 @pytest.mark.slurm
 @requires_slurm
+def test_live_estimate_asks_the_scheduler_and_submits_nothing(background_load, capsys):
+    """sbatch --test-only for whole-node jobs of the worker's time limit: with 3 of 4 nodes held by
+    5-minute jobs, one node starts now and two wait for those jobs' limits."""
+    before = set(_squeue())
+    rc = main(["bench", "queue-wait", "--live", "--probe-nodes", "1,2", "--job-time-limit", "10m", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(_squeue()) <= before, "--live without --submit submitted a job"
+    est = {e["nodes"]: e for e in report["estimates"]}
+    assert sorted(est) == [1, 2] and all(e["wait_s"] >= 0 and e["partition"] for e in est.values())
+    if background_load:
+        assert est[1]["wait_s"] < 60 < est[2]["wait_s"]
+
+
+@pytest.mark.slurm
+@requires_slurm
 def test_live_probes_cancelled_on_sigterm(background_load):
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "-v", "bench", "queue-wait", "--live",
-                             "--probe-nodes", "4", "--probes-per-size", "2", "--max-seconds", "60"],
+                             "--submit", "--probe-nodes", "4", "--probes-per-size", "2", "--max-seconds", "60"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ids: list[str] = []
     for line in proc.stderr:  # the log (-v) says which jobs it submitted

@@ -31,6 +31,17 @@ def duration_s(text: str) -> float:
     raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 24h, 90m, 3600 or 1-00:00:00")
 
 
+def duration_range(text: str) -> tuple[float, float | None]:
+    """"4h..24h", "4h.." (no upper bound) or "..1h" as [lo, hi) seconds."""
+    lo, sep, hi = text.partition("..")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a range; use LO..HI, LO.. or ..HI, e.g. 4h..24h")
+    bounds = (duration_s(lo) if lo.strip() else 0.0, duration_s(hi) if hi.strip() else None)
+    if bounds[1] is not None and bounds[1] <= bounds[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: the upper bound must be above the lower")
+    return bounds
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -47,11 +58,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src.add_argument("--swf", metavar="FILE", help="Standard Workload Format trace (.swf or .swf.gz)")
     src.add_argument("--sacct", nargs="?", const=_LIVE_SACCT, metavar="FILE",
                      help="`sacct -P` output; without FILE, run sacct on this cluster")
-    src.add_argument("--live", action="store_true", help="submit short probe jobs and time their start")
-    p.add_argument("--cores-per-node", type=float, help="SWF: processors per node (default: header MaxProcs/MaxNodes)")
+    src.add_argument("--live", action="store_true",
+                     help="ask the scheduler when a whole-node job of each --probe-nodes size and --job-time-limit "
+                          "would start (sbatch --test-only: nothing is submitted); with --submit, submit short "
+                          "probe jobs and time their start")
+    p.add_argument("--cores-per-node", type=float,
+                   help="processors per node (SWF default: header MaxProcs/MaxNodes when unambiguous; "
+                        "sacct: needed for --whole-nodes)")
     p.add_argument("--since", help="live sacct: start of the window (sacct -S), default now-7days")
-    p.add_argument("--partition", help="sacct: only this partition; --live: submit probes there")
+    p.add_argument("--partition", help="only this partition (SWF field 16, sacct Partition); --live: submit probes there")
     p.add_argument("--user", help="sacct: only this user's jobs (default: all users)")
+    p.add_argument("--whole-nodes", action="store_true",
+                   help="only jobs whose processors are whole nodes, as an islands worker's (default: all jobs, "
+                        "comparable with the lo-fi paper)")
+    p.add_argument("--requested-time", type=duration_range, metavar="LO..HI",
+                   help="only jobs whose requested time limit is in [LO, HI), e.g. 4h..24h, 12h.., ..1h")
+    p.add_argument("--gpus", action="store_true", help="sacct: only jobs that asked for GPUs (ReqTRES gres/gpu)")
+    p.add_argument("--bootstrap", type=int, default=400,
+                   help="resamples of days for the KM median's 95%% interval (default 400; 0: none)")
+    p.add_argument("--submit", action="store_true",
+                   help="--live: submit `sleep 1` probe jobs of 1 minute instead of asking for an estimate (they "
+                        "backfill into gaps a long job cannot use: their waits understate a real worker's)")
+    p.add_argument("--probe-gpus", type=int, default=0, help="--live: GPUs per node of the estimated job (default 0)")
     p.add_argument("--probe-nodes", type=_int_list, default=[1, 2, 4], help="--live: probe sizes (default 1,2,4)")
     p.add_argument("--probes-per-size", type=int, default=2, help="--live: probes of each size (default 2)")
     p.add_argument("--max-seconds", type=duration_s, default=300.0, help="--live: stop waiting after this (default 300)")
@@ -63,6 +91,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="K: workers (= nodes of the data-parallel job)")
     p.add_argument("--job-time-limit", type=duration_s, default=24 * 3600.0,
                    help="a job's time limit; persistent workers requeue after floor(limit / S) rounds (default 24h)")
+    p.add_argument("--min-workers", type=int,
+                   help="projection (d): workers that must run before training starts (default: half of K)")
     p.add_argument("--samples", type=int, default=2000, help="Monte-Carlo samples (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the simulation (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -83,28 +113,57 @@ def _load(args: argparse.Namespace) -> Any:
     return qio.run_probes(args.probe_nodes, args.probes_per_size, args.partition, args.max_seconds)
 
 
+def _projection_spec(args: argparse.Namespace) -> Any:
+    from orchestrator.queuewait import projection as qp
+    from orchestrator.queuewait.waits import QueueWaitError
+
+    missing = [f for f, v in (("--rounds", args.rounds), ("--round-seconds", args.round_seconds),
+                              ("--workers", args.workers)) if v is None]
+    if missing:
+        raise QueueWaitError(f"--project needs {', '.join(missing)}, e.g. --rounds 128 --round-seconds 600 --workers 8")
+    spec = qp.ProjectionSpec(args.rounds, args.round_seconds, args.workers, args.job_time_limit, args.samples,
+                             args.seed, args.min_workers)
+    if spec.problems():
+        raise QueueWaitError("cannot project: " + "; ".join(spec.problems()))
+    return spec
+
+
 def build_report(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """(data, buckets, report) for parsed arguments; raises QueueWaitError on bad input."""
+    from dataclasses import replace
+
+    from orchestrator.queuewait import projection as qp
+    from orchestrator.queuewait import stats as qs
     from orchestrator.queuewait import waits as qw
 
     live_default = ",".join(str(n) for n in sorted(set(args.probe_nodes))) if args.live else None
-    buckets = qw.parse_buckets(args.buckets or live_default or qw.DEFAULT_BUCKETS)
-    spec = None
-    if args.project:
-        missing = [f for f, v in (("--rounds", args.rounds), ("--round-seconds", args.round_seconds),
-                                  ("--workers", args.workers)) if v is None]
-        if missing:
-            raise qw.QueueWaitError(f"--project needs {', '.join(missing)}, e.g. --rounds 128 --round-seconds 600 --workers 8")
-        spec = qw.ProjectionSpec(args.rounds, args.round_seconds, args.workers, args.job_time_limit, args.samples, args.seed)
-        if spec.problems():
-            raise qw.QueueWaitError("cannot project: " + "; ".join(spec.problems()))
+    buckets = qs.parse_buckets(args.buckets or live_default or qs.DEFAULT_BUCKETS)
+    spec = _projection_spec(args) if args.project else None
+    if args.gpus and not args.sacct:
+        raise qw.QueueWaitError("--gpus reads sacct's ReqTRES: only --sacct records which jobs asked for GPUs")
+    if args.live and not args.submit:
+        if spec is not None:
+            raise qw.QueueWaitError("the projection needs a wait distribution; --live gives one estimate per size: "
+                                    "use --swf, --sacct or --live --submit")
+        from orchestrator.queuewait import io as qio
+        return None, buckets, {"source": "sbatch --test-only", "estimates": qio.estimate_starts(
+            args.probe_nodes, args.job_time_limit, args.partition, args.probe_gpus)}
     data = _load(args)
+    if args.cores_per_node and not data.cores_per_node:
+        data = replace(data, cores_per_node=args.cores_per_node)
+    flt = qw.JobFilter(args.whole_nodes, args.requested_time, args.partition if args.swf else None, args.gpus)
+    data = qw.select(data, flt)
     if not data.jobs:
-        raise qw.QueueWaitError(f"{data.source}: no job with a known wait (skipped: {data.skipped or 'none'}); "
-                                "check the file, the --since window or the filters")
-    report = qw.summary(data, buckets)
+        raise qw.QueueWaitError(f"{data.source}: no job with a known wait (skipped: {data.skipped or 'none'}; "
+                                f"filtered out: {data.filtered or 'none'}); check the file, the --since window "
+                                "or the filters")
+    report = qs.summary(data, buckets, args.bootstrap, args.seed, flt.describe())
+    if args.live:
+        report["warnings"].append("the probes are 1-minute `sleep 1` jobs: they backfill into gaps a long job cannot "
+                                  "use, so their waits understate a real worker's; --live without --submit asks the "
+                                  "scheduler about the real shape")
     if spec is not None:
-        report["projection"] = qw.project(data, buckets, spec)
+        report["projection"] = qp.project(data, buckets, spec)
     return data, buckets, report
 
 
@@ -114,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print("interrupted; any probe jobs submitted were cancelled")
         return 130
+    if "estimates" in report:
+        _print_estimates(report, args.json)
+        return 0
     if args.plot:
         from orchestrator.queuewait.plot import write_plot
 
@@ -140,24 +202,44 @@ def fmt_s(seconds: float | None) -> str:
 def _headline(report: dict[str, Any]) -> str:
     reasons = ", ".join(f"{n} {why}" for why, n in report["skipped_reasons"].items())
     cpn = f"; cores per node: {report['cores_per_node']:g}" if report["cores_per_node"] else ""
-    return f"{report['source']}: {report['jobs']} jobs, {report['skipped']} skipped{f' ({reasons})' if reasons else ''}{cpn}"
+    out = ", ".join(f"{n} {why}" for why, n in report["filtered_out"].items())
+    sel = f"; {report['selection']}" + (f" ({out} left out)" if out else "")
+    return (f"{report['source']}: {report['jobs']} jobs, {report['skipped']} skipped"
+            f"{f' ({reasons})' if reasons else ''}{cpn}{sel}")
+
+
+def _km(b: dict[str, Any]) -> str:
+    """'5.6h [4.1h, 7.0h]': the Kaplan-Meier median and its interval ('not reached' where the data does not)."""
+    lo, hi = b["median_ci_s"]
+    ci = f" [{fmt_s(lo)}, {fmt_s(hi) if hi is not None else 'not reached'}]" if lo is not None else ""
+    return (fmt_s(b["km_median_wait_s"]) if b["km_median_wait_s"] is not None else "not reached") + ci
+
+
+def _p90(b: dict[str, Any]) -> str:
+    return fmt_s(b["km_p90_wait_s"]) if b["km_p90_wait_s"] is not None else ("not reached" if b["jobs"] else "-")
 
 
 def _print_tables(report: dict[str, Any]) -> None:
     console.print(_headline(report))
-    table = Table("nodes", "jobs", "mean wait", "median wait", "p90 wait", "per-day median (days)")
+    table = Table("nodes", "jobs", "users", "censored", "mean wait", "median", "p90", "KM median [95% CI]", "KM p90",
+                  "per-day median (days)")
     for b in report["buckets"]:
-        table.add_row(b["nodes"], str(b["jobs"]), fmt_s(b["mean_wait_s"]), fmt_s(b["median_wait_s"]),
-                      fmt_s(b["p90_wait_s"]), f"{fmt_s(b['per_day_median_wait_s'])} ({b['days']})")
+        table.add_row(b["nodes"], str(b["jobs"]), str(b["users"] if b["users"] is not None else "-"),
+                      str(b["censored"]), fmt_s(b["mean_wait_s"]), fmt_s(b["median_wait_s"]), fmt_s(b["p90_wait_s"]),
+                      _km(b), _p90(b), f"{fmt_s(b['per_day_median_wait_s'])} ({b['days']})")
     console.print(table)
+    for w in report["warnings"]:
+        console.print(f"warning: {w}")
     proj = report.get("projection")
     if proj:
         console.print(_projection_title(proj))
-        table = Table("model", "job submissions", "median end-to-end", "p90 end-to-end", "median queue", "idle node-h")
+        table = Table("model", "job submissions", "median end-to-end", "p10-p90", "median queue", "idle node-h")
         for m in proj["models"]:
-            table.add_row(m["label"], str(m["job_submissions"]), fmt_s(m["median_s"]), fmt_s(m["p90_s"]),
-                          fmt_s(m["queue_median_s"]), f"{m['idle_node_hours_median']:.1f}")
+            table.add_row(m["label"], str(m["job_submissions"]), fmt_s(m["median_s"]),
+                          f"{fmt_s(m['p10_s'])}-{fmt_s(m['p90_s'])}", fmt_s(m["queue_median_s"]),
+                          f"{m['idle_node_hours_median']:.1f}")
         console.print(table)
+        console.print(_pools(proj))
     if report.get("plot"):
         console.print(f"plot: {report['plot']}")
 
@@ -168,18 +250,39 @@ def _projection_title(proj: dict[str, Any]) -> str:
             f"{proj['lifetime_rounds']} rounds per job; {proj['samples']} samples, seed {proj['seed']}")
 
 
+def _pools(proj: dict[str, Any]) -> str:
+    return "waits drawn (Kaplan-Meier) from: " + "; ".join(
+        f"{p['matched']}: {p['jobs']} jobs, {p['censored']} censored" for p in proj["pools"].values())
+
+
 def _print_lines(report: dict[str, Any]) -> None:
     print(_headline(report))
     for b in report["buckets"]:
-        print(f"nodes {b['nodes']}: {b['jobs']} jobs, mean {fmt_s(b['mean_wait_s'])}, median "
-              f"{fmt_s(b['median_wait_s'])}, p90 {fmt_s(b['p90_wait_s'])}, per-day median "
+        print(f"nodes {b['nodes']}: {b['jobs']} jobs ({b['users'] if b['users'] is not None else '?'} users, "
+              f"{b['censored']} censored), mean {fmt_s(b['mean_wait_s'])}, median {fmt_s(b['median_wait_s'])}, "
+              f"p90 {fmt_s(b['p90_wait_s'])}, KM median {_km(b)}, KM p90 {_p90(b)}, per-day median "
               f"{fmt_s(b['per_day_median_wait_s'])} over {b['days']} days")
+    for w in report["warnings"]:
+        print(f"warning: {w}")
     proj = report.get("projection")
     if proj:
         print(_projection_title(proj))
         for m in proj["models"]:
-            print(f"{m['label']}: median {fmt_s(m['median_s'])}, p90 {fmt_s(m['p90_s'])}, median queue "
-                  f"{fmt_s(m['queue_median_s'])}, {m['job_submissions']} job submissions, "
+            print(f"{m['label']}: median {fmt_s(m['median_s'])} (p10-p90 {fmt_s(m['p10_s'])}-{fmt_s(m['p90_s'])}), "
+                  f"median queue {fmt_s(m['queue_median_s'])}, {m['job_submissions']} job submissions, "
                   f"idle {m['idle_node_hours_median']:.1f} node-h")
+        print(_pools(proj))
     if report.get("plot"):
         print(f"plot: {report['plot']}")
+
+
+def _print_estimates(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return
+    print("the scheduler's start estimates now (sbatch --test-only, nothing submitted; its plan changes as "
+          "jobs end early or arrive):")
+    for e in report["estimates"]:
+        gpus = f", {e['gpus_per_node']} GPU(s) per node" if e["gpus_per_node"] else ""
+        print(f"{e['nodes']} whole node(s) for {fmt_s(e['time_limit_s'])}{gpus}: start {e['start']} "
+              f"(wait {fmt_s(e['wait_s'])}) on {e['on_nodes']} in partition {e['partition']}")

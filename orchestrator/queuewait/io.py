@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +17,9 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from core.progress import progress
 from orchestrator.queuewait.waits import SACCT_FIELDS, QueueWaitError, WaitData, parse_sacct, parse_swf
@@ -81,6 +85,49 @@ def sacct_command(since: str | None, partition: str | None, user: str | None,
 def read_sacct_live(since: str | None = None, partition: str | None = None, user: str | None = None) -> WaitData:
     text = _run(sacct_command(since, partition, user), "reading the cluster's job history")
     return parse_sacct(text, source=f"sacct:live since {since or 'now-7days'}", partition=partition, user=user)
+
+
+# ---------------------------------------------------------------- the scheduler's own estimate
+
+_TEST_ONLY = re.compile(r"to start at (\S+) using (\d+) processors on nodes (\S+) in partition (\S+)")
+
+
+def test_only_command(nodes: int, time_limit_s: float, partition: str | None, gpus_per_node: int) -> list[str]:
+    """`sbatch --test-only` for a worker's shape: whole nodes, its time limit, partition and GPUs."""
+    args = ["sbatch", "--test-only", "-N", str(nodes), "--exclusive", "-t", str(max(1, math.ceil(time_limit_s / 60))),
+            "-J", PROBE_NAME]
+    args += ["-p", partition] if partition else []
+    args += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    return args + ["--wrap", "true"]
+
+
+def estimate_starts(node_counts: Sequence[int], time_limit_s: float, partition: str | None = None,
+                    gpus_per_node: int = 0) -> list[dict[str, Any]]:
+    """The scheduler's start estimate (`sbatch --test-only`: nothing is submitted) of a whole-node
+    job of each size with this time limit: what a worker of that shape would wait if submitted now,
+    by the scheduler's current plan (it changes as jobs end early or arrive)."""
+    if not node_counts or min(node_counts) < 1:
+        raise QueueWaitError(f"--probe-nodes {list(node_counts)} must be positive node counts")
+    out = []
+    for n in node_counts:
+        args = test_only_command(n, time_limit_s, partition, gpus_per_node)
+        if shutil.which(args[0]) is None:
+            raise QueueWaitError("sbatch is not on PATH; --live needs Slurm's client commands (or read a saved "
+                                 "file: --sacct FILE / --swf FILE)")
+        try:
+            res = subprocess.run(args, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise QueueWaitError(f"`{' '.join(args)}` did not answer within {_CMD_TIMEOUT_S}s") from None
+        text = (res.stderr + res.stdout).strip()
+        m = _TEST_ONLY.search(text)
+        if res.returncode != 0 or not m:
+            raise QueueWaitError(f"`{' '.join(args)}` gave no start estimate (exit {res.returncode}): {text[-300:]}")
+        now = datetime.now()  # sbatch prints the cluster's local time, without a zone
+        start = datetime.fromisoformat(m.group(1))
+        out.append({"nodes": n, "time_limit_s": time_limit_s, "gpus_per_node": gpus_per_node,
+                    "start": m.group(1), "wait_s": max(0.0, (start - now).total_seconds()),
+                    "processors": int(m.group(2)), "on_nodes": m.group(3), "partition": m.group(4)})
+    return out
 
 
 # ---------------------------------------------------------------- live probes

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.queuewait.waits import Bucket, QueueWaitError, WaitData, waits_by_bucket
+from orchestrator.queuewait.stats import Bucket, waits_by_bucket
+from orchestrator.queuewait.waits import QueueWaitError, WaitData
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,13 @@ def _projection_panel(ax: Any, projection: dict[str, Any]) -> None:
     models = projection["models"]
     y = np.arange(len(models))[::-1]
     hours = np.array([m["median_s"] for m in models]) / 3600
+    p10 = np.array([m["p10_s"] for m in models]) / 3600
     p90 = np.array([m["p90_s"] for m in models]) / 3600
     compute_h = projection["compute_s"] / 3600
     log_x = p90.max() > 5 * hours.min()  # one model far slower: a linear axis would hide the others
     left = compute_h / 4 if log_x else 0.0
-    ax.barh(y, hours - left, left=left, color=["tab:gray", "tab:orange", "tab:green"][: len(models)], height=0.6)
-    ax.errorbar(hours, y, xerr=[np.zeros_like(hours), p90 - hours], fmt="none", ecolor="black", capsize=4)
+    ax.barh(y, hours - left, left=left, color=["tab:gray", "tab:orange", "tab:green", "tab:olive"][: len(models)], height=0.6)
+    ax.errorbar(hours, y, xerr=[hours - p10, p90 - hours], fmt="none", ecolor="black", capsize=4)
     for yi, h, q in zip(y, hours, p90):
         ax.text(q * 1.08 if log_x else q + 0.01 * p90.max(), yi, f"{_short(h * 3600)} (p90 {_short(q * 3600)})", va="center", fontsize=8)
     ax.axvline(compute_h, color="black", linestyle="--", linewidth=1)
@@ -76,7 +78,7 @@ def _projection_panel(ax: Any, projection: dict[str, Any]) -> None:
     else:
         ax.set_xlim(0, p90.max() * 1.35)
     ax.set_ylim(-0.6, len(models) - 0.2)
-    ax.set_xlabel(f"projected end-to-end time, hours{', log scale' if log_x else ''} (bar: median, whisker: p90)")
+    ax.set_xlabel(f"projected end-to-end time, hours{', log scale' if log_x else ''} (bar: median, whiskers: p10-p90)")
     ax.set_title(f"{projection['rounds']} rounds x {projection['round_seconds']:g} s, "
                  f"{projection['workers']} workers; job time limit {projection['job_time_limit_s'] / 3600:g} h "
                  f"({projection['lifetime_rounds']} rounds per job lifetime)", fontsize=10)
