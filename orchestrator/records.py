@@ -7,6 +7,7 @@ Reading one checks its shape: a file that is not what the service wrote is refus
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,10 +109,13 @@ class RoundRecord:
     folded: list[dict[str, Any]]
     fold_rejected: list[dict[str, Any]]
     worker_idle_s: dict[str, float]
+    """Persistent workers: seconds each sat idle before the round, waiting for its global (not the queue)."""
     jobs: dict[str, dict[str, Any]]
     """worker -> its latest job's state, queue wait, run time and attempts."""
     eval_loss: float | None = None
     """Filled in after the commit (the evaluation is off the critical path)."""
+    worker_train_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each contributing worker spent on the round: loading its base, training, writing its contribution."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,3 +133,15 @@ class RoundRecord:
 
     def save(self, storage: Storage) -> None:
         storage.write_json(L.round_record(self.round), self.to_json())
+
+
+def utilization(records: Iterable[Mapping[str, Any]]) -> float | None:
+    """Busy time / (busy + idle) of the persistent workers in `records` (round records as JSON):
+    how much of the time their nodes were held they trained. None without persistent workers
+    (a per-round job's node is given back between rounds: its idle time is not measured)."""
+    busy = idle = 0.0
+    for rec in records:
+        train, wait = rec.get("worker_train_s") or {}, rec.get("worker_idle_s") or {}
+        for w in set(train) & set(wait):
+            busy, idle = busy + train[w], idle + wait[w]
+    return round(busy / (busy + idle), 4) if busy + idle > 0 else None

@@ -95,7 +95,7 @@ class RoundMerger:
         """Merge what `decision` names into global_{r+1}; the record to commit (not written yet).
         Raises QuorumError (with the refused workers) when too few valid contributions remain."""
         r, t0 = jobs.round, time.time()
-        stale, contribs, digests, idle = self._contributions(jobs, decision.workers)
+        stale, contribs, digests, idle, busy = self._contributions(jobs, decision.workers)
         fold = self.cfg.round.late_policy == "fold" and self.method.folds_late
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
@@ -123,6 +123,7 @@ class RoundMerger:
             global_digest=result.manifest["digest"], merge_order=result.order,
             contrib_digest={str(w): digests[w] for w in merged}, folded=merged_folds,
             fold_rejected=fold_refused + refused, worker_idle_s={str(w): s for w, s in idle.items()},
+            worker_train_s={str(w): s for w, s in busy.items()},
             jobs={str(w): {**final[j].as_dict(), "attempts": jobs.workers[w].attempts} for w, j in jobs.latest().items()})
 
     def commit(self, jobs: RoundJobs, record: RoundRecord) -> None:
@@ -180,9 +181,10 @@ class RoundMerger:
         self.executor.cancel(stragglers)
 
     def _contributions(self, jobs: RoundJobs, workers: tuple[int, ...]
-                       ) -> tuple[dict[int, str], list[Contribution], dict[int, str], dict[int, float]]:
-        """(stale or invalid ones with why, contributions to merge, their digests, persistent workers' idle s)."""
-        stale, out, digests, idle = {}, [], {}, {}
+                       ) -> tuple[dict[int, str], list[Contribution], dict[int, str], dict[int, float], dict[int, float]]:
+        """(stale or invalid ones with why, contributions to merge, their digests, persistent workers'
+        idle seconds before the round, every worker's seconds on it)."""
+        stale, out, digests, idle, busy = {}, [], {}, {}, {}
         for w in sorted(workers):  # worker order: a merge of the same inputs sums them in the same order
             c, why, m = self._contribution(jobs, w)
             if c is None:
@@ -192,7 +194,9 @@ class RoundMerger:
             digests[w] = m.get("digest")
             if m.get("waited_s") is not None:
                 idle[w] = m["waited_s"]
-        return stale, out, digests, idle
+            if m.get("seconds") is not None:
+                busy[w] = m["seconds"]
+        return stale, out, digests, idle, busy
 
     def _contribution(self, jobs: RoundJobs, w: int) -> tuple[Contribution | None, str, dict[str, Any]]:
         """(worker w's contribution, or None and why it is stale or invalid; its manifest)."""

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from core.config import Config
 from core.storage import Storage
+from orchestrator.records import utilization
 from orchestrator.runstate import arrived_workers, read_heartbeat
 
 SHOWN_WORKERS = 8
@@ -80,13 +81,15 @@ class RunView:
 
     def _footer(self) -> Group:
         r, total, now = self.current, self.cfg.rounds, time.monotonic()
+        if r >= total:  # the last round is committed: the final model is being written
+            return Group(Text(f"all {total} rounds done: writing the final model", style="bold"))
         head = f"round {r} ({r + 1}/{total}) running for {duration(now - self.last)}"
         if (eta := self.eta()) is not None:
             spent = sum(self.measured)
             rate = 3600 * len(self.measured) / spent if spent > 0 else 0.0
             head += f", ETA {duration(max(0.0, eta - (now - self.last)))}, {rate:.0f} rounds/h"
         lines = [Text(head, style="bold")]
-        arrived = set(arrived_workers(self.storage, r)) if r < total else set()
+        arrived = set(arrived_workers(self.storage, r))
         for w in range(min(self.cfg.workers, SHOWN_WORKERS)):
             lines.append(Text(f"  worker {w}: {worker_state(w, r, arrived, read_heartbeat(self.storage, w))}"))
         if self.cfg.workers > SHOWN_WORKERS:
@@ -114,6 +117,8 @@ def round_line(rec: dict[str, Any], total: int, workers: int, wall_s: float | No
     line += f", merge {rec['merge_seconds']:.2f}s"
     if wall_s is not None:
         line += f", round {duration(wall_s)}"
+    if (busy := utilization([rec])) is not None:
+        line += f", workers busy {100 * busy:.0f}%"
     if eta_s is not None and r + 1 < total:
         line += f", ETA {duration(eta_s)}"
     return line

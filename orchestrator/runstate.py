@@ -12,7 +12,7 @@ from core.config import Config, config_from_dict
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from orchestrator.records import RoundJobs
+from orchestrator.records import RoundJobs, utilization
 
 L = RunLayout()
 RUN_INFO = "run.json"
@@ -48,7 +48,9 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
     r = 0
     while (rec := storage.read_json(L.round_record(r))) is not None:
         line = {k: rec.get(k) for k in ("round", "merged", "dropped", "rejected", "eval_loss", "merge_seconds",
-                                        "bytes_read", "outer_grad_norm", "dropped_reasons", "rejected_reasons", "jobs")}
+                                        "bytes_read", "outer_grad_norm", "dropped_reasons", "rejected_reasons", "jobs",
+                                        "worker_train_s", "worker_idle_s")}
+        line["utilization"] = utilization([rec])
         ends = (rec.get("submitted_at"), rec.get("committed_at"))
         line["wall_s"] = round(ends[1] - ends[0], 1) if all(isinstance(t, (int, float)) for t in ends) else None
         rounds.append(line)
@@ -60,7 +62,7 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
     return {
         "run_dir": storage.display(), "state": state, "algorithm": cfg.algorithm, "workers": cfg.workers,
         "rounds_total": cfg.rounds, "rounds_done": r, "initial_eval_loss": info.get("initial_eval_loss"),
-        "rounds": rounds, "failure": failed,
+        "rounds": rounds, "failure": failed, "utilization": utilization(rounds),
         "current_round": None if current is None else {
             "round": r, "workers": {str(w): {"job_id": e.latest, "attempts": e.attempts,
                                              "progress": read_heartbeat(storage, w)}

@@ -47,7 +47,7 @@ def status_with_jobs(storage: Storage, jobs_folder: str) -> dict[str, Any]:
 def status_table(status: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    table = Table("round", "eval loss", "merged", "dropped", "rejected", "merge s", "round s", "MB read",
+    table = Table("round", "eval loss", "merged", "dropped", "rejected", "merge s", "round s", "busy", "MB read",
                   title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
                         f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
                         f"initial eval loss {status['initial_eval_loss']}")
@@ -55,15 +55,21 @@ def status_table(status: dict[str, Any]) -> Any:
         loss = "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
         table.add_row(str(r["round"]), loss, f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
-                      _ids(r["rejected"]), f"{r['merge_seconds']:.2f}", wall, f"{r['bytes_read'] / 1e6:.1f}")
+                      _ids(r["rejected"]), f"{r['merge_seconds']:.2f}", wall, _busy(r.get("utilization")),
+                      f"{r['bytes_read'] / 1e6:.1f}")
     current = status["current_round"]
     if current and status["state"] == "running":
         table.add_section()
         for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
             table.add_row(f"{current['round']} (w{w})", "", f"job {v['job_id']} {v.get('state', '')}",
                           _times(v), "", worker_state(int(w), current["round"], set(current["arrived"]), v.get("progress")),
-                          "", "")
+                          "", "", "")
     return table
+
+
+def _busy(u: float | None) -> str:
+    """A round's worker utilization: the share of their held time persistent workers trained."""
+    return "-" if u is None else f"{100 * u:.0f}%"
 
 
 def _ids(workers: list[int]) -> str:

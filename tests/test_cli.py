@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -68,6 +69,10 @@ def test_round_lines_count_rounds_from_0_and_say_how_many_are_done():
                                                  "rejected [3], merge 0.06s, round 1h02m")
     # a round committed before a resume, evaluated only now: this process did not see it run
     assert round_line(rec, 8, 4, None, None) == "round 0 (1/8): eval loss 3.2798, merged 4/4, merge 0.06s"
+    # persistent workers: 9 s busy and 1 s idle, 6 s and 4 s: 15 of 20 s
+    busy = {**rec, "worker_train_s": {"0": 9.0, "1": 6.0}, "worker_idle_s": {"0": 1.0, "1": 4.0}}
+    assert round_line(busy, 8, 4, 20, 5) == "round 0 (1/8): eval loss 3.2798, merged 4/4, merge 0.06s, round 20s, " \
+                                          "workers busy 75%, ETA 5s"
     assert [duration(s) for s in (0.4, 59.6, 61, 3599, 7200)] == ["0s", "1m00s", "1m01s", "59m59s", "2h00m"]
 
 
@@ -163,8 +168,10 @@ def test_the_readme_run_on_a_terminal_shows_round_lines_and_a_live_footer(tmp_pa
     assert "running for" in text and "worker 1: " in text  # the live footer was drawn (and is gone at the end)
     assert lines[0] == f"run directory: {run}" and lines[1].startswith("diloco: 2 workers x 2 rounds x 60 inner"), lines
     number = r"\d+(\.\d+)?"
-    assert re.fullmatch(rf"round 0 \(1/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+, ETA \w+", lines[2]), lines
-    assert re.fullmatch(rf"round 1 \(2/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+", lines[3]), lines
+    busy = r", workers busy \d+%"  # persistent workers (the default)
+    assert re.fullmatch(rf"round 0 \(1/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+{busy}, ETA \w+",
+                        lines[2]), lines
+    assert re.fullmatch(rf"round 1 \(2/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+{busy}", lines[3]), lines
     assert lines[4].startswith("done in ") and "".join(lines[4:]).endswith(f"inspect it with: orchestrate status {run}"), lines
     log = (run / "orchestrator.log").read_text()  # what -v would have shown is all in the run's log
     assert "INFO orchestrator.submission: round 0: submitted workers [0, 1]" in log
@@ -285,3 +292,26 @@ def test_a_planted_heartbeat_is_no_heartbeat(tmp_path, corpus_cache):
     s.write_bytes("workers/worker_000/progress.json", b'{"round": 0, "step": 3, "steps": 5, "loss": "nan?"}')
     assert read_heartbeat(s, 0) == {"round": 0, "step": 3, "steps": 5, "loss": None}
 
+
+
+def test_utilization_counts_persistent_workers_only():
+    from orchestrator.records import utilization
+    rounds = [{"worker_train_s": {"0": 9.0, "1": 6.0}, "worker_idle_s": {"0": 1.0, "1": 4.0}},
+              {"worker_train_s": {"0": 10.0, "2": 5.0}, "worker_idle_s": {"0": 0.0}}]  # 2: a per-round job
+    assert utilization(rounds[:1]) == 0.75 and utilization(rounds[1:]) == 1.0
+    assert utilization(rounds) == round(25 / 30, 4)
+    assert utilization([{"worker_train_s": {"0": 3.0}, "worker_idle_s": {}}]) is None
+    assert utilization([{}]) is None  # a record written before these fields
+
+
+def test_the_footer_after_the_last_round_says_the_run_is_finishing(tmp_path):
+    from rich.console import Console
+
+    from core.storage import Storage
+    from orchestrator.run_view import RunView
+    cfg = config_from_dict({"workers": 2, "rounds": 3})
+    view = RunView(Console(file=io.StringIO()), Storage(str(tmp_path)), cfg, first_round=0)
+    view.round_done({"round": 2, "eval_loss": 3.0, "merged": [0, 1], "dropped": [], "rejected": [], "merge_seconds": 0.1})
+    console = Console(file=io.StringIO(), width=100)
+    console.print(view.footer())
+    assert console.file.getvalue().strip() == "all 3 rounds done: writing the final model"  # not "round 3 (4/3)"

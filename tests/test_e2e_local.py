@@ -51,6 +51,12 @@ def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
         time.sleep(0.2)
     assert later["scheduler"] == "answered" and all(j["state"] == "COMPLETED" and j["run_s"] > 0 for j in jobs), jobs
     assert all(r["wall_s"] > 0 for r in later["rounds"])  # each round's first submission to its commit
+    # persistent workers (the default): busy and idle seconds per worker, and their share
+    assert all(set(r["worker_train_s"]) == set(r["worker_idle_s"]) == {"0", "1"} for r in st["rounds"])
+    assert all(0 < r["utilization"] <= 1 for r in st["rounds"]) and 0 < st["utilization"] <= 1
+    busy = sum(s for r in st["rounds"] for s in r["worker_train_s"].values())
+    idle = sum(s for r in st["rounds"] for s in r["worker_idle_s"].values())
+    assert st["utilization"] == round(busy / (busy + idle), 4)
     assert main(["cancel", str(run)]) == 0 and "nothing to cancel: the run is done" in capsys.readouterr().out
     assert not Storage(str(run)).exists("CANCEL")
     losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]

@@ -34,7 +34,7 @@ from core.config import Config
 from core.errors import IslandsError, StorageError
 from core.layout import RunLayout
 from core.storage import Storage
-from orchestrator.records import RoundJobs
+from orchestrator.records import RoundJobs, utilization
 from orchestrator.runstate import RUN_INFO, arrived_workers
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "round": ("kind", "schema", "t", "round", "step", "eval_loss", "evaluated_at", "merged", "dropped", "rejected",
               "late", "dropped_reasons", "rejected_reasons", "weights", "outer_grad_norm", "merge_seconds",
               "round_seconds", "bytes_read", "bytes_contributions", "bytes_global", "bytes_outer_state", "bytes_worker_states",
-              "tokens", "train_loss", "submitted_at", "merge_started_at", "committed_at"),
+              "tokens", "train_loss", "utilization", "submitted_at", "merge_started_at", "committed_at"),
     "worker": ("kind", "schema", "t", "round", "worker", "contributed", "merged", "job_id", "attempts", "persistent", "state",
                "submitted_at", "queue_wait_s", "run_s", "seconds", "written_at", "steps", "tokens", "bytes",
                "loss_first", "loss_last"),
@@ -85,6 +85,7 @@ def round_line(record: Mapping[str, Any], manifests: Mapping[int, Mapping[str, A
         "bytes_worker_states": sizes.get("worker_states"),
         "tokens": sum(int(manifests[w].get("tokens", 0)) for w in merged if w in manifests),
         "train_loss": sum(losses) / len(losses) if losses else None,
+        "utilization": utilization([record]),
         "submitted_at": sub, "merge_started_at": record.get("merge_started_at"), "committed_at": committed,
     }
 
@@ -234,7 +235,8 @@ def tensorboard_scalars(line: Mapping[str, Any]) -> list[tuple[str, int, float]]
         if kind == "round":
             r = line["round"] + 1
             pairs += [(f"round/{k}", r, line[k]) for k in ("outer_grad_norm", "merge_seconds", "round_seconds",
-                                                          "bytes_read", "bytes_contributions", "train_loss")]
+                                                          "bytes_read", "bytes_contributions", "train_loss",
+                                                          "utilization")]
             pairs += [("round/merged", r, len(line["merged"])), ("round/dropped", r, len(line["dropped"])),
                       ("round/rejected", r, len(line["rejected"]))]
     else:

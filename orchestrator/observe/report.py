@@ -250,6 +250,10 @@ def plot_contributions(data: RunData) -> Any:
 
 
 # -- the page -----------------------------------------------------------------------------------
+def _pct(u: float | None) -> float | None:
+    return None if u is None else 100 * u
+
+
 def _cell(v: Any, fmt: str = "{}") -> str:
     return "" if v is None else html.escape(fmt.format(v))
 
@@ -284,7 +288,8 @@ def round_rows(data: RunData, budget: Sequence[Mapping[str, Any]]) -> list[list[
                                                  "bytes_worker_states"))
         rows.append([str(r), _cell(line["eval_loss"], "{:.4f}"), _cell(line["merged"]), _cell(line["dropped"]),
                      _cell(line["rejected"]), _cell(line["round_seconds"], "{:.1f}"), _cell(b.get("queued"), "{:.1f}"),
-                     _cell(b.get("running"), "{:.1f}"), _cell(line["merge_seconds"], "{:.2f}"),
+                     _cell(b.get("running"), "{:.1f}"), _cell(_pct(line.get("utilization")), "{:.0f}%"),
+                     _cell(line["merge_seconds"], "{:.2f}"),
                      _cell(b.get("evaluating"), "{:.2f}"), _cell(written / 1e6, "{:.2f}"),
                      _cell(line["outer_grad_norm"], "{:.4g}"), _cell(sum(pairs) / len(pairs) if pairs else None, "{:.3f}")])
     return rows
@@ -334,7 +339,7 @@ def render_html(data: RunData, images: Mapping[str, bytes], budget: Sequence[Map
         parts += [f"<h2>{html.escape(name.replace('_', ' '))}</h2><p class='cap'>{html.escape(CAPTIONS[name])}</p>",
                   f"<img alt='{name}' src='data:image/png;base64,{b64}'>"]
     head = ["round", "eval loss", "merged", "dropped", "rejected", "wall s", "queued s (sum)", "running s (sum)",
-            "merge s", "eval s", "MB written", "outer grad norm", "mean cosine"]
+            "workers busy", "merge s", "eval s", "MB written", "outer grad norm", "mean cosine"]
     parts += ["<h2>Rounds</h2>", _table(head, round_rows(data, budget))]
     problems = problem_items(data)
     parts += ["<h2>Dropped and rejected contributions</h2>",
