@@ -197,6 +197,19 @@ class RoundConfig:
     trim: float = 0.2
     """`trimmed_mean` only: int(trim x K) contributions dropped at each end, per element (Flower's
     beta); in [0, 0.5)."""
+    budget: Literal["steps", "seconds"] = "steps"
+    """What a worker's round is: `steps`, inner.steps steps (DiLoCo's H); or `seconds`,
+    round.budget_seconds of training (at most inner.steps steps), so that every worker of a round
+    trains for the same wall time whatever its speed: a slow node, a noisy neighbour or an older
+    GPU is never waited for. Contributions are weighted by the tokens they trained on
+    (outer.weighting: tokens), so the outer gradient is the token-weighted mean of the workers'
+    unequal steps (docs/algorithms.md)."""
+    budget_seconds: float = 0.0
+    """`budget: seconds` only: seconds of training per worker per round, from its first step (the
+    base's load and the contribution's write come on top); a worker stops at the first step
+    boundary past it, after at least one step. The learning-rate schedule and the data position
+    still advance inner.steps per round: set inner.steps a little above what the fastest worker
+    takes in the budget."""
     stream_merge: bool = True
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
     worker lands reads one contribution instead of K. The service also holds the round's global

@@ -187,6 +187,10 @@ def check(cfg: Config) -> list[str]:
          "round.contribution=delta does not apply to lte, whose workers send LoRA heads: drop it")
     need(rc.contribution == "weights" or rc.late_policy != "fold",
          "round.contribution=delta with round.late_policy=fold is not supported yet: use late_policy continue or drop")
+    need((rc.budget == "seconds") == (rc.budget_seconds > 0),
+         f"round.budget={rc.budget} with round.budget_seconds={rc.budget_seconds}: a time budget needs both "
+         "(e.g. --set round.budget=seconds --set round.budget_seconds=600, with inner.steps as the most a worker may "
+         "take); budget steps takes no budget_seconds")
     need(rc.aggregate == "mean" or (cfg.algorithm != "lte" and rc.late_policy != "fold"),
          f"round.aggregate={rc.aggregate} is unweighted and per element: it does not apply to lte (LoRA heads) nor "
          "to late_policy=fold (late contributions weighed down): use aggregate mean, or late_policy continue or drop")

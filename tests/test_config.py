@@ -128,3 +128,15 @@ def test_docs_config_md_is_generated_from_the_dataclasses():
     from core.config_docs import render
     page = Path(__file__).parent.parent / "docs" / "config.md"
     assert page.read_text() == render(), "docs/config.md is stale: python -m core.config_docs > docs/config.md"
+
+
+@pytest.mark.parametrize("overrides", [["round.budget=seconds"], ["round.budget_seconds=60"],
+                                       ["round.budget=seconds", "round.budget_seconds=-1"]])
+def test_a_time_budget_needs_both_keys(overrides):
+    with pytest.raises(ConfigError, match="a time budget needs both"):
+        load_config(None, None, overrides)
+
+
+def test_a_time_budget():
+    rc = load_config(None, None, ["round.budget=seconds", "round.budget_seconds=600"]).round
+    assert (rc.budget, rc.budget_seconds) == ("seconds", 600)

@@ -134,6 +134,9 @@ class InnerTrainer:
         torch.manual_seed(_seed(self.cfg.seed, task.worker, task.round))  # dropout, if any
         self.step0 = task.round * self.cfg.inner.steps  # the global step this round starts at
         self.done = 0  # inner steps done in this round
+        self.finished = False  # its steps, or its time budget, are spent
+        self.trained_s = 0.0  # seconds of training this round (round.budget: seconds spends them)
+        self._t_start: float | None = None
         self.losses: list[float] = []
         self._next_beat = 0.0  # first heartbeat after the first step
         self.waited_s: float | None = None  # a persistent worker's idle wait before this round
@@ -149,7 +152,7 @@ class InnerTrainer:
         # asked on every rank (a collective), before any condition could skip it on some
         inflight = self.ranks.lead_says(read_manifest(self.storage, L.worker_inflight(task.worker, task.round)) is not None)
         if not self.params.carries_over or task.worker != t.worker or task.round != t.round + 1 \
-                or self.done != self.cfg.inner.steps or inflight:
+                or not self.finished or inflight:
             return False
         self._begin(task, own_state=True)
         return True
@@ -173,6 +176,7 @@ class InnerTrainer:
             params.load_optimizer(self.model, self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k},
                                   "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
+            self.trained_s = float(m.get("trained_s") or 0.0)  # a time budget goes on where it was
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
@@ -192,8 +196,9 @@ class InnerTrainer:
                     else contextlib.nullcontext())
         model.train()
         pending: list[torch.Tensor] = []
-        failpoint_name = f"rank_{ranks.rank}.step"
-        while self.done < cfg.inner.steps:
+        failpoint_name, slow_name = f"rank_{ranks.rank}.step", f"worker_{self.task.worker:03d}.step"
+        self._t_start = time.monotonic() - self.trained_s
+        while self.done < cfg.inner.steps and not self._budget_spent():
             step = self.step0 + self.done
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # lte: heads peak at lte.lr
@@ -207,6 +212,7 @@ class InnerTrainer:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
             opt.step()
             failpoint(failpoint_name)  # fault injection only: a rank that dies mid-round
+            slowpoint(slow_name)  # fault injection only: a slow node
             pending.append(loss.detach())  # no .item() per step: on a GPU that would sync every step
             self.done += 1
             beat = time.monotonic() >= self._next_beat
@@ -216,11 +222,22 @@ class InnerTrainer:
                 self._flush(pending)
             if beat:
                 self._heartbeat()
+        self.trained_s, self._t_start, self.finished = time.monotonic() - self._t_start, None, True
         self._flush(pending)
         self._heartbeat()
         if not all(math.isfinite(v) for v in self.losses[-5:]):
             raise IslandsError(f"worker {self.task.worker} round {self.task.round}: the loss became "
                                f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")
+
+    def _budget_spent(self) -> bool:
+        """round.budget: seconds: is this round's training time up? (After one step at least; every
+        rank takes rank 0's clock, so that all stop at the same step.)"""
+        rc = self.cfg.round
+        if rc.budget != "seconds" or self.done == 0:
+            return False
+        assert self._t_start is not None
+        spent = time.monotonic() - self._t_start >= rc.budget_seconds
+        return bool(self.ranks.lead_says(spent)) if self.ranks.world > 1 else spent
 
     def _heartbeat(self) -> None:
         """Say how far this round is, every few seconds: cheap, and what `status` shows (rank 0)."""
@@ -262,7 +279,7 @@ class InnerTrainer:
             "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
-            "waited_s": self.waited_s, "ranks": self.ranks.world,
+            "waited_s": self.waited_s, "ranks": self.ranks.world, "trained_s": round(self.trained_s, 3),
         }
         params.describe(manifest)
         tensors, metadata = self._contribution(manifest, weights)
@@ -308,8 +325,13 @@ class InnerTrainer:
         tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names)}
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
-                                   "base_digest": self.base_sha, "losses": self.losses})
+                                   "base_digest": self.base_sha, "losses": self.losses,
+                                   "trained_s": round(self._training_s(), 3)})
         log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
+
+    def _training_s(self) -> float:
+        """Seconds of training so far this round (also mid-round, from a preemption handler)."""
+        return self.trained_s if self._t_start is None else time.monotonic() - self._t_start
 
     def _contribution(self, manifest: dict[str, Any], weights: dict[str, torch.Tensor]
                       ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:

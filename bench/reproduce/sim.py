@@ -98,6 +98,7 @@ class SimWorker(InnerTrainer):
         if start is not None:
             load_weights(self.model, start, f"round {rnd} base")
         self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
+        self.trained_s, self.finished = 0.0, False
         self.train()
         return weights_of(self.model)
 

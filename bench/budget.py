@@ -1,0 +1,78 @@
+"""Time-budgeted rounds against fixed-H rounds, with one slow worker: worker utilization, wall time
+and final eval loss of the same persistent DiLoCo run on the local executor, run twice.
+
+One worker is made slow by the fault-injection slowpoint `worker_001.step` (ISLANDS_SLOWPOINT),
+which sleeps `--slow-step` seconds after each of its steps; the figure printed says how much
+slower that made it. `sync`: every worker takes H = --inner-steps steps a round, so every round
+waits for the slow one (the barrier). `budget`: round.budget seconds, S = the median time the
+other workers took for their H steps in the sync run; inner.steps stays H (the cap, and the same
+learning-rate schedule), so the fast workers take about H steps and the slow one fewer.
+
+    python -m bench.budget [--workers 2] [--rounds 6] [--inner-steps 30] [--slow-step 0.1] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run(folder: Path, name: str, args: argparse.Namespace, extra: list[str]) -> dict:
+    """One `orchestrate submit` (a subprocess, as a person types it); its status and manifests."""
+    run_dir = folder / name
+    cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--executor", "local", "--workers", str(args.workers),
+           "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps), "--run-dir", str(run_dir), *extra]
+    env = {**os.environ, "ISLANDS_SLOWPOINT": f"worker_001.step={args.slow_step}"}
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    wall = time.perf_counter() - t0
+    status = json.loads(subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run_dir), "--json"],
+                                       check=True, capture_output=True, text=True).stdout)
+    manifests = [json.loads((run_dir / f"rounds/{r:05d}/contrib/worker_{w:03d}.json").read_text())
+                 for r in range(args.rounds) for w in range(args.workers)]
+    return {"wall_s": round(wall, 1), "utilization": status["utilization"],
+            "final_eval_loss": status["rounds"][-1]["eval_loss"], "manifests": manifests}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--inner-steps", type=int, default=30)
+    p.add_argument("--slow-step", type=float, default=0.1, help="seconds added to each step of worker 1")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="budget-") as tmp:
+        sync = run(Path(tmp), "sync", args, [])
+        fast = [m for m in sync["manifests"] if m["worker"] != 1]
+        slow = [m for m in sync["manifests"] if m["worker"] == 1]
+        step = {k: statistics.median(m["trained_s"] / m["steps"] for m in ms) for k, ms in (("fast", fast), ("slow", slow))}
+        budget_s = statistics.median(m["trained_s"] for m in fast)
+        budget = run(Path(tmp), "budget", args, ["--set", "round.budget=seconds",
+                                                 "--set", f"round.budget_seconds={budget_s:.3f}"])
+    steps = {w: [m["steps"] for m in budget["manifests"] if m["worker"] == w] for w in range(args.workers)}
+    out = {name: {k: res[k] for k in ("utilization", "final_eval_loss", "wall_s")}
+           for name, res in (("sync", sync), ("budget", budget))}
+    out["setup"] = {"workers": args.workers, "rounds": args.rounds, "inner_steps": args.inner_steps,
+                    "slowdown": round(step["slow"] / step["fast"], 2), "budget_seconds": round(budget_s, 3),
+                    "budget_steps_per_worker": steps}
+    print(f"{args.workers} workers x {args.rounds} rounds, H = {args.inner_steps}; worker 1 is "
+          f"{out['setup']['slowdown']:.2f}x slower a step; budget S = {budget_s:.2f} s")
+    for name in ("sync", "budget"):
+        r = out[name]
+        print(f"{name:>7}: utilization {r['utilization']:.3f}, wall {r['wall_s']:.1f} s, final eval loss "
+              f"{r['final_eval_loss']:.4f}")
+    print(f"budget / sync: utilization {out['budget']['utilization'] / out['sync']['utilization']:.2f}x, wall time "
+          f"{out['budget']['wall_s'] / out['sync']['wall_s']:.2f}x; steps per round in the budget run: {steps}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
