@@ -210,6 +210,16 @@ class RoundConfig:
     boundary past it, after at least one step. The learning-rate schedule and the data position
     still advance inner.steps per round: set inner.steps a little above what the fastest worker
     takes in the budget."""
+    overlap: Literal["off", "rebase", "mix"] = "off"
+    """Persistent workers: `off`, a worker idles from publishing its contribution until the next
+    global exists (the barrier); `rebase`, it goes straight on with the next round's steps from its
+    own weights and, when the next global appears, adopts it at a step boundary keeping the steps
+    taken since publishing (theta <- global + theta - published: each step counted in exactly one
+    contribution); `mix`, it blends instead, theta <- (1 - overlap_mix) global + overlap_mix theta
+    (Streaming DiLoCo). A worker is never more than one round ahead: one that finishes the next
+    round's steps first waits. Not with per-round jobs, lte, nor several ranks per worker."""
+    overlap_mix: float = 0.5
+    """`overlap: mix` only: the weight of the worker's own weights in the blend, in [0, 1]."""
     stream_merge: bool = True
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
     worker lands reads one contribution instead of K. The service also holds the round's global

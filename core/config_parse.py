@@ -191,6 +191,12 @@ def check(cfg: Config) -> list[str]:
          f"round.budget={rc.budget} with round.budget_seconds={rc.budget_seconds}: a time budget needs both "
          "(e.g. --set round.budget=seconds --set round.budget_seconds=600, with inner.steps as the most a worker may "
          "take); budget steps takes no budget_seconds")
+    ranks = cfg.executor.tasks_per_node or cfg.executor.gpus_per_node or 1
+    need(rc.overlap == "off" or (rc.worker_mode == "persistent" and cfg.algorithm != "lte" and ranks == 1),
+         f"round.overlap={rc.overlap} needs persistent workers (round.worker_mode=persistent) of one rank "
+         f"(executor.tasks_per_node 1) training the whole model (not lte); got worker_mode={rc.worker_mode}, "
+         f"algorithm={cfg.algorithm}, {ranks} rank(s) per worker")
+    need(0 <= rc.overlap_mix <= 1, f"round.overlap_mix must be in [0, 1], got {rc.overlap_mix}")
     need(rc.aggregate == "mean" or (cfg.algorithm != "lte" and rc.late_policy != "fold"),
          f"round.aggregate={rc.aggregate} is unweighted and per element: it does not apply to lte (LoRA heads) nor "
          "to late_policy=fold (late contributions weighed down): use aggregate mean, or late_policy continue or drop")

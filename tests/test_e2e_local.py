@@ -282,3 +282,25 @@ def test_a_time_budget_keeps_a_slow_worker_from_holding_the_round(tmp_path, corp
         assert rec["merged"] == [0, 1]
     st = _status(run, capsys)
     assert st["state"] == "done" and st["rounds"][1]["eval_loss"] < st["initial_eval_loss"]
+
+
+def test_overlapped_rounds_train_ahead_and_adopt_each_global(tmp_path, corpus_cache, capsys):
+    """round.overlap: rebase. From round 1 on, each contribution records the step at which its
+    worker adopted the round's global; it names that global as its base and took H steps in all."""
+    run = tmp_path / "run"
+    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "200",
+                      "--set", "round.overlap=rebase")) == 0
+    s = Storage(str(run))
+    for r in range(3):
+        for w in (0, 1):
+            m = s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")
+            assert m["steps"] == 200 and m["base"] == f"global/round_{r:05d}.safetensors"
+            if r == 0:
+                assert "overlap" not in m  # nothing to train ahead of
+            else:
+                assert m["overlap"]["mode"] == "rebase" and 0 <= m["overlap"]["adopted_at_step"] <= 200, m
+    st = _status(run, capsys)
+    assert st["state"] == "done" and all(r["merged"] == [0, 1] for r in st["rounds"])
+    assert all(r["eval_loss"] is not None for r in st["rounds"]) and st["utilization"] is not None
+    log = "".join(p.read_text() for p in (run / "jobs").rglob("*_log.err"))
+    assert "adopted its base at step" in log

@@ -9,6 +9,11 @@ file is written from a snapshot in the background after the contribution, while 
 worker's previous state file; preemption and time limits wait for the write. It stops when the
 run is over, cancelled or failed, or when the service has handed the worker to another job. At its time limit Slurm signals it; the job saves an
 in-flight checkpoint if it is training and is requeued to carry on at the round it was serving.
+
+With round.overlap it does not idle after publishing: it trains round r+1's steps from its own
+weights meanwhile (train_ahead) and adopts the round's base when it is assigned
+(worker/overlap.py). A preemption while it trains ahead loses those steps (a round without its
+base has no in-flight checkpoint): the requeued job starts round r+1 from its base.
 """
 from __future__ import annotations
 
@@ -61,6 +66,26 @@ def wait_for_assignment(storage: Storage, r: int, worker: int, job_id: str | Non
         time.sleep(WAIT_POLL_S)
 
 
+def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) -> None:
+    """round.overlap: round r's steps from the worker's own weights until round r is assigned to
+    this worker (or the run ends); the rest of the round, once its base is adopted, is serve_round's."""
+    next_poll = 0.0
+
+    def assigned() -> bool:  # polled between steps, at most every WAIT_POLL_S
+        nonlocal next_poll
+        if time.monotonic() < next_poll:
+            return False
+        next_poll = time.monotonic() + WAIT_POLL_S
+        return storage.exists(L.CANCEL) or storage.exists(L.FAILED) or \
+            str(worker) in (storage.read_json(L.round_jobs(r)) or {}).get("workers", {})
+
+    t0 = time.monotonic()
+    trainer.start_ahead()
+    trainer.train(until=assigned)
+    trainer.ahead_s = time.monotonic() - t0
+    log.info("worker %d: %d step(s) of round %d taken before its base was assigned", worker, trainer.done, r)
+
+
 def run_persistent(task: WorkerTask) -> dict[str, Any]:
     """Serve rounds task.round, task.round+1, ... until the run ends. Returns a summary."""
     global _CURRENT_ROUND
@@ -87,6 +112,8 @@ def run_persistent(task: WorkerTask) -> dict[str, Any]:
             summary, trainer = serve_round(sub, round(time.monotonic() - t_wait, 3), trainer, persistent=True)
             served.append(summary)
             r += 1
+            if r < cfg.rounds and trainer.can_go_ahead():
+                train_ahead(trainer, storage, r, task.worker)
     finally:
         if trainer is not None:
             trainer.settle()  # the last round's optimizer state reaches storage before the job ends

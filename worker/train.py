@@ -17,6 +17,7 @@ model, or with `algorithm: lte` this worker's LoRA heads over a frozen base. A j
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -39,7 +40,8 @@ from core.task import WorkerTask
 from worker.data import BatchSampler, corpus_for, shard, split_heldout
 from worker.params import SEP, params_for
 from worker.ranks import data_parallel, join
-from worker.weights import HostBuffers, build_model
+from worker import overlap
+from worker.weights import HostBuffers, build_model, load_weights, weights_of
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -130,6 +132,11 @@ class InnerTrainer:
     def _begin(self, task: WorkerTask, own_state: bool) -> None:
         """Set up round task.round: base weights in the model, and the optimizer state from storage,
         or (`own_state`) the one in memory, which is this worker's state after its previous round."""
+        self._reset(task)
+        self.base_sha = self._load_base(own_state)
+
+    def _reset(self, task: WorkerTask) -> None:
+        """This trainer's round is now task.round, no step of it taken yet."""
         self.task = task
         torch.manual_seed(_seed(self.cfg.seed, task.worker, task.round))  # dropout, if any
         self.step0 = task.round * self.cfg.inner.steps  # the global step this round starts at
@@ -142,7 +149,9 @@ class InnerTrainer:
         self.waited_s: float | None = None  # a persistent worker's idle wait before this round
         self.resumed_at: int | None = None  # step of the in-flight checkpoint this job resumed from
         self._base: dict[str, torch.Tensor] | None = None  # the base weights, kept to code a delta from
-        self.base_sha = self._load_base(own_state)
+        self._published: dict[str, torch.Tensor] | None = None  # round.overlap: the last contribution's weights
+        self.adopted_at: int | None = None  # round.overlap: the step at which this round's base was adopted
+        self.ahead_s = 0.0  # round.overlap: seconds trained on this round before its base existed
 
     def next_round(self, task: WorkerTask) -> bool:
         """Carry this trainer into `task`, this worker's next round, keeping the model and its AdamW
@@ -151,11 +160,45 @@ class InnerTrainer:
         t = self.task
         # asked on every rank (a collective), before any condition could skip it on some
         inflight = self.ranks.lead_says(read_manifest(self.storage, L.worker_inflight(task.worker, task.round)) is not None)
+        if self._published is not None:  # trained ahead (round.overlap): adopt the base, or start over
+            if task.worker != t.worker or task.round != t.round or inflight:
+                self._published = None
+                return False
+            self._adopt(task)
+            return True
         if not self.params.carries_over or task.worker != t.worker or task.round != t.round + 1 \
                 or not self.finished or inflight:
             return False
         self._begin(task, own_state=True)
         return True
+
+    def can_go_ahead(self) -> bool:
+        """round.overlap: may this trainer start its next round before the round's base exists?"""
+        return (self.cfg.round.overlap != "off" and self.finished and self.params.carries_over
+                and not self.params.collective and self.ranks.world == 1)
+
+    def start_ahead(self) -> None:
+        """round.overlap: begin this worker's next round from its own weights and AdamW state, keeping
+        the weights it just published, which next_round needs to adopt the round's base."""
+        published = weights_of(self.model)  # fresh copies: the contribution's buffers are reused
+        self._reset(dataclasses.replace(self.task, round=self.task.round + 1))
+        self._published = published
+
+    def _adopt(self, task: WorkerTask) -> None:
+        """The trainer ran ahead on task.round; take its base now (worker/overlap.py)."""
+        rc = self.cfg.round
+        base_manifest = read_manifest(self.storage, task.base_key)
+        if base_manifest is None:
+            raise CheckpointError(f"worker {task.worker} round {task.round}: base checkpoint "
+                                  f"{self.storage.display(task.base_key)} is not published")
+        label = f"base weights for worker {task.worker}"
+        base = codec.load_weights(self.storage, task.base_key, label, alloc=self._host_base)
+        assert self._published is not None
+        load_weights(self.model, overlap.adopt(weights_of(self.model), self._published, base, rc.overlap, rc.overlap_mix),
+                     f"{label}, adopted at step {self.done}")
+        self.task, self.base_sha, self.adopted_at, self._published = task, base_manifest["digest"], self.done, None
+        self._base = base if rc.contribution == "delta" else None
+        log.info("worker %d round %d: adopted its base at step %d (%s)", task.worker, task.round, self.done, rc.overlap)
 
     def _load_base(self, own_state: bool = False) -> str:
         """Load base weights + own optimizer state, or the in-flight checkpoint of a requeued job."""
@@ -190,7 +233,9 @@ class InnerTrainer:
                                   label)
         return base_manifest["digest"]
 
-    def train(self) -> None:
+    def train(self, until: Any = None) -> None:
+        """Inner steps until the round's steps or time budget are spent, or (round.overlap, training
+        ahead) until `until()` says the round's base has been assigned."""
         cfg, model, opt, ranks = self.cfg, self.step_model, self.opt, self.ranks
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                     else contextlib.nullcontext())
@@ -198,7 +243,11 @@ class InnerTrainer:
         pending: list[torch.Tensor] = []
         failpoint_name, slow_name = f"rank_{ranks.rank}.step", f"worker_{self.task.worker:03d}.step"
         self._t_start = time.monotonic() - self.trained_s
+        stopped = False
         while self.done < cfg.inner.steps and not self._budget_spent():
+            if until is not None and until():
+                stopped = True
+                break
             step = self.step0 + self.done
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # lte: heads peak at lte.lr
@@ -222,7 +271,7 @@ class InnerTrainer:
                 self._flush(pending)
             if beat:
                 self._heartbeat()
-        self.trained_s, self._t_start, self.finished = time.monotonic() - self._t_start, None, True
+        self.trained_s, self._t_start, self.finished = time.monotonic() - self._t_start, None, not stopped
         self._flush(pending)
         self._heartbeat()
         if not all(math.isfinite(v) for v in self.losses[-5:]):
@@ -281,6 +330,10 @@ class InnerTrainer:
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
             "waited_s": self.waited_s, "ranks": self.ranks.world, "trained_s": round(self.trained_s, 3),
         }
+        if self.adopted_at is not None:
+            rc = self.cfg.round
+            manifest["overlap"] = {"mode": rc.overlap, "adopted_at_step": self.adopted_at,
+                                   **({"mix": rc.overlap_mix} if rc.overlap == "mix" else {})}
         params.describe(manifest)
         tensors, metadata = self._contribution(manifest, weights)
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
@@ -383,7 +436,7 @@ def serve_round(task: WorkerTask, waited_s: float | None = None, carry: InnerTra
     try:
         trainer.train()
         slowpoint(f"worker_{task.worker:03d}.publish")  # fault injection only (bench/chaos.py): a straggler
-        manifest = trainer.publish(time.perf_counter() - t0, state_later=persistent)
+        manifest = trainer.publish(time.perf_counter() - t0 + trainer.ahead_s, state_later=persistent)
     finally:
         _ACTIVE = None
     _RESIDENT = trainer if persistent else None

@@ -1,14 +1,16 @@
-"""Time-budgeted rounds against fixed-H rounds, with one slow worker: worker utilization, wall time
-and final eval loss of the same persistent DiLoCo run on the local executor, run twice.
+"""Barrier rounds against time-budgeted and overlapped rounds, with one slow worker: worker
+utilization, wall time and final eval loss of the same persistent DiLoCo run on the local executor.
 
 One worker is made slow by the fault-injection slowpoint `worker_001.step` (ISLANDS_SLOWPOINT),
 which sleeps `--slow-step` seconds after each of its steps; the figure printed says how much
 slower that made it. `sync`: every worker takes H = --inner-steps steps a round, so every round
 waits for the slow one (the barrier). `budget`: round.budget seconds, S = the median time the
 other workers took for their H steps in the sync run; inner.steps stays H (the cap, and the same
-learning-rate schedule), so the fast workers take about H steps and the slow one fewer.
+learning-rate schedule), so the fast workers take about H steps and the slow one fewer. `overlap`:
+the same budget, and round.overlap rebase: a worker trains on while its round is merged. `--json`
+writes {"sync": {"utilization", "final_eval_loss", "wall_s"}, "budget": {...}, "overlap": {...}, "setup"}.
 
-    python -m bench.budget [--workers 2] [--rounds 6] [--inner-steps 30] [--slow-step 0.1] [--json PATH]
+    python -m bench.overlap [--workers 2] [--rounds 6] [--inner-steps 30] [--slow-step 0.1] [--json PATH]
 """
 from __future__ import annotations
 
@@ -54,22 +56,22 @@ def main() -> None:
         slow = [m for m in sync["manifests"] if m["worker"] == 1]
         step = {k: statistics.median(m["trained_s"] / m["steps"] for m in ms) for k, ms in (("fast", fast), ("slow", slow))}
         budget_s = statistics.median(m["trained_s"] for m in fast)
-        budget = run(Path(tmp), "budget", args, ["--set", "round.budget=seconds",
-                                                 "--set", f"round.budget_seconds={budget_s:.3f}"])
-    steps = {w: [m["steps"] for m in budget["manifests"] if m["worker"] == w] for w in range(args.workers)}
-    out = {name: {k: res[k] for k in ("utilization", "final_eval_loss", "wall_s")}
-           for name, res in (("sync", sync), ("budget", budget))}
+        flags = ["--set", "round.budget=seconds", "--set", f"round.budget_seconds={budget_s:.3f}"]
+        budget = run(Path(tmp), "budget", args, flags)
+        overlapped = run(Path(tmp), "overlap", args, [*flags, "--set", "round.overlap=rebase"])
+    results = {"sync": sync, "budget": budget, "overlap": overlapped}
+    out: dict = {name: {k: res[k] for k in ("utilization", "final_eval_loss", "wall_s")} for name, res in results.items()}
     out["setup"] = {"workers": args.workers, "rounds": args.rounds, "inner_steps": args.inner_steps,
                     "slowdown": round(step["slow"] / step["fast"], 2), "budget_seconds": round(budget_s, 3),
-                    "budget_steps_per_worker": steps}
+                    "steps_per_worker": {name: {w: [m["steps"] for m in res["manifests"] if m["worker"] == w]
+                                                for w in range(args.workers)} for name, res in results.items()}}
     print(f"{args.workers} workers x {args.rounds} rounds, H = {args.inner_steps}; worker 1 is "
           f"{out['setup']['slowdown']:.2f}x slower a step; budget S = {budget_s:.2f} s")
-    for name in ("sync", "budget"):
+    for name in results:
         r = out[name]
-        print(f"{name:>7}: utilization {r['utilization']:.3f}, wall {r['wall_s']:.1f} s, final eval loss "
-              f"{r['final_eval_loss']:.4f}")
-    print(f"budget / sync: utilization {out['budget']['utilization'] / out['sync']['utilization']:.2f}x, wall time "
-          f"{out['budget']['wall_s'] / out['sync']['wall_s']:.2f}x; steps per round in the budget run: {steps}")
+        print(f"{name:>8}: utilization {r['utilization']:.3f} ({r['utilization'] / out['sync']['utilization']:.2f}x "
+              f"sync), wall {r['wall_s']:.1f} s ({r['wall_s'] / out['sync']['wall_s']:.2f}x), final eval loss "
+              f"{r['final_eval_loss']:.4f} ({r['final_eval_loss'] / out['sync']['final_eval_loss'] - 1:+.1%})")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
