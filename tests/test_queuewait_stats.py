@@ -255,3 +255,11 @@ def test_queue_wait_never_imports_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_live_sacct_censors_jobs_still_pending_at_now():
+    now = qw._sacct_time("2026-01-01T05:00:00")
+    data = qw.parse_sacct(SACCT, now=now)
+    pending = [j for j in data.jobs if j.user == "d"]
+    assert len(pending) == 1 and pending[0].censored and pending[0].wait_s == 5 * 3600
+    assert data.skipped == {"never eligible": 1}  # still skipped: held, never eligible

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +83,10 @@ def sacct_command(since: str | None, partition: str | None, user: str | None,
 
 
 def read_sacct_live(since: str | None = None, partition: str | None = None, user: str | None = None) -> WaitData:
+    """This cluster's job history; jobs still pending are censored at now (sacct's wall clock, read as UTC)."""
     text = _run(sacct_command(since, partition, user), "reading the cluster's job history")
-    return parse_sacct(text, source=f"sacct:live since {since or 'now-7days'}", partition=partition, user=user)
+    now = datetime.now().replace(tzinfo=timezone.utc).timestamp()
+    return parse_sacct(text, source=f"sacct:live since {since or 'now-7days'}", partition=partition, user=user, now=now)
 
 
 # ---------------------------------------------------------------- the scheduler's own estimate

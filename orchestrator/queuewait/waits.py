@@ -167,13 +167,14 @@ def _swf_job(fields: list[str], cpn: float, origin: float) -> tuple[JobWait | No
 
 
 def parse_sacct(text: str, source: str = "sacct", fields: Sequence[str] = SACCT_FIELDS,
-                partition: str | None = None, user: str | None = None) -> WaitData:
+                partition: str | None = None, user: str | None = None, now: float | None = None) -> WaitData:
     """Jobs of `sacct -P -X -o JobID,Submit,Eligible,Start,End,NNodes,...` output (a header line, if
     present, wins; of the fields only JobID, Submit, Start and NNodes are required).
 
     The wait runs from Eligible (when the job could start: not held, dependencies met), else from
-    Submit. A job cancelled before it started is censored at End; one still pending is skipped and
-    counted (its wait so far is unknown from the file), as are jobs never eligible. Steps
+    Submit. A job cancelled before it started is censored at End; one still pending is censored at
+    `now` (when sacct ran: the caller knows it, a saved file does not say, and then such jobs are
+    skipped and counted), jobs never eligible are skipped and counted. Steps
     (`12.batch`, `12.0`) are ignored. Times are read as wall clock.
     """
     rows = [line.rstrip("\n").split("|") for line in text.splitlines() if line.strip()]
@@ -197,7 +198,7 @@ def parse_sacct(text: str, source: str = "sacct", fields: Sequence[str] = SACCT_
             continue  # a step of a job already counted
         if (partition and row.get("Partition", partition) != partition) or (user and row.get("User", user) != user):
             continue
-        job, reason = _sacct_job(row)
+        job, reason = _sacct_job(row, now)
         if job is None:
             skipped[reason] += 1
         else:
@@ -205,11 +206,12 @@ def parse_sacct(text: str, source: str = "sacct", fields: Sequence[str] = SACCT_
     return WaitData(source, tuple(jobs), dict(skipped))
 
 
-def _sacct_job(row: dict[str, str]) -> tuple[JobWait | None, str]:
+def _sacct_job(row: dict[str, str], now: float | None = None) -> tuple[JobWait | None, str]:
     state = row.get("State", "")
-    started = row["Start"].lower() not in _NOT_STARTED and not state.startswith("PENDING")
-    if not started and not state.startswith("CANCELLED"):
-        return None, "still pending" if state.startswith("PENDING") else "never started"
+    pending = state.startswith("PENDING")
+    started = row["Start"].lower() not in _NOT_STARTED and not pending
+    if not started and not state.startswith("CANCELLED") and not (pending and now is not None):
+        return None, "still pending" if pending else "never started"
     try:
         submit = _sacct_time(row["Submit"])
         eligible = row.get("Eligible")  # absent from older saved output: then the wait runs from Submit
@@ -217,7 +219,8 @@ def _sacct_job(row: dict[str, str]) -> tuple[JobWait | None, str]:
             submit = max(submit, _sacct_time(eligible))
         elif eligible is not None and not started:
             return None, "never eligible"
-        end = _sacct_time(row["Start"] if started else row.get("End", ""))
+        end = _sacct_time(row["Start"]) if started else now if pending else _sacct_time(row.get("End", ""))
+        assert end is not None
         nodes = int(row["NNodes"])
         procs = int(row.get("NCPUS") or 0)
     except ValueError:
