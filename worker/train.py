@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -233,7 +234,7 @@ class InnerTrainer:
                                   label)
         return base_manifest["digest"]
 
-    def train(self, until: Any = None) -> None:
+    def train(self, until: Callable[[], bool] | None = None) -> None:
         """Inner steps until the round's steps or time budget are spent, or (round.overlap, training
         ahead) until `until()` says the round's base has been assigned."""
         cfg, model, opt, ranks = self.cfg, self.step_model, self.opt, self.ranks
