@@ -210,7 +210,6 @@ def classify(model: Model, cfg: Mapping[str, Any], label: str) -> tuple[dict[str
 def check_together(adapters: Sequence[Adapter]) -> list[str]:
     """Every reason these adapters cannot be merged into one (shapes of shared modules, whole tensors)."""
     problems = []
-    first = adapters[0]
     kinds = {type(a.config.get("target_modules")) for a in adapters}
     if len(kinds) > 1:
         problems.append("target_modules is a list in some adapters and a pattern in others: PEFT cannot load "

@@ -46,6 +46,18 @@ def test_all_gradients_dropped_leaves_the_global_model(ctx: Context) -> None:
     assert run.comm_bytes == 2 * size + 2 * cfg.rounds * size
 
 
+def test_overlap_adopting_at_step_0_is_synchronous_diloco(ctx: Context) -> None:
+    """An overlapped worker that adopts the global before its first step (rebase: global + p - p)
+    trains exactly as a synchronous one; adopting later moves away from it (the test can fail)."""
+    cfg = ctx.cfg(0, workers=2)
+    data = ctx.data(cfg)
+    sync = sim.run_diloco(cfg, data)
+    over = ctx.cfg(0, workers=2, **{"round.overlap": "rebase"})
+    assert sim.run_diloco(over, data, ahead=0).losses == sync.losses
+    late = sim.run_diloco(over, data, ahead=cfg.inner.steps // 2)
+    assert _max_diff(late.extra["weights"], sync.extra["weights"]) > 1e-4
+
+
 def test_test_docs_are_a_separate_domain(ctx: Context) -> None:
     tests = ctx.data(ctx.cfg(0), "tests")
     names = [tests.corpus.documents[i].name for i in tests.train + tests.heldout]

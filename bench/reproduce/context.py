@@ -135,14 +135,16 @@ class Context:
             log.info("%s: %.1fs, final eval loss %.4f", label or key, time.perf_counter() - t0, self._memo[key].final)
         return self._memo[key]
 
-    def diloco(self, seed: int, *, drop: float = 0.0, schedule: str | None = None, **overrides: Any) -> sim.RunResult:
-        """DiLoCo from the pre-trained model; `schedule` names one of SCHEDULES."""
+    def diloco(self, seed: int, *, drop: float = 0.0, schedule: str | None = None, ahead: int = 0,
+               **overrides: Any) -> sim.RunResult:
+        """DiLoCo from the pre-trained model; `schedule` names one of SCHEDULES; `ahead`: steps an
+        overlapped worker takes before adopting each global (with round.overlap)."""
         cfg = self.cfg(seed, **overrides)
-        key = ("diloco", drop, schedule, repr(cfg))  # the resolved config: equal runs asked differently are one
+        key = ("diloco", drop, schedule, ahead, repr(cfg))  # the resolved config: equal runs asked differently are one
         sched = None if schedule is None else SCHEDULES[schedule](cfg)
         return self.memo(key, lambda: sim.run_diloco(cfg, self.data(cfg), drop=drop, schedule=sched,
-                                                    init=self.pretrained(seed)),
-                         f"diloco seed {seed} drop {drop} schedule {schedule} {overrides}")
+                                                    init=self.pretrained(seed), ahead=ahead),
+                         f"diloco seed {seed} drop {drop} schedule {schedule} ahead {ahead} {overrides}")
 
     def plain(self, seed: int, **overrides: Any) -> sim.RunResult:
         """One worker, no merges, from the pre-trained model."""

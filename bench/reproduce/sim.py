@@ -23,6 +23,7 @@ import torch
 from core.config import Config
 from merge.methods import get_method
 from orchestrator.plan import next_bases
+from worker.overlap import adopt
 from worker.data import BatchSampler, Corpus, eval_batches, estimate_loss, load_corpus, shard, split_heldout
 from worker.params import make_optimizer
 from worker.ranks import SOLO
@@ -102,6 +103,16 @@ class SimWorker(InnerTrainer):
         self.train()
         return weights_of(self.model)
 
+    def run_overlapped(self, base: Weights, published: Weights, rnd: int, ahead: int, mode: str, alpha: float) -> Weights:
+        """round.overlap: round rnd's first `ahead` steps from the worker's own weights (those it
+        published last round, trained on), then `base` adopted (worker/overlap.py), then the rest."""
+        self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
+        self.trained_s, self.finished = 0.0, False
+        self.train(until=lambda: self.done >= ahead)
+        load_weights(self.model, adopt(weights_of(self.model), published, base, mode, alpha), f"round {rnd} base")
+        self.train()
+        return weights_of(self.model)
+
 
 def init_weights(cfg: Config, init: Weights | None = None) -> Weights:
     """The round-0 global weights, as orchestrator/run_models.py makes them (seeded init or init_from)."""
@@ -168,10 +179,12 @@ def _active_count(schedule: Callable[[int], int] | None, cfg: Config, rnd: int) 
 
 
 def run_diloco(cfg: Config, data: Data, *, drop: float = 0.0, schedule: Callable[[int], int] | None = None,
-               init: Weights | None = None) -> RunResult:
+               init: Weights | None = None, ahead: int = 0) -> RunResult:
     """DiLoCo with cfg.workers shards. `drop`: probability that a worker's outer gradient is left out
     of a round (it then continues from its own weights, round.late_policy); `schedule(round)`: how
-    many workers (ids 0..k-1) train that round (the DiLoCo paper's Fig. 7), default all."""
+    many workers (ids 0..k-1) train that round (the DiLoCo paper's Fig. 7), default all. `ahead`
+    (with cfg.round.overlap): from round 1 on, each worker takes that many of its steps before it
+    adopts the round's global, as an overlapped worker whose merge took that long."""
     shards = data.shards(cfg, cfg.workers)
     workers: dict[int, SimWorker] = {}
     evaluate = Evaluator(cfg, data)
@@ -188,7 +201,10 @@ def run_diloco(cfg: Config, data: Data, *, drop: float = 0.0, schedule: Callable
             if w not in workers:  # a worker joining later starts with a fresh AdamW state
                 workers[w] = SimWorker(cfg, w, shards[w], data)
             base = bases.get(w, "global")
-            own[w] = workers[w].run_round(global_w if base == "global" else own[w], r)
+            if cfg.round.overlap != "off" and r > 0 and base == "global" and w in own:
+                own[w] = workers[w].run_overlapped(global_w, own[w], r, ahead, cfg.round.overlap, cfg.round.overlap_mix)
+            else:
+                own[w] = workers[w].run_round(global_w if base == "global" else own[w], r)
             comm += (size if base == "global" else 0) + size
         merged = [w for w in range(active) if not (drop and rng.random() < drop)]
         dropped += active - len(merged)
