@@ -80,9 +80,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--live: submit `sleep 1` probe jobs of 1 minute instead of asking for an estimate (they "
                         "backfill into gaps a long job cannot use: their waits understate a real worker's)")
     p.add_argument("--probe-gpus", type=int, default=0, help="--live: GPUs per node of the estimated job (default 0)")
-    p.add_argument("--probe-nodes", type=_int_list, default=[1, 2, 4], help="--live: probe sizes (default 1,2,4)")
-    p.add_argument("--probes-per-size", type=int, default=2, help="--live: probes of each size (default 2)")
-    p.add_argument("--max-seconds", type=duration_s, default=300.0, help="--live: stop waiting after this (default 300)")
+    p.add_argument("--probe-nodes", type=_int_list, default=[1, 2, 4],
+                   help="--live: job sizes to estimate or probe (default 1,2,4)")
+    p.add_argument("--probes-per-size", type=int, default=2, help="--live --submit: probes of each size (default 2)")
+    p.add_argument("--max-seconds", type=duration_s, default=300.0,
+                   help="--live --submit: stop waiting after this (default 300)")
     p.add_argument("--buckets", help="node-count buckets, e.g. 1,2-4,5-8,9+ (the default; "
                                       "with --live one bucket per probe size)")
     p.add_argument("--project", action="store_true", help="project end-to-end time of T rounds (needs the next 3)")
