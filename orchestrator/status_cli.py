@@ -45,10 +45,12 @@ def status_with_jobs(storage: Storage, jobs_folder: str) -> dict[str, Any]:
 
 
 def status_table(status: dict[str, Any]) -> Any:
+    from rich import box
     from rich.table import Table
 
+    # no column rules: nine columns fit an 80-column terminal
     table = Table("round", "eval loss", "merged", "dropped", "rejected", "merge s", "round s", "busy", "MB read",
-                  title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
                         f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
                         f"initial eval loss {status['initial_eval_loss']}")
     for r in status["rounds"]:
