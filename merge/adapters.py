@@ -26,6 +26,7 @@ the reason. Everything in the directory is checked before any maths, like every 
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,9 @@ import torch
 from core.checkpoint import FLOATS, TensorFile
 from core.errors import CheckpointError, StorageError
 from core.storage import Storage
+from merge.engine import finite, nonfinite
 from merge.inputs import Model, open_file_model
+from merge.methods import average
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -75,9 +78,8 @@ class Adapter:
     def tensor(self, name: str) -> torch.Tensor:
         f: TensorFile = self.model.files[0]
         t = f.read(name)
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{self.model.label}: tensor {name} has NaN or Inf values: the adapter diverged or the "
-                                  "file is damaged; leave it out of the merge")
+        if not finite(t):
+            raise CheckpointError(nonfinite(self.model.label, name))
         return t
 
 
@@ -251,13 +253,11 @@ def concatenated(adapters: Sequence[Adapter], coeffs: Sequence[float], module: s
     """(A, B) of `module` in the merged adapter: PEFT's cat, zeros where an adapter lacks it."""
     rank = sum(ad.max_rank for ad in adapters)
     la = [(ad, ad.loras[module], c) for ad, c in zip(adapters, coeffs) if module in ad.loras]
-    a0, b0 = la[0][0].model.specs[la[0][1].a], la[0][0].model.specs[la[0][1].b]
-    dtype = torch.promote_types(a0.torch_dtype, b0.torch_dtype)
-    for ad, lo, _ in la:
-        dtype = torch.promote_types(dtype, torch.promote_types(ad.model.specs[lo.a].torch_dtype,
-                                                               ad.model.specs[lo.b].torch_dtype))
-    A = torch.zeros(rank, a0.shape[1], dtype=dtype)
-    B = torch.zeros(b0.shape[0], rank, dtype=dtype)
+    dtype = functools.reduce(torch.promote_types,
+                             (ad.model.specs[n].torch_dtype for ad, lo, _ in la for n in (lo.a, lo.b)))
+    out_f, in_f = _io(la[0][0], la[0][1])
+    A = torch.zeros(rank, in_f, dtype=dtype)
+    B = torch.zeros(out_f, rank, dtype=dtype)
     o = 0
     for ad, lo, c in la:
         A[o:o + lo.rank] = ad.tensor(lo.a).to(dtype) * c * lo.scaling
@@ -282,11 +282,7 @@ def whole(adapters: Sequence[Adapter], weights: Sequence[float], name: str) -> t
     ts = [t for t, _ in held]
     if all(torch.equal(ts[0], t) for t in ts[1:]):
         return ts[0]
-    total = float(sum(w for _, w in held))
-    acc = torch.zeros(ts[0].shape, dtype=torch.float32)
-    for t, w in held:
-        acc.add_(t.float(), alpha=w)
-    return acc.div_(total).to(ts[0].dtype)
+    return average(ts, [w for _, w in held]).to(ts[0].dtype)
 
 
 def delta(adapters: Sequence[Adapter], coeffs: Sequence[float], module: str) -> torch.Tensor:

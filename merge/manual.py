@@ -213,8 +213,8 @@ def _adapter_merge(inputs: Sequence[str], out: str, method: str, weights: list[f
     try:
         base_model = _open_inputs(lora.open_adapter, inputs, base, problems, ads)
         problems += lora.check_together(ads)
-        if lora.wholes(ads) and total <= 0:
-            problems.append(f"the adapters' whole tensors {sorted(lora.wholes(ads))[:3]} are merged as the weights' mean: "
+        if (full := sorted(lora.wholes(ads))) and total <= 0:
+            problems.append(f"the adapters' whole tensors {full[:3]} are merged as the weights' mean: "
                             f"the weights must sum to a positive number, got {weights}")
         if base_model is not None:
             problems += lora.fold_problems(ads, base_model.specs, base_model.label)

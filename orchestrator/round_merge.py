@@ -95,7 +95,7 @@ class RoundMerger:
         """Merge what `decision` names into global_{r+1}; the record to commit (not written yet).
         Raises QuorumError (with the refused workers) when too few valid contributions remain."""
         r, t0 = jobs.round, time.time()
-        stale, contribs, digests, idle, busy = self._contributions(jobs, decision.workers)
+        stale, contribs, manifests = self._contributions(jobs, decision.workers)
         fold = self.cfg.round.late_policy == "fold" and self.method.folds_late
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
@@ -121,9 +121,9 @@ class RoundMerger:
             outer_grad_norm=result.outer_grad_norm, weights={str(c.worker): c.weight for c in contribs},
             submitted_at=jobs.submitted_at or t0, merge_started_at=t0, committed_at=time.time(),
             global_digest=result.manifest["digest"], merge_order=result.order,
-            contrib_digest={str(w): digests[w] for w in merged}, folded=merged_folds,
-            fold_rejected=fold_refused + refused, worker_idle_s={str(w): s for w, s in idle.items()},
-            worker_train_s={str(w): s for w, s in busy.items()},
+            contrib_digest={str(w): manifests[w].get("digest") for w in merged}, folded=merged_folds,
+            fold_rejected=fold_refused + refused, worker_idle_s=_per_worker(manifests, "waited_s"),
+            worker_train_s=_per_worker(manifests, "seconds"),
             jobs={str(w): {**final[j].as_dict(), "attempts": jobs.workers[w].attempts} for w, j in jobs.latest().items()})
 
     def commit(self, jobs: RoundJobs, record: RoundRecord) -> None:
@@ -181,22 +181,17 @@ class RoundMerger:
         self.executor.cancel(stragglers)
 
     def _contributions(self, jobs: RoundJobs, workers: tuple[int, ...]
-                       ) -> tuple[dict[int, str], list[Contribution], dict[int, str], dict[int, float], dict[int, float]]:
-        """(stale or invalid ones with why, contributions to merge, their digests, persistent workers'
-        idle seconds before the round, every worker's seconds on it)."""
-        stale, out, digests, idle, busy = {}, [], {}, {}, {}
+                       ) -> tuple[dict[int, str], list[Contribution], dict[int, dict[str, Any]]]:
+        """(stale or invalid ones with why, contributions to merge, their manifests by worker)."""
+        stale, out, manifests = {}, [], {}
         for w in sorted(workers):  # worker order: a merge of the same inputs sums them in the same order
             c, why, m = self._contribution(jobs, w)
             if c is None:
                 stale[w] = why
                 continue
             out.append(c)
-            digests[w] = m.get("digest")
-            if m.get("waited_s") is not None:
-                idle[w] = m["waited_s"]
-            if m.get("seconds") is not None:
-                busy[w] = m["seconds"]
-        return stale, out, digests, idle, busy
+            manifests[w] = m
+        return stale, out, manifests
 
     def _contribution(self, jobs: RoundJobs, w: int) -> tuple[Contribution | None, str, dict[str, Any]]:
         """(worker w's contribution, or None and why it is stale or invalid; its manifest)."""
@@ -213,3 +208,8 @@ class RoundMerger:
         if isinstance(weight, str):  # a manifest whose figures do not add up: refused like a bad file
             return None, f"worker {w} ({self.storage.display(key)}): {weight}", m
         return Contribution(w, key, weight), "", m
+
+
+def _per_worker(manifests: dict[int, dict[str, Any]], key: str) -> dict[str, float]:
+    """{worker: manifest[key]} for the manifests that have it (persistent workers' waits, for one)."""
+    return {str(w): m[key] for w, m in manifests.items() if m.get(key) is not None}

@@ -299,6 +299,7 @@ def test_overlapped_rounds_train_ahead_and_adopt_each_global(tmp_path, corpus_ca
                 assert "overlap" not in m  # nothing to train ahead of
             else:
                 assert m["overlap"]["mode"] == "rebase" and 0 <= m["overlap"]["adopted_at_step"] <= 200, m
+                assert m["seconds"] >= m["trained_s"]  # the steps taken ahead count as this round's busy time
     st = _status(run, capsys)
     assert st["state"] == "done" and all(r["merged"] == [0, 1] for r in st["rounds"])
     assert all(r["eval_loss"] is not None for r in st["rounds"]) and st["utilization"] is not None

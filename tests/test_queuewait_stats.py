@@ -263,3 +263,21 @@ def test_live_sacct_censors_jobs_still_pending_at_now():
     pending = [j for j in data.jobs if j.user == "d"]
     assert len(pending) == 1 and pending[0].censored and pending[0].wait_s == 5 * 3600
     assert data.skipped == {"never eligible": 1}  # still skipped: held, never eligible
+
+
+@pytest.mark.parametrize("text, seconds", [("24h", 86400), ("90m", 5400), ("3600", 3600), ("0:20:00", 1200),
+                                           ("5:30", 330), ("1-12:30", 86400 + 12 * 3600 + 1800), ("1-00:00:00", 86400)])
+def test_cli_durations_read_slurm_times_as_slurm_does(text, seconds):
+    from orchestrator.queuewait.cli import duration_s
+    assert duration_s(text) == seconds
+
+
+@pytest.mark.parametrize("args, pattern", [(["--swf", "T", "--gpus"], "only --sacct records which jobs asked"),
+                                           (["--live", "--project", "--rounds", "2", "--round-seconds", "60",
+                                             "--workers", "2"], "the projection needs a wait distribution")])
+def test_cli_refuses_what_a_source_cannot_give(tmp_path, capsys, args, pattern):
+    trace = tmp_path / "t.swf"
+    trace.write_text(SWF)
+    assert main(["bench", "queue-wait", *[str(trace) if a == "T" else a for a in args]]) == 2
+    got = capsys.readouterr()
+    assert pattern in got.out + got.err

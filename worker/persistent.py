@@ -79,10 +79,8 @@ def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) ->
         return storage.exists(L.CANCEL) or storage.exists(L.FAILED) or \
             str(worker) in (storage.read_json(L.round_jobs(r)) or {}).get("workers", {})
 
-    t0 = time.monotonic()
     trainer.start_ahead()
     trainer.train(until=assigned)
-    trainer.ahead_s = time.monotonic() - t0
     log.info("worker %d: %d step(s) of round %d taken before its base was assigned", worker, trainer.done, r)
 
 

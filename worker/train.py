@@ -198,6 +198,7 @@ class InnerTrainer:
         load_weights(self.model, overlap.adopt(weights_of(self.model), self._published, base, rc.overlap, rc.overlap_mix),
                      f"{label}, adopted at step {self.done}")
         self.task, self.base_sha, self.adopted_at, self._published = task, base_manifest["digest"], self.done, None
+        self.ahead_s = self.trained_s  # trained before the base existed: part of this round's busy time
         self._base = base if rc.contribution == "delta" else None
         log.info("worker %d round %d: adopted its base at step %d (%s)", task.worker, task.round, self.done, rc.overlap)
 

@@ -94,20 +94,23 @@ class SimWorker(InnerTrainer):
     def _heartbeat(self) -> None:
         """No progress file: nothing watches a simulated worker."""
 
+    def _start(self, rnd: int) -> None:
+        """Round rnd, no step of it taken (what InnerTrainer._reset does, without a task object)."""
+        self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
+        self.trained_s, self.finished = 0.0, False
+
     def run_round(self, start: Weights | None, rnd: int) -> Weights:
         """H inner steps at global steps rnd*H.., from `start` (None: the model's current weights)."""
         if start is not None:
             load_weights(self.model, start, f"round {rnd} base")
-        self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
-        self.trained_s, self.finished = 0.0, False
+        self._start(rnd)
         self.train()
         return weights_of(self.model)
 
     def run_overlapped(self, base: Weights, published: Weights, rnd: int, ahead: int, mode: str, alpha: float) -> Weights:
         """round.overlap: round rnd's first `ahead` steps from the worker's own weights (those it
         published last round, trained on), then `base` adopted (worker/overlap.py), then the rest."""
-        self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
-        self.trained_s, self.finished = 0.0, False
+        self._start(rnd)
         self.train(until=lambda: self.done >= ahead)
         load_weights(self.model, adopt(weights_of(self.model), published, base, mode, alpha), f"round {rnd} base")
         self.train()

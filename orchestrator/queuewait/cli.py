@@ -13,6 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.queuewait.waits import slurm_duration  # torch-free, stdlib only
+
 console = Console(highlight=False, soft_wrap=True)
 _LIVE_SACCT = "<live sacct>"
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
@@ -24,10 +26,8 @@ def duration_s(text: str) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|m|min|h|d)?", t)
     if m:
         return float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d\d)(?::(\d\d))?", t)
-    if m:
-        days, a, b, c = (int(g) if g else 0 for g in m.groups())
-        return days * 86400 + (a * 3600 + b * 60 + c if m.group(4) else a * 60 + b)
+    if (":" in t or "-" in t) and (seconds := slurm_duration(t)) is not None:
+        return seconds
     raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 24h, 90m, 3600 or 1-00:00:00")
 
 

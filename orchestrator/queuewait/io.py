@@ -54,7 +54,8 @@ def read_sacct_file(path: str | Path, partition: str | None = None, user: str | 
     return parse_sacct(read_text(path), source=f"sacct:{Path(path).name}", partition=partition, user=user)
 
 
-def _run(args: list[str], what: str) -> str:
+def _run(args: list[str], what: str, stderr_too: bool = False) -> str:
+    """The command's stdout (`stderr_too`: and its stderr, where sbatch --test-only answers)."""
     if shutil.which(args[0]) is None:
         raise QueueWaitError(f"{args[0]} is not on PATH; {what} needs Slurm's client commands "
                              "(or read a saved file: --sacct FILE / --swf FILE)")
@@ -65,7 +66,7 @@ def _run(args: list[str], what: str) -> str:
     if out.returncode != 0:
         raise QueueWaitError(f"`{' '.join(args)}` failed with exit code {out.returncode} ({what}): "
                              f"{out.stderr.strip() or out.stdout.strip()}")
-    return out.stdout
+    return out.stdout + out.stderr if stderr_too else out.stdout
 
 
 def sacct_command(since: str | None, partition: str | None, user: str | None,
@@ -113,17 +114,10 @@ def estimate_starts(node_counts: Sequence[int], time_limit_s: float, partition: 
     out = []
     for n in node_counts:
         args = test_only_command(n, time_limit_s, partition, gpus_per_node)
-        if shutil.which(args[0]) is None:
-            raise QueueWaitError("sbatch is not on PATH; --live needs Slurm's client commands (or read a saved "
-                                 "file: --sacct FILE / --swf FILE)")
-        try:
-            res = subprocess.run(args, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            raise QueueWaitError(f"`{' '.join(args)}` did not answer within {_CMD_TIMEOUT_S}s") from None
-        text = (res.stderr + res.stdout).strip()
+        text = _run(args, f"asking when a {n}-node job would start (--live)", stderr_too=True).strip()
         m = _TEST_ONLY.search(text)
-        if res.returncode != 0 or not m:
-            raise QueueWaitError(f"`{' '.join(args)}` gave no start estimate (exit {res.returncode}): {text[-300:]}")
+        if not m:
+            raise QueueWaitError(f"`{' '.join(args)}` gave no start estimate: {text[-300:]}")
         now = datetime.now()  # sbatch prints the cluster's local time, without a zone
         start = datetime.fromisoformat(m.group(1))
         out.append({"nodes": n, "time_limit_s": time_limit_s, "gpus_per_node": gpus_per_node,
