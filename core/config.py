@@ -229,6 +229,11 @@ class RoundConfig:
     a resumed service rebuilds it from the contributions), so with 3+ workers two runs may differ in
     the last bit; `false` merges in worker order at the end (bitwise reproducible from run to run).
     Linear merges only: not `lte`."""
+    replay: str = ""
+    """Set by `orchestrate submit --replay RUN`, not by hand: the run this one replays. Its workers
+    train, and adopt their bases (round.overlap), at the steps recorded in the source run, and its
+    merges sum in the recorded order (`replay.json`, core/replay.py), so every global it publishes
+    equals the source's bit for bit."""
 
 
 @dataclass(frozen=True, kw_only=True)

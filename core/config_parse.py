@@ -201,6 +201,10 @@ def check(cfg: Config) -> list[str]:
          f"round.aggregate={rc.aggregate} is unweighted and per element: it does not apply to lte (LoRA heads) nor "
          "to late_policy=fold (late contributions weighed down): use aggregate mean, or late_policy continue or drop")
     need(0 <= rc.trim < 0.5, f"round.trim must be in [0, 0.5), got {rc.trim}")
+    need(not rc.replay or (not rc.stream_merge and rc.min_workers in (0, cfg.workers) and rc.deadline_s == 0),
+         f"round.replay ({rc.replay}) needs every worker in every round, summed in the recorded order: "
+         f"round.min_workers 0, round.deadline_s 0 and round.stream_merge false (got {rc.min_workers}, "
+         f"{rc.deadline_s}, {str(rc.stream_merge).lower()}); `orchestrate submit --replay RUN` sets them")
     m = cfg.model
     need(min(m.n_layer, m.n_head, m.n_embd, m.block_size) >= 1, "model sizes (n_layer, n_head, n_embd, block_size) must be >= 1")
     need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,

@@ -56,6 +56,8 @@ class RunLayout:
     LEASE = "lease"
     CANCEL = "CANCEL"
     FAILED = "failed.json"
+    REPLAY = "replay.json"
+    """A replay's schedule (core/replay.py): the source run's steps, adoption steps and merge order."""
     LOG = "orchestrator.log"
     FINAL = "final/model.safetensors"
     FINAL_HF = "final/hf"

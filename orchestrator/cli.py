@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("submit", help="start a run and drive it to the end")
     _config_args(p)
+    p.add_argument("--replay", metavar="RUN",
+                   help="run RUN again, its config and seed, its workers' steps and its merge order, so that every "
+                        "global it publishes equals RUN's bit for bit (a finished run that merged every worker "
+                        "each round; only --run-dir, --executor and --set executor.* may be given)")
     p.add_argument("--detach", action="store_true",
                    help="run the merge service in the background (a CPU-only job on Slurm) and return at once")
     _group_arg(p)
@@ -93,7 +97,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.runstate import default_run_dir
     from orchestrator.run_models import create_run
 
-    cfg = load_config(args.config, _overrides(args), args.sets)
+    schedule = None
+    if args.replay:
+        cfg, schedule = _replay_config(args)
+    else:
+        cfg = load_config(args.config, _overrides(args), args.sets)
     from orchestrator.slurm import rank_problems
     if problems := rank_problems(cfg):  # before the run directory exists: nothing half-made is left
         raise ConfigError(problems, source="the worker jobs' ranks")
@@ -103,7 +111,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     storage = _storage(cfg.run_dir)
     from orchestrator.lease import refuse_unsafe
     refuse_unsafe(storage, allow_group=args.allow_group_write)  # a folder made beforehand, open to others
-    create_run(storage, cfg)
+    create_run(storage, cfg, schedule)
     console.print(f"run directory: {storage.display()}")
     if args.detach:
         from orchestrator.executor import Executor
@@ -113,6 +121,29 @@ def cmd_submit(args: argparse.Namespace) -> int:
                       f"follow it with: orchestrate status {storage.display()} --watch")
         return 0
     return _drive(storage, args)
+
+
+def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
+    """`submit --replay RUN`: RUN's config made a replay of RUN (core/replay.py), and its schedule.
+    Only where it runs may change: anything else would change what is replayed."""
+    import yaml
+
+    from core import replay
+    from orchestrator.runstate import load_run
+    changed = [flag for flag, value in (("--config", args.config), ("--workers", args.workers), ("--rounds", args.rounds),
+                                         ("--inner-steps", args.inner_steps), ("--algorithm", args.algorithm)) if value]
+    changed += [f"--set {item}" for item in args.sets if not item.strip().startswith("executor.")]
+    if changed:
+        raise ConfigError([f"{flag}: a replay takes its source run's config; only --run-dir, --executor and "
+                           "--set executor.KEY=VALUE may be given" for flag in changed], source="--replay")
+    source = _storage(args.replay)
+    src = load_run(source)
+    schedule = replay.from_run(source, src.workers, src.rounds, src.inner.steps)
+    sets = {key.strip(): yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.sets)}
+    cfg = replace(src, run_dir=args.run_dir, executor__kind=args.executor or src.executor.kind, round__replay=source.display(),
+                  round__stream_merge=False, round__min_workers=0, round__deadline_s=0.0,
+                  inner__threads=schedule.threads or src.inner.threads, **sets)
+    return cfg, schedule
 
 
 def _executor_kind(kind: str) -> str:
@@ -174,7 +205,8 @@ def _drive(storage: Storage, args: argparse.Namespace) -> int:
         service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()))
         view = RunView(console, storage, cfg, service.first_open_round())
         console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
-                      f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}")
+                      f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}"
+                      + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""), markup=False)
         with view.live():
             service.run()
     except Cancelled as exc:

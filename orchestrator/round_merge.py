@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from core import replay
 from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import CheckpointError
@@ -73,6 +74,8 @@ class RoundMerger:
         self.method = LteMerge(self.cfg) if self.cfg.algorithm == "lte" else OuterMerge(self.cfg)
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
+        cfg = self.cfg  # a replay sums each round in its source run's order (core/replay.py)
+        self.schedule = replay.load(self.storage, cfg.workers, cfg.rounds, cfg.inner.steps) if cfg.round.replay else None
 
     def stream(self, jobs: RoundJobs) -> None:
         """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""
@@ -96,6 +99,9 @@ class RoundMerger:
         Raises QuorumError (with the refused workers) when too few valid contributions remain."""
         r, t0 = jobs.round, time.time()
         stale, contribs, manifests = self._contributions(jobs, decision.workers)
+        if self.schedule is not None:
+            order = self.schedule.order[r]
+            contribs.sort(key=lambda c: order.index(c.worker))
         fold = self.cfg.round.late_policy == "fold" and self.method.folds_late
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:

@@ -11,6 +11,7 @@ from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import Config, to_yaml
 from core.errors import RunError
 from core.layout import RunLayout, manifest_key
+from core.replay import Schedule
 from core.storage import Storage
 from orchestrator.runstate import RUN_INFO
 from worker.data import corpus_for, eval_batches, estimate_loss, split_heldout
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 L = RunLayout()
 
 
-def create_run(storage: Storage, cfg: Config) -> None:
-    """Write the resolved config and the round-0 global weights into a new run directory."""
+def create_run(storage: Storage, cfg: Config, schedule: Schedule | None = None) -> None:
+    """Write the resolved config and the round-0 global weights (and a replay's schedule) into a new
+    run directory."""
     if storage.exists(L.CONFIG):
         raise RunError(f"{storage.display()} already holds a run; `orchestrate resume {storage.display()}` "
                        "continues it, or choose another --run-dir")
@@ -35,6 +37,8 @@ def create_run(storage: Storage, cfg: Config) -> None:
                      manifest={"round": 0, "init_from": cfg.model.init_from})
     storage.write_json(RUN_INFO, {"created_at": time.time(), "host": socket.gethostname(),
                                   "params": sum(p.numel() for p in model.parameters())})
+    if schedule is not None:
+        schedule.save(storage)
     storage.write_bytes(L.CONFIG, to_yaml(cfg).encode())  # last: a run exists once its config does
 
 

@@ -32,8 +32,8 @@ def _args(run: Path, cache: str, *extra: str) -> list[str]:
             "--set", f"data.cache_dir={cache}", *TINY, *extra]
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT,
+def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -236,3 +236,49 @@ def test_lte_four_workers_as_slurm_jobs(tmp_path, corpus_cache, capsys):
     full = s.read_json("global/round_00001.json")["bytes"]
     heads = [s.read_json(f"rounds/00001/contrib/worker_{w:03d}.json") for w in range(4)]
     assert all(h["bytes"] < full / 2 and h["lte"]["rank"] == 4 for h in heads)
+
+
+def _replay_digests(run: Path, rounds: int) -> list[str]:
+    s = Storage(str(run))
+    return [s.read_json(f"rounds/{r:05d}/record.json")["global_digest"] for r in range(rounds)]
+
+
+def test_overlapped_workers_requeued_ahead_and_mid_round_are_replayed_bit_for_bit(tmp_path, corpus_cache):
+    """round.overlap on the real scheduler, each worker's job signalled as at its time limit (USR2):
+    worker 0 while it trains ahead of its next round's global (worker 1 is slow to publish, so the
+    merge waits for it), whose steps are then lost and whose requeued job starts the round from its
+    base; worker 1 in the middle of a round it had adopted the global of, whose in-flight
+    checkpoint keeps the adoption step. The run finishes, and its replay on the local executor,
+    which knows nothing of the requeues, equals it global by global: what the run recorded is what
+    it did. (The replay pins the source's torch threads: a sum split over other threads differs.)"""
+    run, rounds = tmp_path / "run", 4
+    # worker 1 slow to publish (a slowpoint, inherited by the jobs): worker 0 then trains ahead ~3 s a round
+    proc = _start(_args(run, corpus_cache, "--workers", "2", "--rounds", str(rounds), "--inner-steps", "20000",
+                        "--set", "round.overlap=rebase", "--set", "round.budget=seconds", "--set", "round.budget_seconds=3",
+                        "--set", "inner.threads=1"),  # the replay's too: one thread per worker on this machine
+                  env={"ISLANDS_SLOWPOINT": "worker_001.publish=3"})
+    s = Storage(str(run))
+
+    def job(w: int) -> str:
+        return s.read_json("rounds/00000/jobs.json")["workers"][str(w)]["job_ids"][0]
+
+    def training(w: int, ahead: bool):  # the round worker w trains, ahead of its base (or with it adopted)
+        p = s.read_json(f"workers/worker_{w:03d}/progress.json")
+        return p["round"] if p and 0 < p["round"] < rounds - 1 and p.get("ahead") is ahead else None
+
+    ahead = _wait_for(lambda: training(0, ahead=True), "worker 0 training ahead", timeout=180, proc=proc)
+    subprocess.run(["scancel", "--signal", "USR2", job(0)], check=True)
+    mid = _wait_for(lambda: training(1, ahead=False), "worker 1 training a round it adopted", timeout=180, proc=proc)
+    subprocess.run(["scancel", "--signal", "USR2", job(1)], check=True)
+    _finish(proc, timeout=400)
+    manifests = {(r, w): s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json") for r in range(rounds) for w in (0, 1)}
+    assert "overlap" not in manifests[ahead, 0], manifests[ahead, 0]  # the steps ahead were lost: from its base
+    assert any(m.get("resumed_at_step") is not None and "overlap" in m for (r, w), m in manifests.items() if w == 1), \
+        {k: (m.get("resumed_at_step"), m.get("overlap")) for k, m in manifests.items()}
+    for j in (job(0), job(1)):
+        history = subprocess.run(["sacct", "-D", "-P", "-n", "-X", "-o", "JobID,State", "-j", j.split("_")[0]],
+                                 capture_output=True, text=True).stdout
+        assert "REQUEUED" in history, history
+    again = tmp_path / "replay"
+    assert main(["submit", "--replay", str(run), "--run-dir", str(again), "--executor", "local"]) == 0
+    assert _replay_digests(again, rounds) == _replay_digests(run, rounds), (ahead, mid)

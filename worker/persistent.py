@@ -70,16 +70,19 @@ def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) ->
     """round.overlap: round r's steps from the worker's own weights until round r is assigned to
     this worker (or the run ends); the rest of the round, once its base is adopted, is serve_round's."""
     next_poll = 0.0
+    trainer.start_ahead()
+    replay_at = trainer.replay_adoption()  # a replay adopts at the source run's step, whenever the base comes
 
     def assigned() -> bool:  # polled between steps, at most every WAIT_POLL_S
         nonlocal next_poll
+        if replay_at is not None:
+            return trainer.done >= replay_at
         if time.monotonic() < next_poll:
             return False
         next_poll = time.monotonic() + WAIT_POLL_S
         return storage.exists(L.CANCEL) or storage.exists(L.FAILED) or \
             str(worker) in (storage.read_json(L.round_jobs(r)) or {}).get("workers", {})
 
-    trainer.start_ahead()
     trainer.train(until=assigned)
     log.info("worker %d: %d step(s) of round %d taken before its base was assigned", worker, trainer.done, r)
 
@@ -111,6 +114,7 @@ def run_persistent(task: WorkerTask) -> dict[str, Any]:
             served.append(summary)
             r += 1
             if r < cfg.rounds and trainer.can_go_ahead():
+                _CURRENT_ROUND = r  # a requeue now goes on at round r, not the round just published
                 train_ahead(trainer, storage, r, task.worker)
     finally:
         if trainer is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import yaml
 
-from core import codec
+from core import codec, replay
 from core.checkpoint import read_manifest, write_checkpoint
 from core.config import Config, config_from_dict
 from core.errors import CheckpointError, IslandsError
@@ -128,6 +128,8 @@ class InnerTrainer:
         # training; a delta needs the base until it is coded. Host memory: 3-4x the fp32 weights.
         self._host_base, self._host_state = HostBuffers(self.device), HostBuffers(self.device)
         self._host_out = self._host_base if cfg.round.contribution == "weights" else HostBuffers(self.device)
+        # a replay (round.replay): the steps and adoption steps its source run recorded
+        self.schedule = replay.load(self.storage, cfg.workers, cfg.rounds, cfg.inner.steps) if cfg.round.replay else None
         self._begin(task, own_state=False)
 
     def _begin(self, task: WorkerTask, own_state: bool) -> None:
@@ -176,7 +178,13 @@ class InnerTrainer:
     def can_go_ahead(self) -> bool:
         """round.overlap: may this trainer start its next round before the round's base exists?"""
         return (self.cfg.round.overlap != "off" and self.finished and self.params.carries_over
-                and not self.params.collective and self.ranks.world == 1)
+                and not self.params.collective and self.ranks.world == 1
+                and (self.schedule is None or self.replay_adoption(ahead=1) is not None))
+
+    def replay_adoption(self, ahead: int = 0) -> int | None:
+        """A replay: the step at which the source run's worker adopted its base in round task.round +
+        `ahead`; None when it trained that round from its base, or when this run is no replay."""
+        return None if self.schedule is None else self.schedule.adopted_at.get((self.task.round + ahead, self.task.worker))
 
     def start_ahead(self) -> None:
         """round.overlap: begin this worker's next round from its own weights and AdamW state, keeping
@@ -201,6 +209,7 @@ class InnerTrainer:
         self.ahead_s = self.trained_s  # trained before the base existed: part of this round's busy time
         self._base = base if rc.contribution == "delta" else None
         log.info("worker %d round %d: adopted its base at step %d (%s)", task.worker, task.round, self.done, rc.overlap)
+        self._heartbeat()  # no longer ahead
 
     def _load_base(self, own_state: bool = False) -> str:
         """Load base weights + own optimizer state, or the in-flight checkpoint of a requeued job."""
@@ -222,6 +231,7 @@ class InnerTrainer:
                                   "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
             self.trained_s = float(m.get("trained_s") or 0.0)  # a time budget goes on where it was
+            self.adopted_at = m.get("adopted_at_step")  # round.overlap: the round began ahead of its base
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
@@ -282,8 +292,10 @@ class InnerTrainer:
 
     def _budget_spent(self) -> bool:
         """round.budget: seconds: is this round's training time up? (After one step at least; every
-        rank takes rank 0's clock, so that all stop at the same step.)"""
+        rank takes rank 0's clock, so that all stop at the same step.) A replay: are its steps done?"""
         rc = self.cfg.round
+        if self.schedule is not None:  # a replay: the steps the source run took, whatever its budget
+            return self.done >= self.schedule.steps[self.task.round, self.task.worker]
         if rc.budget != "seconds" or self.done == 0:
             return False
         assert self._t_start is not None
@@ -298,7 +310,8 @@ class InnerTrainer:
             return
         self.storage.write_json(L.worker_progress(t.worker), {
             "round": t.round, "step": self.done, "steps": self.cfg.inner.steps, "attempt": t.attempt,
-            "loss": self.losses[-1] if self.losses else None, "at": time.time()})
+            "loss": self.losses[-1] if self.losses else None, "at": time.time(),
+            "ahead": self._published is not None})  # round.overlap: training before the round's base exists
 
     def _flush(self, pending: list[torch.Tensor]) -> None:
         if pending:
@@ -331,6 +344,7 @@ class InnerTrainer:
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
             "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
             "waited_s": self.waited_s, "ranks": self.ranks.world, "trained_s": round(self.trained_s, 3),
+            "threads": torch.get_num_threads(),  # per rank: a replay needs the same (core/replay.py)
         }
         if self.adopted_at is not None:
             rc = self.cfg.round
@@ -381,7 +395,7 @@ class InnerTrainer:
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
                                    "base_digest": self.base_sha, "losses": self.losses,
-                                   "trained_s": round(self._training_s(), 3)})
+                                   "trained_s": round(self._training_s(), 3), "adopted_at_step": self.adopted_at})
         log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
 
     def _training_s(self) -> float:

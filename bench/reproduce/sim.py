@@ -88,6 +88,7 @@ class SimWorker(InnerTrainer):
             optimizer = model_hook(self.model, worker) or make_optimizer
         self.opt, self.names = optimizer(self.model, cfg)
         self.step_model = self.model
+        self.schedule = None  # no replay
         self.losses: list[float] = []
         self._next_beat = float("inf")
 
