@@ -1,5 +1,6 @@
 """Barrier rounds against time-budgeted and overlapped rounds, with one slow worker: worker
-utilization, wall time and final eval loss of the same persistent DiLoCo run on the local executor.
+utilization, wall time and final eval loss of the same persistent DiLoCo run, on the local
+executor or on Slurm (`--executor slurm`).
 
 One worker is made slow by the fault-injection slowpoint `worker_001.step` (ISLANDS_SLOWPOINT),
 which sleeps `--slow-step` seconds after each of its steps; the figure printed says how much
@@ -11,6 +12,7 @@ the same budget, and round.overlap rebase: a worker trains on while its round is
 writes {"sync": {"utilization", "final_eval_loss", "wall_s"}, "budget": {...}, "overlap": {...}, "setup"}.
 
     python -m bench.overlap [--workers 2] [--rounds 6] [--inner-steps 30] [--slow-step 0.1] [--json PATH]
+    python -m bench.overlap --executor slurm --set executor.preset=local   # slurm_templates/local-cluster.sh up
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from pathlib import Path
 def run(folder: Path, name: str, args: argparse.Namespace, extra: list[str]) -> dict:
     """One `orchestrate submit` (a subprocess, as a person types it); its status and manifests."""
     run_dir = folder / name
-    cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--executor", "local", "--workers", str(args.workers),
-           "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps), "--run-dir", str(run_dir), *extra]
+    cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--executor", args.executor, "--workers", str(args.workers),
+           "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps), "--run-dir", str(run_dir), *extra,
+           *(f for item in args.sets for f in ("--set", item))]
     env = {**os.environ, "ISLANDS_SLOWPOINT": f"worker_001.step={args.slow_step}"}
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=env)
@@ -48,6 +51,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--inner-steps", type=int, default=30)
     p.add_argument("--slow-step", type=float, default=0.1, help="seconds added to each step of worker 1")
+    p.add_argument("--executor", choices=["local", "slurm"], default="local",
+                   help="where the workers run (slurm: jobs inherit the slowpoint from the service)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to every run, e.g. --set executor.preset=local on the one-machine cluster")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="budget-") as tmp:
@@ -61,17 +68,21 @@ def main() -> None:
         overlapped = run(Path(tmp), "overlap", args, [*flags, "--set", "round.overlap=rebase"])
     results = {"sync": sync, "budget": budget, "overlap": overlapped}
     out: dict = {name: {k: res[k] for k in ("utilization", "final_eval_loss", "wall_s")} for name, res in results.items()}
-    out["setup"] = {"workers": args.workers, "rounds": args.rounds, "inner_steps": args.inner_steps,
+    out["setup"] = {"executor": args.executor, "workers": args.workers, "rounds": args.rounds, "inner_steps": args.inner_steps,
                     "slowdown": round(step["slow"] / step["fast"], 2), "budget_seconds": round(budget_s, 3),
                     "steps_per_worker": {name: {w: [m["steps"] for m in res["manifests"] if m["worker"] == w]
-                                                for w in range(args.workers)} for name, res in results.items()}}
-    print(f"{args.workers} workers x {args.rounds} rounds, H = {args.inner_steps}; worker 1 is "
+                                                for w in range(args.workers)} for name, res in results.items()},
+                    "adopted_at_step": {w: [(m.get("overlap") or {}).get("adopted_at_step") for m in overlapped["manifests"]
+                                            if m["worker"] == w] for w in range(args.workers)}}
+    print(f"{args.executor} executor, {args.workers} workers x {args.rounds} rounds, H = {args.inner_steps}; worker 1 is "
           f"{out['setup']['slowdown']:.2f}x slower a step; budget S = {budget_s:.2f} s")
     for name in results:
         r = out[name]
         print(f"{name:>8}: utilization {r['utilization']:.3f} ({r['utilization'] / out['sync']['utilization']:.2f}x "
               f"sync), wall {r['wall_s']:.1f} s ({r['wall_s'] / out['sync']['wall_s']:.2f}x), final eval loss "
               f"{r['final_eval_loss']:.4f} ({r['final_eval_loss'] / out['sync']['final_eval_loss'] - 1:+.1%})")
+    print("overlap: the step each worker adopted its round's global at, per round: "
+          + "; ".join(f"worker {w} {steps}" for w, steps in out["setup"]["adopted_at_step"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -209,7 +209,9 @@ class RoundConfig:
     base's load and the contribution's write come on top); a worker stops at the first step
     boundary past it, after at least one step. The learning-rate schedule and the data position
     still advance inner.steps per round: set inner.steps a little above what the fastest worker
-    takes in the budget."""
+    takes in the budget. With round.overlap the budget runs from the step at which the worker adopts
+    the round's global; what it trained ahead before (at most a budget's worth) comes on top, so
+    every worker publishes S after the global and none drifts a round ahead."""
     overlap: Literal["off", "rebase", "mix"] = "off"
     """Persistent workers: `off`, a worker idles from publishing its contribution until the next
     global exists (the barrier); `rebase`, it goes straight on with the next round's steps from its
@@ -220,6 +222,11 @@ class RoundConfig:
     round's steps first waits. Not with per-round jobs, lte, nor several ranks per worker."""
     overlap_mix: float = 0.5
     """`overlap: mix` only: the weight of the worker's own weights in the blend, in [0, 1]."""
+    overlap_ahead: float = 1.0
+    """`overlap` only: the most a worker trains before its round's global exists, as a fraction of a
+    round (of inner.steps, or with budget seconds of budget_seconds), after which it waits: 1, up to
+    a whole round; less bounds how stale the start of a contribution may be (Streaming DiLoCo's
+    tau / H) at the cost of idle time. In (0, 1]."""
     stream_merge: bool = True
     """Fold each contribution into an fp32 running sum as it arrives, so the merge after the last
     worker lands reads one contribution instead of K. The service also holds the round's global

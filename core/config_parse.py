@@ -197,6 +197,7 @@ def check(cfg: Config) -> list[str]:
          f"(executor.tasks_per_node 1) training the whole model (not lte); got worker_mode={rc.worker_mode}, "
          f"algorithm={cfg.algorithm}, {ranks} rank(s) per worker")
     need(0 <= rc.overlap_mix <= 1, f"round.overlap_mix must be in [0, 1], got {rc.overlap_mix}")
+    need(0 < rc.overlap_ahead <= 1, f"round.overlap_ahead must be in (0, 1], got {rc.overlap_ahead}")
     need(rc.aggregate == "mean" or (cfg.algorithm != "lte" and rc.late_policy != "fold"),
          f"round.aggregate={rc.aggregate} is unweighted and per element: it does not apply to lte (LoRA heads) nor "
          "to late_policy=fold (late contributions weighed down): use aggregate mean, or late_policy continue or drop")

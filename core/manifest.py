@@ -141,6 +141,6 @@ _MANIFEST_FIELDS: dict[str, Callable[[Any], str]] = {
     "hash": _hash_name, "digest": _digest, "base_digest": _digest, "source_digest": _digest, "file": _file_name, "base": _run_key,
     "round": _int_in(0, MAX_ID), "worker": _int_in(0, MAX_ID), "from_round": _int_in(0, MAX_ID),
     "attempt": _int_in(0, MAX_ID), "steps": _int_in(0, 1 << 40), "steps_done": _int_in(0, 1 << 40), "adopted_at_step": _int_in(0, 1 << 40),
-    "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number, "trained_s": _number,
+    "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number, "trained_s": _number, "ahead_s": _number,
     "written_at": _number,
 }

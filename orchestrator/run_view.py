@@ -98,8 +98,9 @@ class RunView:
 
 
 def worker_state(w: int, r: int, arrived: set[int], beat: dict[str, Any] | None) -> str:
-    if w in arrived:
-        return "published"
+    if w in arrived:  # round.overlap: it may already train the next round's steps
+        ahead = beat is not None and beat["round"] == r + 1 and beat.get("ahead")
+        return f"published; training ahead, step {beat['step']}" if ahead else "published"  # type: ignore[index]
     if beat is None or beat["round"] != r:
         return "starting"
     loss = "" if beat["loss"] is None else f", loss {beat['loss']:.3f}"

@@ -305,3 +305,20 @@ def test_overlapped_rounds_train_ahead_and_adopt_each_global(tmp_path, corpus_ca
     assert all(r["eval_loss"] is not None for r in st["rounds"]) and st["utilization"] is not None
     log = "".join(p.read_text() for p in (run / "jobs").rglob("*_log.err"))
     assert "adopted its base at step" in log
+
+
+def test_overlap_ahead_bounds_the_steps_taken_before_a_global(tmp_path, corpus_cache, monkeypatch):
+    """round.overlap_ahead 0.1 of H = 200: a worker trains at most 20 steps before its round's global
+    exists, then waits. Worker 1 is slow to publish (2 s), so worker 0 would otherwise train far
+    ahead of every global."""
+    monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_001.publish=2")
+    run = tmp_path / "run"
+    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "200",
+                      "--set", "round.overlap=rebase", "--set", "round.overlap_ahead=0.1")) == 0
+    s = Storage(str(run))
+    adopted = [s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["overlap"]["adopted_at_step"]
+               for r in (1, 2) for w in (0, 1)]
+    assert max(adopted) == 20 and all(0 <= a <= 20 for a in adopted), adopted  # worker 0 reached the bound
+    waits = [s.read_json(f"rounds/{r:05d}/contrib/worker_000.json")["waited_s"] for r in (1, 2)]
+    assert all(w > 0.5 for w in waits), waits  # and waited for the global there
+

@@ -40,7 +40,17 @@ def test_a_step_taken_between_publishing_and_adopting_is_counted_once():
     (["round.overlap=rebase", "algorithm=lte"], "not lte"),
     (["round.overlap=mix", "executor.tasks_per_node=2"], "2 rank"),
     (["round.overlap=mix", "round.overlap_mix=1.5"], "overlap_mix must be in"),
+    (["round.overlap=mix", "round.overlap_ahead=0"], "overlap_ahead must be in"),
 ])
 def test_what_overlap_needs_is_checked(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(None, None, overrides)
+
+
+def test_the_live_view_says_when_a_published_worker_trains_ahead():
+    from orchestrator.run_view import worker_state
+    beat = {"round": 4, "step": 17, "steps": 30, "loss": 2.5, "ahead": True}
+    assert worker_state(0, 3, {0}, beat) == "published; training ahead, step 17"
+    assert worker_state(0, 3, {0}, {**beat, "ahead": False}) == "published"  # adopted round 4's global: its own row
+    assert worker_state(0, 4, set(), beat) == "step 17/30, loss 2.500"
+    assert worker_state(0, 3, {0}, None) == "published"

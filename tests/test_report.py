@@ -17,7 +17,7 @@ from orchestrator.observe.checkpoint_eval import ensemble_losses, evaluate_check
 from orchestrator.cli import main
 from orchestrator.observe.metrics import FIELDS, parse_jsonl, read_metrics, tensorboard_scalars, to_jsonl
 from orchestrator.observe.report import FIGURES, stats_cache, write_report
-from orchestrator.observe.report_data import outer_grad_stats, outer_stats_cached, time_budget, timeline
+from orchestrator.observe.report_data import outer_grad_stats, outer_stats_cached, time_budget, timeline, worker_utilization
 from orchestrator.runstate import load_run
 
 L = RunLayout()
@@ -146,6 +146,21 @@ def test_timeline_uses_scheduler_timings_then_the_workers_clock():
     budget = time_budget(timeline(rounds, workers, None, 200.0), rounds)
     assert budget == [{"round": 0, "wall_s": 12.0, "queued": 7.0, "running": 9.0, "merging": 2.0, "evaluating": 3.0,
                        "no contribution": 10.0}]
+
+
+def test_timeline_shows_training_ahead_and_each_persistent_workers_utilization():
+    """round.overlap: worker 0 trained 3 s of round 1 before the round was submitted (at 110) and
+    published at 114 after 6 s in all; it waited 1 s before round 0 and 0 s before round 1."""
+    workers = [
+        {"round": 0, "worker": 0, "submitted_at": 100.0, "written_at": 108.0, "seconds": 6.0, "waited_s": 1.0},
+        {"round": 1, "worker": 0, "submitted_at": 110.0, "written_at": 114.0, "seconds": 6.0, "waited_s": 0.0,
+         "ahead_s": 3.0},
+        {"round": 1, "worker": 1, "submitted_at": 110.0, "written_at": 115.0, "seconds": 4.0},  # per-round job
+    ]
+    segs = {(s.row, s.kind, s.round): (s.start, s.end) for s in timeline([], workers, None, now=200.0)}
+    assert segs[("worker 0", "training ahead", 1)] == (108.0, 111.0) and segs[("worker 0", "running", 1)] == (111.0, 114.0)
+    assert segs[("worker 0", "running", 0)] == (102.0, 108.0) and ("worker 0", "training ahead", 0) not in segs
+    assert worker_utilization(workers) == {0: 12.0 / 13.0}  # worker 1 keeps no idle time: not measured
 
 
 # -- metrics --------------------------------------------------------------------------------------

@@ -231,7 +231,8 @@ class InnerTrainer:
                                   "in-flight checkpoint")
             self.done, self.losses = int(m["steps_done"]), list(m.get("losses", []))
             self.trained_s = float(m.get("trained_s") or 0.0)  # a time budget goes on where it was
-            self.adopted_at = m.get("adopted_at_step")  # round.overlap: the round began ahead of its base
+            # round.overlap: the round began ahead of its base
+            self.adopted_at, self.ahead_s = m.get("adopted_at_step"), float(m.get("ahead_s") or 0.0)
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
@@ -256,7 +257,7 @@ class InnerTrainer:
         failpoint_name, slow_name = f"rank_{ranks.rank}.step", f"worker_{self.task.worker:03d}.step"
         self._t_start = time.monotonic() - self.trained_s
         stopped = False
-        while self.done < cfg.inner.steps and not self._budget_spent():
+        while not self._round_done():
             if until is not None and until():
                 stopped = True
                 break
@@ -290,16 +291,22 @@ class InnerTrainer:
             raise IslandsError(f"worker {self.task.worker} round {self.task.round}: the loss became "
                                f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")
 
-    def _budget_spent(self) -> bool:
-        """round.budget: seconds: is this round's training time up? (After one step at least; every
-        rank takes rank 0's clock, so that all stop at the same step.) A replay: are its steps done?"""
-        rc = self.cfg.round
+    def _round_done(self) -> bool:
+        """Are this round's steps, or its time budget, spent (round.budget; after one step at least;
+        every rank takes rank 0's clock, so that all stop at the same step)? Training ahead
+        (round.overlap): its share ahead, round.overlap_ahead of either. A replay: its recorded steps."""
+        cfg, rc = self.cfg, self.cfg.round
         if self.schedule is not None:  # a replay: the steps the source run took, whatever its budget
             return self.done >= self.schedule.steps[self.task.round, self.task.worker]
+        share = rc.overlap_ahead if self._published is not None else 1.0
+        if self.done >= math.ceil(share * cfg.inner.steps):
+            return True
         if rc.budget != "seconds" or self.done == 0:
             return False
         assert self._t_start is not None
-        spent = time.monotonic() - self._t_start >= rc.budget_seconds
+        # round.overlap: the budget runs from the adoption of the round's global (the ahead_s before it
+        # are extra), so every worker publishes S after its global and none drifts towards a round ahead
+        spent = time.monotonic() - self._t_start - self.ahead_s >= share * rc.budget_seconds
         return bool(self.ranks.lead_says(spent)) if self.ranks.world > 1 else spent
 
     def _heartbeat(self) -> None:
@@ -348,7 +355,7 @@ class InnerTrainer:
         }
         if self.adopted_at is not None:
             rc = self.cfg.round
-            manifest["overlap"] = {"mode": rc.overlap, "adopted_at_step": self.adopted_at,
+            manifest["overlap"] = {"mode": rc.overlap, "adopted_at_step": self.adopted_at, "ahead_s": round(self.ahead_s, 3),
                                    **({"mix": rc.overlap_mix} if rc.overlap == "mix" else {})}
         params.describe(manifest)
         tensors, metadata = self._contribution(manifest, weights)
@@ -395,7 +402,8 @@ class InnerTrainer:
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
                                    "base_digest": self.base_sha, "losses": self.losses,
-                                   "trained_s": round(self._training_s(), 3), "adopted_at_step": self.adopted_at})
+                                   "trained_s": round(self._training_s(), 3), "adopted_at_step": self.adopted_at,
+                                   "ahead_s": self.ahead_s})
         log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
 
     def _training_s(self) -> float:

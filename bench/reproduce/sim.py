@@ -88,7 +88,7 @@ class SimWorker(InnerTrainer):
             optimizer = model_hook(self.model, worker) or make_optimizer
         self.opt, self.names = optimizer(self.model, cfg)
         self.step_model = self.model
-        self.schedule = None  # no replay
+        self.schedule, self._published, self.ahead_s = None, None, 0.0  # no replay; ahead: run_overlapped
         self.losses: list[float] = []
         self._next_beat = float("inf")
 

@@ -20,16 +20,18 @@ from core.layout import local_cache_root
 from core.storage import Storage
 from orchestrator.observe.metrics import to_jsonl
 from orchestrator.observe.report_data import (RunData, Segment, bytes_series, collect, eval_curve, outer_stats_cached,
-                                      time_budget, timeline, worker_losses)
+                                      time_budget, timeline, worker_losses, worker_utilization)
 
 FIGURES = ("loss", "timeline", "bytes", "outer_gradients", "contributions")
-COLORS = {"queued": "#f2b134", "running": "#3b7dd8", "merging": "#d8453b", "evaluating": "#8e5bc7",
+COLORS = {"queued": "#f2b134", "training ahead": "#2a9d8f", "running": "#3b7dd8", "merging": "#d8453b", "evaluating": "#8e5bc7",
           "in flight": "#9cc3f0", "no contribution": "#b0b0b0"}
 CAPTIONS = {
     "loss": "Eval loss of the global model (held-out data) after each round, and against inner steps with each "
             "worker's own training loss: the gap between the workers' curves and the global model is what merging buys.",
-    "timeline": "Every job per worker per round: queued (submitted, not started), running (training until its "
-                "contribution was published), and the merge service merging and evaluating. Gaps are idle time.",
+    "timeline": "Every job per worker per round: queued (submitted, not started), training ahead (round.overlap: "
+                "the round's steps taken before it was submitted), running (training until its contribution was "
+                "published), and the merge service merging and evaluating. Gaps are idle time; a persistent "
+                "worker's label gives its utilization, busy / (busy + idle waiting for a global).",
     "bytes": "Bytes written to storage per round (contributions, global weights, outer-optimizer state, workers' "
              "optimizer states) and bytes the merge read.",
     "outer_gradients": "Outer gradients (global - worker weights): norm per worker and of the merged step, and the "
@@ -110,6 +112,8 @@ def _time_scale(span: float) -> tuple[float, str]:
 
 def plot_timeline(data: RunData, segments: Sequence[Segment]) -> Any:
     rows = [f"worker {w}" for w in range(data.cfg.workers)] + ["merge service"]
+    busy = worker_utilization(data.kind("worker"))
+    labels = [f"{row}, busy {busy[i]:.0%}" if i in busy else row for i, row in enumerate(rows)]
     fig, (ax,) = _figure(11, 1.4 + 0.38 * len(rows))
     if not segments:
         _empty(ax, "no job has been submitted yet")
@@ -130,7 +134,7 @@ def plot_timeline(data: RunData, segments: Sequence[Segment]) -> Any:
         for r, start in starts:
             ax.axvline((start - t0) / unit, color="black", linewidth=0.5, alpha=0.4)
             ax.text((start - t0) / unit, -0.45, f" r{r}", fontsize=8, va="bottom")
-    ax.set_yticks(range(len(rows)), rows)
+    ax.set_yticks(range(len(rows)), labels)
     ax.set_ylim(len(rows) - 0.5, -0.75)  # worker 0 on top, round labels above it
     ax.set_xlabel(f"wall time since the first submission ({label})")
     ax.set_title("Where the wall time went: every job, per worker and round (rN: round N submitted)")

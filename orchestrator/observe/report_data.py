@@ -155,7 +155,7 @@ def outer_stats_cached(storage: Storage, rounds: Sequence[Mapping[str, Any]], ca
 @dataclass(frozen=True)
 class Segment:
     row: str  # "worker 3" or "merge service"
-    kind: str  # queued | running | merging | evaluating | in flight | no contribution
+    kind: str  # queued | training ahead | running | merging | evaluating | in flight | no contribution
     start: float
     end: float
     round: int
@@ -171,6 +171,10 @@ def _worker_segments(line: Mapping[str, Any], end_if_lost: float | None) -> list
         end = start + line["run_s"] if line.get("run_s") is not None else line.get("written_at") or start
     elif line.get("written_at") is not None and line.get("seconds") is not None:  # the worker's own clock
         end = line["written_at"]
+        ahead = min(line.get("ahead_s") or 0.0, line["seconds"])
+        if ahead > 0:  # round.overlap: it trained this round before the round was submitted
+            start = end - line["seconds"] + ahead
+            return [Segment(row, "training ahead", start - ahead, start, r), Segment(row, "running", start, end, r)]
         start = max(sub, end - line["seconds"])
     else:
         return [Segment(row, "no contribution", sub, end_if_lost, r)] if end_if_lost and end_if_lost > sub else []
@@ -203,6 +207,18 @@ def _current_segments(current: Mapping[str, Any] | None, now: float) -> list[Seg
         out += done or ([Segment(f"worker {w}", "in flight", line["submitted_at"], now, r)]
                         if line["submitted_at"] is not None and now > line["submitted_at"] else [])
     return out
+
+
+def worker_utilization(workers: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """Per persistent worker over the run: busy / (busy + idle) seconds, busy being its rounds'
+    seconds (training ahead included) and idle its waits for a global (records.utilization, per worker)."""
+    busy: dict[int, float] = {}
+    idle: dict[int, float] = {}
+    for line in workers:
+        if line.get("seconds") is not None and line.get("waited_s") is not None:
+            w = line["worker"]
+            busy[w], idle[w] = busy.get(w, 0.0) + line["seconds"], idle.get(w, 0.0) + line["waited_s"]
+    return {w: busy[w] / (busy[w] + idle[w]) for w in busy if busy[w] + idle[w] > 0}
 
 
 def time_budget(segments: Sequence[Segment], rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
