@@ -69,10 +69,14 @@ def from_run(storage: Storage, workers: int, rounds: int, max_steps: int) -> Sch
             continue
         merged, folded = record.get("merged"), record.get("folded") or []
         if merged != list(range(workers)) or folded:
-            problems.append(f"round {r} merged workers {merged} and {len(folded)} late fold(s), not all {workers} "
-                            "workers: a replay cannot make a merge leave out or fold in the same contributions")
+            problems.append(f"round {r} merged workers {str(merged)[:80]} and {len(folded) if isinstance(folded, list) else '?'} "
+                            f"late fold(s), not all {workers} workers: a replay cannot make a merge leave out or fold in "
+                            "the same contributions")
             continue
         order[r] = record.get("merge_order") or merged
+        if not (isinstance(order[r], list) and all(isinstance(w, int) and not isinstance(w, bool) for w in order[r])):
+            problems.append(f"round {r}: merge_order {str(order[r])[:80]} in its record is not a list of workers")
+            continue
         for w in range(workers):
             try:
                 m = read_manifest(storage, L.contribution(r, w)) or {}
@@ -80,7 +84,8 @@ def from_run(storage: Storage, workers: int, rounds: int, max_steps: int) -> Sch
                 problems.append(str(exc))
                 continue
             steps[r, w] = m.get("steps")
-            adopted[r, w] = (m.get("overlap") or {}).get("adopted_at_step")
+            overlap = m.get("overlap")
+            adopted[r, w] = overlap.get("adopted_at_step") if isinstance(overlap, dict) else None
             t, n = m.get("threads"), m.get("ranks", 1)  # per rank; ranks
             threads.add(t * n if all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 4096 for v in (t, n))
                         else None)

@@ -114,6 +114,11 @@ def test_only_finished_runs_that_merged_every_worker_can_be_replayed(tmp_path):
     _contribution(s, 0, 1, {"steps": 40})  # a manifest the config could not have produced
     with pytest.raises(RunError, match="round 0 worker 1: 40 steps"):
         replay.from_run(s, workers=2, rounds=1, max_steps=10)
+    _contribution(s, 0, 1, {"steps": 5, "overlap": "planted"})  # not what a worker writes: read as none
+    assert replay.from_run(s, workers=2, rounds=1, max_steps=10).adopted_at[0, 1] is None
+    s.write_json("rounds/00000/record.json", {"merged": [0, 1], "merge_order": ["1", 0], "folded": []})
+    with pytest.raises(RunError, match=r"round 0: merge_order \['1', 0\] in its record is not a list of workers"):
+        replay.from_run(s, workers=2, rounds=1, max_steps=10)
 
 
 def test_a_replay_takes_only_where_it_runs_from_the_command_line(tmp_path, capsys):
