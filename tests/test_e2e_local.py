@@ -307,14 +307,15 @@ def test_overlapped_rounds_train_ahead_and_adopt_each_global(tmp_path, corpus_ca
     assert "adopted its base at step" in log
 
 
-def test_overlap_ahead_bounds_the_steps_taken_before_a_global(tmp_path, corpus_cache, monkeypatch):
-    """round.overlap_ahead 0.1 of H = 200: a worker trains at most 20 steps before its round's global
-    exists, then waits. Worker 1 is slow to publish (2 s), so worker 0 would otherwise train far
-    ahead of every global."""
+@pytest.mark.parametrize("steps, ahead", [(200, 0.1), (20, 1.0)])
+def test_a_worker_ahead_by_its_bound_waits_for_the_global(tmp_path, corpus_cache, monkeypatch, steps, ahead):
+    """A worker trains at most round.overlap_ahead of a round before its round's global exists (0.1
+    of H = 200, or the default, a whole round of H = 20: 20 steps either way), then waits. Worker 1
+    is slow to publish (2 s), so worker 0 would otherwise train on past every global."""
     monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_001.publish=2")
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "200",
-                      "--set", "round.overlap=rebase", "--set", "round.overlap_ahead=0.1")) == 0
+    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", str(steps),
+                      "--set", "round.overlap=rebase", "--set", f"round.overlap_ahead={ahead}")) == 0
     s = Storage(str(run))
     adopted = [s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["overlap"]["adopted_at_step"]
                for r in (1, 2) for w in (0, 1)]
