@@ -131,6 +131,16 @@ def _run_key(v: Any) -> str:
     return "" if ok else "is not a relative path inside the run directory"
 
 
+def _overlap(v: Any) -> str:
+    """round.overlap's record in a contribution's manifest (worker/train.py publish)."""
+    if not isinstance(v, dict):
+        return "is not an object"
+    for key, check in (("adopted_at_step", _int_in(0, 1 << 40)), ("ahead_s", _number)):
+        if v.get(key) is not None and (why := check(v[key])):
+            return f"has {key} that {why}"
+    return ""
+
+
 _HEX = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 MAX_ID = 1 << 20
@@ -142,5 +152,5 @@ _MANIFEST_FIELDS: dict[str, Callable[[Any], str]] = {
     "round": _int_in(0, MAX_ID), "worker": _int_in(0, MAX_ID), "from_round": _int_in(0, MAX_ID),
     "attempt": _int_in(0, MAX_ID), "steps": _int_in(0, 1 << 40), "steps_done": _int_in(0, 1 << 40), "adopted_at_step": _int_in(0, 1 << 40),
     "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number, "trained_s": _number, "ahead_s": _number,
-    "written_at": _number,
+    "written_at": _number, "overlap": _overlap,
 }

@@ -84,8 +84,7 @@ def from_run(storage: Storage, workers: int, rounds: int, max_steps: int) -> Sch
                 problems.append(str(exc))
                 continue
             steps[r, w] = m.get("steps")
-            overlap = m.get("overlap")
-            adopted[r, w] = overlap.get("adopted_at_step") if isinstance(overlap, dict) else None
+            adopted[r, w] = (m.get("overlap") or {}).get("adopted_at_step")  # checked by read_manifest
             t, n = m.get("threads"), m.get("ranks", 1)  # per rank; ranks
             threads.add(t * n if all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 4096 for v in (t, n))
                         else None)

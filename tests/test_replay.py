@@ -114,8 +114,12 @@ def test_only_finished_runs_that_merged_every_worker_can_be_replayed(tmp_path):
     _contribution(s, 0, 1, {"steps": 40})  # a manifest the config could not have produced
     with pytest.raises(RunError, match="round 0 worker 1: 40 steps"):
         replay.from_run(s, workers=2, rounds=1, max_steps=10)
-    _contribution(s, 0, 1, {"steps": 5, "overlap": "planted"})  # not what a worker writes: read as none
-    assert replay.from_run(s, workers=2, rounds=1, max_steps=10).adopted_at[0, 1] is None
+    _contribution(s, 0, 1, {"steps": 5, "overlap": {"adopted_at_step": "3"}})  # not what a worker writes
+    with pytest.raises(RunError, match="overlap .* has adopted_at_step that is not an integer"):
+        replay.from_run(s, workers=2, rounds=1, max_steps=10)
+    _contribution(s, 0, 1, {"steps": 5, "overlap": {"adopted_at_step": 3, "ahead_s": 0.5}})
+    with pytest.raises(RunError, match="round 0 worker 1: adopted at step 3, but no worker trains ahead into round 0"):
+        replay.from_run(s, workers=2, rounds=1, max_steps=10)  # well-formed, and still checked against the run
     s.write_json("rounds/00000/record.json", {"merged": [0, 1], "merge_order": ["1", 0], "folded": []})
     with pytest.raises(RunError, match=r"round 0: merge_order \['1', 0\] in its record is not a list of workers"):
         replay.from_run(s, workers=2, rounds=1, max_steps=10)
