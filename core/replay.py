@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import RunLayout
 from core.manifest import read_manifest
@@ -94,6 +95,11 @@ def from_run(storage: Storage, workers: int, rounds: int, max_steps: int) -> Sch
     if problems := check(schedule, workers, rounds, max_steps):
         raise RunError(f"{storage.display()} cannot be replayed, its records do not add up:\n  - " + "\n  - ".join(problems))
     return schedule
+
+
+def of_run(storage: Storage, cfg: Config) -> Schedule | None:
+    """The schedule a run follows when its config says it is a replay (round.replay), else None."""
+    return load(storage, cfg.workers, cfg.rounds, cfg.inner.steps) if cfg.round.replay else None
 
 
 def load(storage: Storage, workers: int, rounds: int, max_steps: int) -> Schedule:

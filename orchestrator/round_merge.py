@@ -74,8 +74,7 @@ class RoundMerger:
         self.method = LteMerge(self.cfg) if self.cfg.algorithm == "lte" else OuterMerge(self.cfg)
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
-        cfg = self.cfg  # a replay sums each round in its source run's order (core/replay.py)
-        self.schedule = replay.load(self.storage, cfg.workers, cfg.rounds, cfg.inner.steps) if cfg.round.replay else None
+        self.schedule = replay.of_run(self.storage, self.cfg)  # a replay sums in its source's order
 
     def stream(self, jobs: RoundJobs) -> None:
         """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""

@@ -129,7 +129,7 @@ class InnerTrainer:
         self._host_base, self._host_state = HostBuffers(self.device), HostBuffers(self.device)
         self._host_out = self._host_base if cfg.round.contribution == "weights" else HostBuffers(self.device)
         # a replay (round.replay): the steps and adoption steps its source run recorded
-        self.schedule = replay.load(self.storage, cfg.workers, cfg.rounds, cfg.inner.steps) if cfg.round.replay else None
+        self.schedule = replay.of_run(self.storage, cfg)
         self._begin(task, own_state=False)
 
     def _begin(self, task: WorkerTask, own_state: bool) -> None:
