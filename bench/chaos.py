@@ -183,8 +183,12 @@ class Chaos:
             n = min(self.cancel_budget - sum(f.kind == "job_cancelled" for f in self.faults) - len(self.timers),
                     math.ceil(self.cancel_budget / self.a.rounds) + (1 if left <= 2 else 0))
             pool = [w for w in range(self.a.workers) if w not in (self.planted.get(r), self.slow)]
+            # a round of a few steps can deliver before any timer: when none has landed by the last
+            # two rounds, cancel at once, so that a run with a budget always has one (pending or starting)
+            landed = any(f.kind == "job_cancelled" for f in self.faults)
             for w in self.rng.sample(pool, max(0, min(n, len(pool)))):
-                self.timers.append((time.time() + self.rng.uniform(0.5, 3.0), r, w))
+                delay = 0.0 if left <= 2 and not landed else self.rng.uniform(0.5, 3.0)
+                self.timers.append((time.time() + delay, r, w))
         for t in [t for t in self.timers if t[0] <= time.time()]:
             self.timers.remove(t)
             _, tr, w = t

@@ -91,8 +91,8 @@ class InnerConfig:
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     """How the ranks of a worker job (executor.tasks_per_node > 1) share the model: `ddp`, each
     holds all of it and its AdamW state; `fsdp` (FSDP2), weights, gradients and AdamW state are
-    sharded across them, for a model that does not fit one device (no in-flight checkpoint: a
-    preempted round starts over); `auto`, fsdp when those (16 bytes a parameter) would take more
+    sharded across them, for a model that does not fit one device (preempted, its ranks save
+    the in-flight checkpoint together after the step); `auto`, fsdp when those (16 bytes a parameter) would take more
     than half of one GPU, else ddp (always ddp on CPUs). Each rank takes its slice of the batch."""
 
 

@@ -7,7 +7,10 @@ gradients of two half batches must be (to fp32 rounding).
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import submitit
@@ -28,9 +31,9 @@ pytestmark = pytest.mark.slow
 MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
 
 
-def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp") -> Storage:
+def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp", steps: int = 4) -> Storage:
     c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": MODEL,
-                          "inner": {"steps": 4, "batch_size": 4, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
+                          "inner": {"steps": steps, "batch_size": 4, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
                           "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache}, "run_dir": str(tmp_path / name)})
     storage = Storage(c.run_dir)
     create_run(storage, c)
@@ -92,6 +95,55 @@ def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache, p
     for name in ("down", "up"):
         _assert_close(runs["one"], runs[name], L.contribution(1, 0))
         _assert_close(runs["one"], runs[name], L.worker_state(0, 1))
+
+
+def test_a_preempted_sharded_worker_saves_with_every_rank_and_resumes_on_one(tmp_path, corpus_cache, monkeypatch):
+    """FSDP: submitit's preemption handler runs on rank 0 alone, where a sharded model cannot be
+    gathered. Rank 1 alone is signalled here (SIGUSR2, as Slurm before a time limit): after the
+    step, the ranks agree, gather and save the in-flight checkpoint together, and rank 0 asks
+    submitit for the requeue. That job is then ended, and a one-process job (a requeue onto one
+    GPU) resumes from the checkpoint to what an uninterrupted one-process worker publishes."""
+    from orchestrator.executor import WorkerJob, _children, kill_local_job
+
+    one = _run(tmp_path, corpus_cache, "one", parallel="fsdp", steps=12)
+    two = _run(tmp_path, corpus_cache, "two", parallel="fsdp", steps=12)
+    train.run_worker(_task(one, 0))
+    monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_000.step=0.25")  # 3 s of steps: time to signal mid-round
+    ex = submitit.LocalExecutor(folder=tmp_path / "jobs" / "%j")
+    ex.update_parameters(tasks_per_node=2, timeout_min=5)
+    job = ex.submit(WorkerJob(), _task(two, 0, threads=2))  # checkpointable, as the orchestrator submits it
+    deadline = time.monotonic() + 60
+    while two.read_json(L.worker_progress(0)) is None:  # its first heartbeat: both ranks are training
+        assert time.monotonic() < deadline and job.state not in ("FINISHED", "INTERRUPTED"), job.state
+        time.sleep(0.05)
+    rank1 = next(p for p in _children(int(job.job_id)) if "SUBMITIT_LOCAL_GLOBALID=1" in _environ(p))
+    os.kill(rank1, signal.SIGUSR2)
+    logs = tmp_path / "jobs" / job.job_id
+    while "Requeued job" not in _text(logs / f"{job.job_id}_0_log.err"):  # submitit's own words, on rank 0
+        assert time.monotonic() < deadline, _text(logs / f"{job.job_id}_0_log.err")[-3000:]
+        time.sleep(0.05)
+    kill_local_job(job.job_id)  # before the requeued job's ranks are up: the one-process job resumes instead
+    inflight = read_manifest(two, L.worker_inflight(0, 0))
+    assert inflight is not None and 1 <= inflight["steps_done"] < 12, inflight
+    assert "the in-flight checkpoint follows this step" in _text(logs / f"{job.job_id}_1_log.err")
+    monkeypatch.delenv("ISLANDS_SLOWPOINT")
+    train.run_worker(_task(two, 0))
+    m = read_manifest(two, L.contribution(0, 0))
+    assert m["ranks"] == 1 and m["resumed_at_step"] == inflight["steps_done"] and m["steps"] == 12
+    assert m["losses"] == pytest.approx(read_manifest(one, L.contribution(0, 0))["losses"], rel=1e-4)
+    _assert_close(one, two, L.contribution(0, 0))
+    _assert_close(one, two, L.worker_state(0, 0))
+
+
+def _environ(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def test_a_base_that_does_not_fit_fails_every_sharded_rank_at_once(tmp_path, corpus_cache):

@@ -77,8 +77,8 @@ class Params:
     """What every kind shares: each rank holds whole tensors, reads what it needs and can save alone."""
 
     carries_over = True  # a persistent worker keeps model and AdamW state in memory between rounds
-    collective = False  # True: gathering weights or AdamW state needs every rank (sharded)
-    inflight = True  # rank 0 can write an in-flight checkpoint alone, from the preemption handler
+    collective = False  # True: gathering weights or AdamW state needs every rank (sharded), so
+    # rank 0 cannot save an in-flight checkpoint alone from the preemption handler
 
     def __init__(self, cfg: Config, worker: int) -> None:
         self.cfg, self.worker = cfg, worker

@@ -10,7 +10,8 @@ is whole, so a requeued job resumes on any number of ranks. A one-task job never
 torch.distributed.
 
 Collectives carry a timeout (COLLECTIVE_TIMEOUT_S): a rank that dies fails the job instead of
-leaving the others waiting.
+leaving the others waiting. Decisions (rank 0's word, a preemption flag) travel over gloo on the
+CPU, a second group beside NCCL on GPUs, so that asking never waits for the GPU.
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import datetime
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    control: Any = field(default=None, compare=False)  # the gloo group for decisions (None: the default group)
 
     @property
     def lead(self) -> bool:
@@ -60,8 +64,16 @@ class Ranks:
         if self.world == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (one small all-reduce on the CPU)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(t.item())
 
 
 SOLO = Ranks()
@@ -103,7 +115,9 @@ def join(device_type: str) -> Ranks:
                           timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=env.global_rank,
                             world_size=env.num_tasks, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    _JOINED = Ranks(env.global_rank, env.num_tasks, env.local_rank)
+    # decisions over gloo on the CPU: with NCCL, each would be a GPU sync
+    control = dist.new_group(backend="gloo") if device_type == "cuda" else None
+    _JOINED = Ranks(env.global_rank, env.num_tasks, env.local_rank, control)
     log.info("rank %d of %d joined (%s, 127.0.0.1:%d)", env.global_rank, env.num_tasks, dist.get_backend(), port)
     return _JOINED
 
@@ -116,3 +130,54 @@ def data_parallel(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     ids = [ranks.local_rank] if next(model.parameters()).is_cuda else None
     # no buffer sync each forward: every rank loads the same base, and buffers are not trained
     return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+
+
+class Preemption:
+    """A preemption signal that every rank of a sharded worker acts on at the same step.
+
+    submitit's handler (SIGUSR2, what Slurm sends before a time limit) checkpoints on rank 0 alone,
+    wherever the signal found it; gathering a sharded model needs every rank at the same point. So
+    while a round trains (`deferred`), the handler only notes the signal; after each step the ranks
+    ask one another (Ranks.any: one signalled rank is enough), save the in-flight checkpoint
+    together, and then hand the signal to submitit (hand_over). Outside training it goes to
+    submitit at once, as for any worker: nothing is in flight there that needs the others."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        import submitit
+        self.ranks = ranks
+        self.signum = submitit.JobEnvironment._usr_sig()  # USR2, or the job's SUBMITIT_PREEMPT_SIGNAL
+        self.submitit_handler = signal.getsignal(self.signum)
+        self.deferred = False
+        self.signalled = False
+        signal.signal(self.signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.deferred:
+            self.signalled = True
+            log.warning("rank %d: preemption signal; the in-flight checkpoint follows this step", self.ranks.rank)
+        elif callable(self.submitit_handler):
+            self.submitit_handler(signum, frame)
+
+    def asked(self) -> bool:
+        """Was any rank signalled? Every rank must ask at the same step (a collective)."""
+        return self.ranks.any(self.signalled)
+
+    def hand_over(self) -> NoReturn:
+        """The in-flight checkpoint is saved: submitit requeues the job from rank 0 and exits; the
+        other ranks end here (a requeue ends every task of the job anyway)."""
+        self.deferred = False
+        if callable(self.submitit_handler):
+            self.submitit_handler(self.signum, None)  # rank 0: checkpoint() (saved already), requeue, exit
+        log.info("rank %d: stopping for the requeue", self.ranks.rank)
+        sys.exit(0)
+
+
+_PREEMPTION: Preemption | None = None
+
+
+def preemption(ranks: Ranks) -> Preemption:
+    """This process's Preemption (one handler per process; a persistent worker's trainers share it)."""
+    global _PREEMPTION
+    if _PREEMPTION is None:
+        _PREEMPTION = Preemption(ranks)
+    return _PREEMPTION

@@ -12,8 +12,8 @@ them from rank 0 to load, so a job resumes on any number of ranks. Only rank 0 r
 and the state file (the others would hold R copies in host memory); it checks them first and says
 so to every rank, so that a bad file fails the job instead of leaving the others waiting.
 
-No in-flight checkpoint: gathering needs every rank, and the preemption signal reaches rank 0's
-handler alone; a requeued sharded worker starts its round over from the base and its state file.
+The in-flight checkpoint of a preempted round is gathered the same way, by every rank after the
+same step (worker/ranks.py Preemption): submitit's handler runs on rank 0 alone.
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ class ShardedModel(FullModel):
     """FullModel's contract, with the model sharded across the job's ranks."""
 
     collective = True
-    inflight = False
 
     def __init__(self, cfg: Config, worker: int, ranks: Ranks) -> None:
         super().__init__(cfg, worker)

@@ -40,7 +40,7 @@ from core.storage import Storage
 from core.task import WorkerTask
 from worker.data import BatchSampler, corpus_for, shard, split_heldout
 from worker.params import SEP, params_for
-from worker.ranks import data_parallel, join
+from worker.ranks import data_parallel, join, preemption
 from worker import overlap
 from worker.weights import HostBuffers, build_model, load_weights, weights_of
 
@@ -122,6 +122,8 @@ class InnerTrainer:
         self.opt, self.names = params.optimizer(self.model)
         # what a training step calls: the model, or DDP over it (a sharded model syncs itself)
         self.step_model = self.model if params.collective else data_parallel(self.model, self.ranks)
+        # sharded: a preemption is acted on by every rank after a step (worker/ranks.py Preemption)
+        self.preemption = preemption(self.ranks) if params.collective else None
         self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
         # Reused every round (pinned on a GPU): base weights in, weights and optimizer state out. A
         # contribution of plain weights reuses the base's buffers, read back into the model before
@@ -155,6 +157,7 @@ class InnerTrainer:
         self._published: dict[str, torch.Tensor] | None = None  # round.overlap: the last contribution's weights
         self.adopted_at: int | None = None  # round.overlap: the step at which this round's base was adopted
         self.ahead_s = 0.0  # round.overlap: seconds trained on this round before its base existed
+        self.inflight_at: int | None = None  # the step of the in-flight checkpoint saved by this job
 
     def next_round(self, task: WorkerTask) -> bool:
         """Carry this trainer into `task`, this worker's next round, keeping the model and its AdamW
@@ -257,6 +260,8 @@ class InnerTrainer:
         failpoint_name, slow_name = f"rank_{ranks.rank}.step", f"worker_{self.task.worker:03d}.step"
         self._t_start = time.monotonic() - self.trained_s
         stopped = False
+        if self.preemption is not None:
+            self.preemption.deferred = True
         while not self._round_done():
             if until is not None and until():
                 stopped = True
@@ -284,6 +289,13 @@ class InnerTrainer:
                 self._flush(pending)
             if beat:
                 self._heartbeat()
+            if self.preemption is not None and self.preemption.asked():
+                self._flush(pending)
+                self.settle()  # last round's state file, being written, reaches storage first
+                self.save_inflight()  # every rank, together
+                self.preemption.hand_over()  # does not return
+        if self.preemption is not None:
+            self.preemption.deferred = False
         self.trained_s, self._t_start, self.finished = time.monotonic() - self._t_start, None, not stopped
         self._flush(pending)
         self._heartbeat()
@@ -388,17 +400,28 @@ class InnerTrainer:
 
     def checkpoint(self) -> None:
         """Save an in-flight checkpoint of this round (called when the job is being preempted; submitit
-        calls it on rank 0 only, which holds the whole model and AdamW state unless it is sharded)."""
+        calls it on rank 0 only, from its signal handler, which holds the whole model and AdamW state
+        unless it is sharded). A sharded worker's ranks saved it together after a step (train), or,
+        signalled outside its training loop, keep none: the requeued job starts the round over."""
         if not self.ranks.lead:
             return
-        if not self.params.inflight:
-            log.warning("worker %d round %d: a sharded worker keeps no in-flight checkpoint; the requeued job "
-                        "starts the round over from its base", self.task.worker, self.task.round)
+        if self.params.collective:
+            if self.inflight_at != self.done:
+                log.warning("worker %d round %d: preempted outside its training steps; the requeued job starts "
+                            "the round over from its base", self.task.worker, self.task.round)
             return
         self.settle()
+        self.save_inflight()
+
+    def save_inflight(self) -> None:
+        """Weights, AdamW state and position of this round, for a requeued job to resume from. Rank 0
+        writes; sharded, every rank calls it (the gathers are collectives)."""
         t = self.task
         # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
         tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names)}
+        self.inflight_at = self.done
+        if not self.ranks.lead:
+            return
         write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
                          manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
                                    "base_digest": self.base_sha, "losses": self.losses,
