@@ -31,10 +31,12 @@ pytestmark = pytest.mark.slow
 MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
 
 
-def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp", steps: int = 4) -> Storage:
-    c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": MODEL,
+def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp", steps: int = 4,
+         model: dict | None = None, data: dict | None = None) -> Storage:
+    c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": model or MODEL,
                           "inner": {"steps": steps, "batch_size": 4, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
-                          "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache}, "run_dir": str(tmp_path / name)})
+                          "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache, **(data or {})},
+                          "run_dir": str(tmp_path / name)})
     storage = Storage(c.run_dir)
     create_run(storage, c)
     return storage
@@ -74,6 +76,24 @@ def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorit
     assert m2["losses"] == pytest.approx(m1["losses"], rel=1e-5)  # the mean over ranks is the whole batch's loss
     _assert_close(one, two, L.contribution(0, 0))
     _assert_close(one, two, L.worker_state(0, 0))  # AdamW state (and, for lte, the heads)
+
+
+def test_a_sharded_hugging_face_model_with_tied_weights_and_buffers(tmp_path, corpus_cache):
+    """A sharded worker builds its model on the meta device (worker/sharded.py): nothing of it in
+    memory until each rank gives its shard memory. A tiny Llama has what that could lose: an
+    lm_head tied to the embedding, and RoPE frequencies, a buffer no checkpoint carries. Its 2-rank
+    round equals a one-process round."""
+    test_hf = pytest.importorskip("test_hf")  # transformers, and the tiny Llama and texts made there
+    hf, texts = test_hf._tiny_hf(tmp_path / "llama"), test_hf._texts(tmp_path / "texts")
+    setup = {"model": {"hf": str(hf), "block_size": 32}, "data": {"source": str(texts), "heldout_fraction": 0.1}}
+    one = _run(tmp_path, corpus_cache, "one", parallel="fsdp", **setup)
+    two = _run(tmp_path, corpus_cache, "two", parallel="fsdp", **setup)
+    train.run_worker(_task(one, 0))
+    _two_ranks(tmp_path, _task(two, 0, threads=2))
+    m1, m2 = read_manifest(one, L.contribution(0, 0)), read_manifest(two, L.contribution(0, 0))
+    assert m2["ranks"] == 2 and m2["losses"] == pytest.approx(m1["losses"], rel=1e-5)
+    _assert_close(one, two, L.contribution(0, 0))
+    _assert_close(one, two, L.worker_state(0, 0))
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

@@ -83,6 +83,13 @@ class Params:
     def __init__(self, cfg: Config, worker: int) -> None:
         self.cfg, self.worker = cfg, worker
 
+    def build(self, device: torch.device) -> torch.nn.Module:
+        """The model on `device`, initialised but not loaded: the round's base overwrites every weight."""
+        with device:
+            model = build_model(self.cfg.model, pretrained=False)
+        self.prepare(model)
+        return model
+
     def prepare(self, model: torch.nn.Module) -> None:
         pass
 

@@ -17,6 +17,9 @@ same step (worker/ranks.py Preemption): submitit's handler runs on rank 0 alone.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -29,10 +32,30 @@ from core.errors import CheckpointError
 from core.storage import Storage
 from worker.params import SEP, FullModel
 from worker.ranks import Ranks
-from worker.weights import HostBuffers, check_fit, tied_aliases
+from worker.weights import HostBuffers, build_model, check_fit, tied_aliases
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+@contextlib.contextmanager
+def weights_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no initialisation:
+    their init runs on meta) while their buffers are made for real on the CPU (a causal mask, RoPE
+    frequencies: not in the state dict, so no checkpoint restores them). Accelerate's
+    init_empty_weights(include_buffers=False) does the same; this avoids the dependency."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # one already there stays itself: a tied weight stays tied
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def shard(model: torch.nn.Module) -> None:
@@ -53,8 +76,18 @@ class ShardedModel(FullModel):
         super().__init__(cfg, worker)
         self.ranks = ranks
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def build(self, device: torch.device) -> torch.nn.Module:
+        """Built on the meta device, sharded, and only then given memory on `device`: each rank holds
+        its shard alone, never the whole model (R whole copies in a node's host memory, otherwise)."""
+        with weights_on_meta():
+            model = build_model(self.cfg.model, pretrained=False)
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
         shard(model)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        return model
 
     def read(self, storage: Storage, key: str, label: str) -> dict[str, torch.Tensor]:
         return load_checkpoint(storage, key, label=label)[0] if self.ranks.lead else {}

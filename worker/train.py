@@ -42,7 +42,7 @@ from worker.data import BatchSampler, corpus_for, shard, split_heldout
 from worker.params import SEP, params_for
 from worker.ranks import data_parallel, join, preemption
 from worker import overlap
-from worker.weights import HostBuffers, build_model, load_weights, weights_of
+from worker.weights import HostBuffers, load_weights, weights_of
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -115,10 +115,7 @@ class InnerTrainer:
         # on its device and a Hugging Face model's own weights are not read: at 1B parameters a CPU
         # init alone costs seconds per round.
         self.params = params = params_for(cfg, task.worker, self.ranks, self.device)  # the whole model, LTE's heads, or shards
-        # (sharded: built on the CPU, each rank's shard then moves to its device)
-        with torch.device("cpu" if params.collective else self.device):
-            self.model = build_model(cfg.model, pretrained=False)
-        params.prepare(self.model)
+        self.model = params.build(self.device)
         self.opt, self.names = params.optimizer(self.model)
         # what a training step calls: the model, or DDP over it (a sharded model syncs itself)
         self.step_model = self.model if params.collective else data_parallel(self.model, self.ranks)
