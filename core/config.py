@@ -14,7 +14,8 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from core.config_parse import apply_preset, build, check, model_shorthand, read_yaml, set_dotted
+from core.config_parse import (PRESET_KEYS, apply_executor_preset, apply_preset, build, check, model_shorthand, read_yaml,
+                               set_dotted)
 from core.errors import ConfigError
 
 Algorithm = Literal["diloco", "lofi", "fedavg", "lte"]
@@ -274,7 +275,8 @@ class ExecutorConfig:
     setup: list[str] = field(default_factory=list)
     """Shell lines run before each worker (module load ..., source venv/bin/activate)."""
     preset: str | None = None
-    """A preset from slurm_templates/ whose values fill the fields not set here."""
+    """A preset from slurm_templates/ whose values fill the fields not written here (a field
+    written keeps its value, even one equal to the default)."""
     service_timeout_min: int = 4320
     """Time limit of the merge service's own CPU-only Slurm job (`orchestrate submit --detach` on
     Slurm); at the limit it is requeued and resumes from storage."""
@@ -367,7 +369,7 @@ def load_config(
 
 def config_from_dict(raw: Mapping[str, Any], source: str = "configuration") -> Config:
     problems: list[str] = []
-    raw = apply_preset(model_shorthand(dict(raw), problems), PRESETS)
+    raw = apply_executor_preset(apply_preset(model_shorthand(dict(raw), problems), PRESETS), problems)
     cfg = build(Config, raw, "", problems)
     if cfg is not None:
         problems.extend(check(cfg))
@@ -397,8 +399,13 @@ def to_yaml(cfg: Config) -> str:
 
 
 def replace(cfg: Config, **dotted: Any) -> Config:
-    """A copy of `cfg` with dotted keys changed, validated like a fresh load."""
+    """A copy of `cfg` with dotted keys changed, validated like a fresh load. A new executor.preset
+    fills every executor key of its kind that `dotted` does not set (the old preset's go)."""
     raw = to_dict(cfg)
+    dotted = {key.replace("__", "."): value for key, value in dotted.items()}
+    if "executor.preset" in dotted:
+        given = {key.removeprefix("executor.") for key in dotted}
+        raw["executor"] = {k: v for k, v in raw["executor"].items() if k not in PRESET_KEYS or k in given}
     for key, value in dotted.items():
-        set_dotted(raw, key.replace("__", "."), value)
+        set_dotted(raw, key, value)
     return config_from_dict(raw)

@@ -11,11 +11,16 @@ import os
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
 from core.errors import ConfigError
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "slurm_templates"
+PRESET_KEYS = ("timeout_min", "cpus_per_task", "mem_gb", "gpus_per_node", "tasks_per_node", "partition", "account",
+               "qos", "constraint", "extra_sbatch", "setup")
 
 if TYPE_CHECKING:
     from core.config import Config, ModelConfig
@@ -61,6 +66,35 @@ def model_shorthand(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     if isinstance(model, dict) and isinstance(model.get("hf"), str) and model["hf"]:
         model = {**model, "hf": os.path.abspath(os.path.expanduser(model["hf"]))}
     return {**raw, "model": model} if "model" in raw else raw
+
+
+def load_preset(name: str, directory: Path = PRESET_DIR) -> dict[str, Any]:
+    """An executor preset (slurm_templates/NAME.yaml): the executor keys it sets."""
+    path = directory / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in directory.glob("*.yaml"))
+        raise ConfigError([f"executor.preset {name!r} does not exist; known presets: {', '.join(known) or 'none'} "
+                           f"(files in {directory})"])
+    data = yaml.safe_load(path.read_text()) or {}
+    unknown = sorted(set(data) - set(PRESET_KEYS))
+    if unknown:
+        raise ConfigError([f"preset {path}: unknown key(s) {unknown}; valid keys: {', '.join(PRESET_KEYS)}"])
+    return data
+
+
+def apply_executor_preset(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """Fill the executor keys raw does not write from its executor.preset; a key written is kept,
+    even one equal to the built-in default. The config then holds what the jobs get."""
+    e = raw.get("executor")
+    if not isinstance(e, Mapping) or not isinstance(e.get("preset"), str):
+        return raw  # no preset (a wrong type is reported by build)
+    try:
+        preset = load_preset(e["preset"])
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return raw
+    raw["executor"] = {**preset, **e}
+    return raw
 
 
 def apply_preset(raw: dict[str, Any], presets: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

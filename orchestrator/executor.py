@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import io
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from typing import Any
 import submitit
 
 from core.config import Config
+from core.errors import RunError
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
 from orchestrator.slurm import SlurmPoller, service_parameters, slurm_parameters, unreachable, worker_tasks
@@ -101,7 +103,8 @@ class Executor:
 
     def submit(self, tasks: list[WorkerTask]) -> list[str]:
         """Submit a round's tasks together (one job array on Slurm); return their job ids."""
-        with _sigint_ignored(self.kind == "local"), self._ex.batch():
+        with _sbatch_refusal(slurm_parameters(self.cfg), "worker"), _sigint_ignored(self.kind == "local"), \
+                self._ex.batch():
             jobs = [self._ex.submit(WorkerJob(), t) for t in tasks]
         for job in jobs:
             self._jobs[job.job_id] = job
@@ -117,8 +120,10 @@ class Executor:
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             return str(proc.pid)
         ex = submitit.SlurmExecutor(folder=self.folder / "service" / "%j", max_num_timeout=1000)
-        ex.update_parameters(**service_parameters(self.cfg))
-        return ex.submit(ServiceJob(), run_url).job_id
+        params = service_parameters(self.cfg)
+        ex.update_parameters(**params)
+        with _sbatch_refusal(params, "merge service"):
+            return ex.submit(ServiceJob(), run_url).job_id
 
     def status(self, job_ids: list[str]) -> dict[str, JobStatus]:
         if not job_ids:
@@ -191,6 +196,26 @@ def kill_local_job(job_id: str) -> None:
             os.kill(child, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sbatch_refusal(params: dict[str, Any], what: str) -> Iterator[None]:
+    """sbatch's refusal as one IslandsError that says what was asked and what to change, instead of
+    submitit's traceback around sbatch's stderr (which submitit also prints: that copy is dropped)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    except submitit.core.utils.FailedJobError as exc:
+        said = "; ".join(line.removeprefix("sbatch: error: ").strip() for line in str(exc).splitlines() if line.strip())
+        asked = (f"1 node, {params['ntasks_per_node']} task(s) x {params['cpus_per_task']} CPU(s), {params['mem']} "
+                 f"of memory, {params['time']} min" + "".join(f", {k} {params[k]}" for k in
+                                                             ("gpus_per_node", "partition", "account", "qos", "constraint")
+                                                             if params.get(k)))
+        raise RunError(f"sbatch refused the {what} job(s): {said}. They asked for {asked}. Set executor.* to what "
+                       "the cluster has (executor.mem_gb, executor.cpus_per_task, executor.partition, or a preset: "
+                       "executor.preset=local on the local test cluster; docs/slurm.md) and submit again with a "
+                       "new --run-dir; if the scheduler was only briefly unavailable, `orchestrate resume RUN` "
+                       "continues this run") from None
 
 
 @contextlib.contextmanager

@@ -10,45 +10,12 @@ import logging
 import shutil
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from core.config import Config, ExecutorConfig
-from core.errors import ConfigError
+from core.config import Config
 from orchestrator.jobstatus import JobStatus
 
 log = logging.getLogger(__name__)
-PRESET_DIR = Path(__file__).resolve().parent.parent / "slurm_templates"
-PRESET_KEYS = ("timeout_min", "cpus_per_task", "mem_gb", "gpus_per_node", "tasks_per_node", "partition", "account",
-               "qos", "constraint", "extra_sbatch", "setup")
-
-
-def load_preset(name: str, directory: Path = PRESET_DIR) -> dict[str, Any]:
-    path = directory / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in directory.glob("*.yaml"))
-        raise ConfigError([f"executor.preset {name!r} does not exist; known presets: {', '.join(known) or 'none'} "
-                           f"(files in {directory})"])
-    data = yaml.safe_load(path.read_text()) or {}
-    unknown = sorted(set(data) - set(PRESET_KEYS))
-    if unknown:
-        raise ConfigError([f"preset {path}: unknown key(s) {unknown}; valid keys: {', '.join(PRESET_KEYS)}"])
-    return data
-
-
-def effective_executor(e: ExecutorConfig) -> dict[str, Any]:
-    """Executor settings with the preset filling every field the config left at its default."""
-    values = {k: getattr(e, k) for k in PRESET_KEYS}
-    if e.preset:
-        defaults = ExecutorConfig()
-        for k, v in load_preset(e.preset).items():
-            if values[k] == getattr(defaults, k):
-                values[k] = v
-    return values
-
-
 def unreachable() -> str | None:
     """Why Slurm cannot take jobs from here, or None: sbatch is installed and the controller answers
     (`scontrol ping`, what an admin would try first)."""
@@ -64,17 +31,15 @@ def unreachable() -> str | None:
     return None
 
 
-def worker_tasks(cfg: Config, e: dict[str, Any] | None = None) -> int:
-    """Ranks per worker job: executor.tasks_per_node, else one per GPU, else one (`e`: the
-    effective executor settings, when the caller has them)."""
-    e = e or effective_executor(cfg.executor)
-    return int(e["tasks_per_node"]) or int(e["gpus_per_node"]) or 1
+def worker_tasks(cfg: Config) -> int:
+    """Ranks per worker job: executor.tasks_per_node, else one per GPU, else one."""
+    return cfg.executor.tasks_per_node or cfg.executor.gpus_per_node or 1
 
 
 def rank_problems(cfg: Config) -> list[str]:
     """What makes a multi-rank worker impossible, all at once (checked before anything is submitted)."""
-    e = effective_executor(cfg.executor)
-    tasks, gpus, p = worker_tasks(cfg, e), int(e["gpus_per_node"]), []
+    e = cfg.executor
+    tasks, gpus, p = worker_tasks(cfg), e.gpus_per_node, []
     if gpus and cfg.inner.device == "cpu":
         p.append(f"executor.gpus_per_node={gpus} with inner.device=cpu would hold GPUs nobody uses: "
                  "set inner.device auto (or cuda), or gpus_per_node 0")
@@ -85,37 +50,37 @@ def rank_problems(cfg: Config) -> list[str]:
                  f"make inner.batch_size a multiple of {tasks}" + (" x workers (lofi)" if cfg.algorithm == "lofi" else ""))
     if tasks > 1 and cfg.inner.parallel == "fsdp" and cfg.algorithm == "lte":
         p.append("inner.parallel=fsdp shards whole models, not LoRA heads over a frozen base (lte): use ddp")
-    if tasks > int(e["cpus_per_task"]):
-        p.append(f"executor.cpus_per_task={e['cpus_per_task']} is shared by the job's ranks: it needs one per rank "
+    if tasks > e.cpus_per_task:
+        p.append(f"executor.cpus_per_task={e.cpus_per_task} is shared by the job's ranks: it needs one per rank "
                  f"({tasks}) at least")
     return p
 
 
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
     """submitit SlurmExecutor.update_parameters() arguments for one worker job."""
-    e = effective_executor(cfg.executor)
-    tasks = worker_tasks(cfg, e)
+    e = cfg.executor
+    tasks = worker_tasks(cfg)
     params: dict[str, Any] = {
         "job_name": "islands-worker",
-        "time": int(e["timeout_min"]),
+        "time": e.timeout_min,
         "nodes": 1,  # islands never span nodes: that is the point
         "ntasks_per_node": tasks,  # one rank per GPU (worker/ranks.py)
-        "cpus_per_task": int(e["cpus_per_task"]) // tasks,  # the config's count is the whole job's
-        "mem": f"{int(round(float(e['mem_gb']) * 1024))}MB",
-        "signal_delay_s": 120 if int(e["timeout_min"]) > 10 else 30,
+        "cpus_per_task": e.cpus_per_task // tasks,  # the config's count is the whole job's
+        "mem": f"{int(round(e.mem_gb * 1024))}MB",
+        "signal_delay_s": 120 if e.timeout_min > 10 else 30,
         "array_parallelism": max(cfg.workers, 1),
     }
-    if e["gpus_per_node"]:
-        params["gpus_per_node"] = int(e["gpus_per_node"])
+    if e.gpus_per_node:
+        params["gpus_per_node"] = e.gpus_per_node
     if tasks > 1:  # a rank that dies ends the job's other ranks at once (they would wait on a collective)
         params["srun_args"] = ["--kill-on-bad-exit=1"]
     for key in ("partition", "account", "qos", "constraint"):
-        if e[key]:
-            params[key] = e[key]
-    if e["setup"]:
-        params["setup"] = list(e["setup"])
-    if e["extra_sbatch"]:
-        params["additional_parameters"] = dict(e["extra_sbatch"])
+        if getattr(e, key):
+            params[key] = getattr(e, key)
+    if e.setup:
+        params["setup"] = list(e.setup)
+    if e.extra_sbatch:
+        params["additional_parameters"] = dict(e.extra_sbatch)
     return params
 
 

@@ -5,11 +5,13 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
-from core.config import config_from_dict
+from core.config import config_from_dict, load_config, replace, to_yaml
+from core.config_parse import load_preset
 from core.errors import ConfigError
 from orchestrator.executor import sbatch_text
-from orchestrator.slurm import SlurmPoller, effective_executor, load_preset, parse_sacct, parse_squeue
+from orchestrator.slurm import SlurmPoller, parse_sacct, parse_squeue
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {
@@ -32,8 +34,19 @@ def test_sbatch_text_matches_golden_file(name):
 
 
 def test_explicit_values_win_over_the_preset():
-    values = effective_executor(config_from_dict({"executor": {"preset": "gpu-1", "cpus_per_task": 3}}).executor)
-    assert values["cpus_per_task"] == 3 and values["gpus_per_node"] == 1 and values["mem_gb"] == 64
+    e = config_from_dict({"executor": {"preset": "gpu-1", "cpus_per_task": 3}}).executor
+    assert e.cpus_per_task == 3 and e.gpus_per_node == 1 and e.mem_gb == 64
+    # a value written equal to the built-in default is still the user's (local.yaml has 1 CPU, 10 min)
+    e = load_config(sets=["executor.preset=local", "executor.cpus_per_task=2", "executor.timeout_min=60"]).executor
+    assert (e.cpus_per_task, e.timeout_min, e.mem_gb, e.partition) == (2, 60, 0.5, "debug")
+    # the config a run stores reads back the same, and another preset given later replaces the first's
+    cfg = config_from_dict(yaml.safe_load(to_yaml(config_from_dict({"executor": {"preset": "gpu-1"}}))))
+    assert cfg.executor.gpus_per_node == 1 and cfg.executor.mem_gb == 64
+    other = replace(cfg, executor__preset="local", executor__timeout_min=30).executor
+    assert (other.gpus_per_node, other.mem_gb, other.partition, other.timeout_min) == (0, 0.5, "debug", 30)
+    with pytest.raises(ConfigError) as err:  # listed with the config's other problems
+        config_from_dict({"executor": {"preset": "nope"}, "inner": {"lr": -1}})
+    assert "known presets" in str(err.value) and "inner.lr" in str(err.value)
 
 
 def test_unknown_preset_names_the_known_ones():
