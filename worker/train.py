@@ -7,7 +7,7 @@ Read top to bottom, a round is:
   3. train H steps. The learning-rate schedule and the batches are functions of the global step
      r*H + i, so the schedule continues across rounds and a restarted worker sees exactly the
      batches it would have seen: that is its data position;
-  4. publish its optimizer state, then its weights with a manifest (the commit).
+  4. publish its optimizer state, then its weights with a manifest (the commit: worker/publish.py).
 A worker that is preempted or hits its time limit saves an in-flight checkpoint (weights,
 optimizer, step) and resumes from it when requeued.
 What is trained, loaded and published is asked of `self.params` (worker/params.py): the whole
@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,15 +30,16 @@ import torch
 import yaml
 
 from core import codec, replay
-from core.checkpoint import read_manifest, write_checkpoint
+from core.checkpoint import read_manifest
 from core.config import Config, config_from_dict
 from core.errors import CheckpointError, IslandsError
 from core.failpoints import failpoint, slowpoint
-from core.layout import RunLayout, manifest_key
+from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
 from worker.data import BatchSampler, corpus_for, shard, split_heldout
 from worker.params import SEP, params_for
+from worker.publish import Publisher
 from worker.ranks import data_parallel, join, preemption
 from worker import overlap
 from worker.weights import HostBuffers, load_weights, weights_of
@@ -96,7 +96,7 @@ def _seed(*parts: int) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-class InnerTrainer:
+class InnerTrainer(Publisher):
     """Everything one (round, worker) needs, built from the task and the run directory."""
 
     def __init__(self, task: WorkerTask) -> None:
@@ -333,126 +333,6 @@ class InnerTrainer:
         if pending:
             self.losses.extend(self.ranks.mean(torch.stack(pending).float()).cpu().tolist())
             pending.clear()
-
-    def publish(self, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
-        """Optimizer state first, then the weights and their manifest: the manifest is the commit.
-        Rank 0 writes; the others return None (sharded: after helping gather weights and state).
-
-        `state_later` (a persistent worker, which keeps its state in memory): the contribution
-        first, then the state is written from a snapshot in a background thread, off the merge's
-        critical path and overlapping the wait for the next round (`settle` waits for it)."""
-        t, params = self.task, self.params
-        if not (self.ranks.lead or params.collective):
-            return None
-        self.settle()
-        # snapshots (training may go on); sharded: gathered onto rank 0, every rank taking part
-        state = params.optimizer_state(self.model, self.opt, self.names, self._host_state)
-        state.update(params.state_extra(self.model))  # lte: its own heads travel in its state file
-        weights = self._weights()
-        if not self.ranks.lead:
-            return None
-        if not state_later:
-            self._write_state(state, t.round, t.worker)
-        manifest = {
-            "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
-            "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_digest": self.base_sha,
-            "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
-            "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
-            "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
-            "waited_s": self.waited_s, "ranks": self.ranks.world, "trained_s": round(self.trained_s, 3),
-            "threads": torch.get_num_threads(),  # per rank: a replay needs the same (core/replay.py)
-        }
-        if self.adopted_at is not None:
-            rc = self.cfg.round
-            manifest["overlap"] = {"mode": rc.overlap, "adopted_at_step": self.adopted_at, "ahead_s": round(self.ahead_s, 3),
-                                   **({"mix": rc.overlap_mix} if rc.overlap == "mix" else {})}
-        params.describe(manifest)
-        tensors, metadata = self._contribution(manifest, weights)
-        out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
-                               manifest=manifest)
-        self.storage.remove(L.worker_inflight(t.worker, t.round))
-        if state_later:
-            self._state_write = threading.Thread(target=self._write_state, args=(state, t.round, t.worker, True),
-                                                 name=f"state-{t.worker}-{t.round}", daemon=True)
-            self._state_write.start()
-        return out
-
-    def _write_state(self, state: dict[str, torch.Tensor], r: int, worker: int, background: bool = False) -> None:
-        try:
-            write_checkpoint(self.storage, L.worker_state(worker, r), state, manifest={"round": r, "worker": worker})
-        except IslandsError as exc:
-            if not background:
-                raise
-            # the state stays in memory for the next round; only a job restarted from storage misses it
-            log.warning("worker %d round %d: optimizer state not saved (%s); a job restarted from storage "
-                        "would take an older one", worker, r, exc)
-            return
-        self._prune_states(keep_from=r - 1)
-
-    def settle(self) -> None:
-        """Wait for the optimizer state being written in the background, if any."""
-        if self._state_write is not None:
-            self._state_write.join()
-            self._state_write = None
-
-    def checkpoint(self) -> None:
-        """Save an in-flight checkpoint of this round (called when the job is being preempted; submitit
-        calls it on rank 0 only, from its signal handler, which holds the whole model and AdamW state
-        unless it is sharded). A sharded worker's ranks saved it together after a step (train), or,
-        signalled outside its training loop, keep none: the requeued job starts the round over."""
-        if not self.ranks.lead:
-            return
-        if self.params.collective:
-            if self.inflight_at != self.done:
-                log.warning("worker %d round %d: preempted outside its training steps; the requeued job starts "
-                            "the round over from its base", self.task.worker, self.task.round)
-            return
-        self.settle()
-        self.save_inflight()
-
-    def save_inflight(self) -> None:
-        """Weights, AdamW state and position of this round, for a requeued job to resume from. Rank 0
-        writes; sharded, every rank calls it (the gathers are collectives)."""
-        t = self.task
-        # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
-        tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names)}
-        self.inflight_at = self.done
-        if not self.ranks.lead:
-            return
-        write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
-                         manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
-                                   "base_digest": self.base_sha, "losses": self.losses,
-                                   "trained_s": round(self._training_s(), 3), "adopted_at_step": self.adopted_at,
-                                   "ahead_s": self.ahead_s})
-        log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
-
-    def _training_s(self) -> float:
-        """Seconds of training so far this round (also mid-round, from a preemption handler)."""
-        return self.trained_s if self._t_start is None else time.monotonic() - self._t_start
-
-    def _contribution(self, manifest: dict[str, Any], weights: dict[str, torch.Tensor]
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-        """What is published (and its safetensors metadata): `weights`, or the delta base -
-        weights coded as round.codec (core/codec.py; the codec goes into the manifest too)."""
-        rc = self.cfg.round
-        if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
-            return weights, None
-        base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
-        manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep}
-        return codec.encode(base, weights, rc.codec, rc.prune_keep, self.base_sha)
-
-    def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
-        """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters.
-        `reuse`: in the buffers kept for it (valid until the next call)."""
-        return self.params.published(self.model, self._host_out if reuse else None)
-
-    def _prune_states(self, keep_from: int) -> None:
-        for name in self.storage.list(L.worker_dir(self.task.worker)):
-            r = L.parse_round(name, "state")
-            if r is not None and r < keep_from:
-                key = L.worker_state(self.task.worker, r)
-                self.storage.remove(manifest_key(key))  # manifest first: a reader never sees it without data
-                self.storage.remove(key)
 
 
 def run_worker(task: WorkerTask) -> dict[str, Any]:
