@@ -18,6 +18,7 @@ import pytest
 
 from core.storage import Storage
 from orchestrator.cli import main
+from orchestrator.runstate import RUN_INFO
 from slurm_support import slurm_test, wait_for_sacct_state
 
 pytestmark = [*slurm_test, pytest.mark.slow]
@@ -140,25 +141,32 @@ def test_requeued_worker_resumes_mid_round(tmp_path, corpus_cache):
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_rank_worker_requeued_mid_round(tmp_path, corpus_cache, parallel):
-    """A worker job of two ranks (srun starts both; gloo on CPUs stands in for NCCL on a node's
-    GPUs), signalled mid-round: the in-flight checkpoint is saved (DDP: by rank 0 from submitit's
-    handler; FSDP: gathered by both ranks after the step), the requeued job's two ranks resume from
-    it and publish one contribution made by both."""
+    """Worker jobs of two ranks (srun starts both; gloo on CPUs stands in for NCCL on a node's
+    GPUs), one signalled mid-round: the in-flight checkpoint is saved (DDP: by rank 0 from
+    submitit's handler; FSDP: gathered by both ranks after the step), the requeued job's two ranks
+    resume from it and publish one contribution made by both. FSDP in a DiLoCo run of 2 workers x
+    2 rounds (persistent jobs), its eval loss falling."""
     run = tmp_path / "run"
-    steps = {"ddp": 2000, "fsdp": 400}[parallel]  # FSDP's per-block gathers make a CPU step ~5x slower
-    proc = _start(_args(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", str(steps),
-                        "--set", "executor.tasks_per_node=2", "--set", "executor.cpus_per_task=4",
+    # FSDP's per-block gathers make a CPU step ~5x slower; two 2-rank workers share the 2 cores
+    workers, rounds, steps, cpus = {"ddp": (1, 1, 2000, 4), "fsdp": (2, 2, 300, 2)}[parallel]
+    proc = _start(_args(run, corpus_cache, "--workers", str(workers), "--rounds", str(rounds), "--inner-steps",
+                        str(steps), "--set", "executor.tasks_per_node=2", "--set", f"executor.cpus_per_task={cpus}",
                         "--set", "inner.device=cpu", "--set", f"inner.parallel={parallel}"))
     s = Storage(str(run))
     beat = _wait_for(lambda: (p := s.read_json("workers/worker_000/progress.json")) and p["step"] >= 20 and p,
                      "worker 0 training", proc=proc)
-    job = s.read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
+    job = s.read_json(f"rounds/{beat['round']:05d}/jobs.json")["workers"]["0"]["job_ids"][-1]
     subprocess.run(["scancel", "--signal", "USR2", job], check=True)
     _finish(proc, timeout=300)
-    manifest = s.read_json("rounds/00000/contrib/worker_000.json")
-    assert manifest["ranks"] == 2 and manifest["steps"] == steps
+    manifest = s.read_json(f"rounds/{beat['round']:05d}/contrib/worker_000.json")
     assert manifest["resumed_at_step"] is not None and manifest["resumed_at_step"] >= beat["step"]
-    assert s.read_json("rounds/00000/record.json")["merged"] == [0]
+    for r in range(rounds):
+        assert s.read_json(f"rounds/{r:05d}/record.json")["merged"] == list(range(workers))
+        for w in range(workers):
+            m = s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")
+            assert m["ranks"] == 2 and m["steps"] == steps, m
+    last = s.read_json(f"rounds/{rounds - 1:05d}/record.json")["eval_loss"]
+    assert last < s.read_json(RUN_INFO)["initial_eval_loss"]
     tasks = subprocess.run(["sacct", "-P", "-n", "-o", "JobID,NTasks", "-j", job.split("_")[0]],
                            capture_output=True, text=True).stdout
     assert any(line.split("|")[1] == "2" for line in tasks.splitlines() if line.count("|") == 1), tasks  # srun ran 2 tasks
