@@ -92,9 +92,10 @@ class InnerConfig:
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     """How the ranks of a worker job (executor.tasks_per_node > 1) share the model: `ddp`, each
     holds all of it and its AdamW state; `fsdp` (FSDP2), weights, gradients and AdamW state are
-    sharded across them, for a model that does not fit one device (preempted, its ranks save
-    the in-flight checkpoint together after the step); `auto`, fsdp when those (16 bytes a parameter) would take more
-    than half of one GPU, else ddp (always ddp on CPUs). Each rank takes its slice of the batch."""
+    sharded across them, for a model that does not fit one device (preempted, its ranks save the
+    in-flight checkpoint together after the step); `auto`, fsdp when those (16 bytes a parameter)
+    would take more than half of one GPU, else ddp (always ddp on CPUs). Each rank takes its slice
+    of the batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -404,7 +405,7 @@ def replace(cfg: Config, **dotted: Any) -> Config:
     raw = to_dict(cfg)
     dotted = {key.replace("__", "."): value for key, value in dotted.items()}
     if "executor.preset" in dotted:
-        given = {key.removeprefix("executor.") for key in dotted}
+        given = {key.removeprefix("executor.") for key in dotted if key.startswith("executor.")}
         raw["executor"] = {k: v for k, v in raw["executor"].items() if k not in PRESET_KEYS or k in given}
     for key, value in dotted.items():
         set_dotted(raw, key, value)
