@@ -148,7 +148,7 @@ def test_two_rank_worker_requeued_mid_round(tmp_path, corpus_cache, parallel):
     2 rounds (persistent jobs), its eval loss falling."""
     run = tmp_path / "run"
     # FSDP's per-block gathers make a CPU step ~5x slower; two 2-rank workers share the 2 cores
-    workers, rounds, steps, cpus = {"ddp": (1, 1, 2000, 4), "fsdp": (2, 2, 300, 2)}[parallel]
+    workers, rounds, steps, cpus = {"ddp": (1, 1, 800, 4), "fsdp": (2, 2, 300, 2)}[parallel]
     proc = _start(_args(run, corpus_cache, "--workers", str(workers), "--rounds", str(rounds), "--inner-steps",
                         str(steps), "--set", "executor.tasks_per_node=2", "--set", f"executor.cpus_per_task={cpus}",
                         "--set", "inner.device=cpu", "--set", f"inner.parallel={parallel}"))

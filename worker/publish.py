@@ -91,16 +91,17 @@ class Publisher:
             self._state_write = None
 
     def checkpoint(self) -> None:
-        """Save an in-flight checkpoint of this round (called when the job is being preempted; submitit
-        calls it on rank 0 only, from its signal handler, which holds the whole model and AdamW state
-        unless it is sharded). A sharded worker's ranks saved it together after a step (train), or,
-        signalled outside its training loop, keep none: the requeued job starts the round over."""
-        if not self.ranks.lead:
+        """Save an in-flight checkpoint of this round (submitit calls it on rank 0 only, from its
+        preemption handler). Signalled while training, the ranks saved it already, after the step
+        (InnerTrainer._stop_for_preemption): a handler runs between any two lines, and one in the
+        middle of a step would save weights that step had half updated. Signalled between
+        training and publishing, rank 0 saves it here; a sharded worker, whose gathers need every
+        rank, keeps none (the requeued job starts the round over)."""
+        if not self.ranks.lead or self.inflight_at == self.done:
             return
         if self.params.collective:
-            if self.inflight_at != self.done:
-                log.warning("worker %d round %d: preempted outside its training steps; the requeued job starts "
-                            "the round over from its base", self.task.worker, self.task.round)
+            log.warning("worker %d round %d: preempted outside its training steps; the requeued job starts "
+                        "the round over from its base", self.task.worker, self.task.round)
             return
         self.settle()
         self.save_inflight()

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -133,14 +134,15 @@ def data_parallel(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
 
 
 class Preemption:
-    """A preemption signal that every rank of a sharded worker acts on at the same step.
+    """A preemption signal that a worker's ranks act on between two steps, all at the same one.
 
     submitit's handler (SIGUSR2, what Slurm sends before a time limit) checkpoints on rank 0 alone,
-    wherever the signal found it; gathering a sharded model needs every rank at the same point. So
-    while a round trains (`deferred`), the handler only notes the signal; after each step the ranks
-    ask one another (Ranks.any: one signalled rank is enough), save the in-flight checkpoint
-    together, and then hand the signal to submitit (hand_over). Outside training it goes to
-    submitit at once, as for any worker: nothing is in flight there that needs the others."""
+    wherever the signal found it: in the middle of an optimizer step, some weights are updated and
+    some not, and the saved checkpoint resumes to other weights than the run would have had; and
+    gathering a sharded model needs every rank at the same point. So while a round trains
+    (`deferred`), the handler only notes the signal; after each step the ranks ask one another
+    (Ranks.any: one signalled rank is enough), save the in-flight checkpoint, and then hand the
+    signal to submitit (hand_over). Outside training it goes to submitit at once."""
 
     def __init__(self, ranks: Ranks) -> None:
         import submitit
@@ -175,9 +177,14 @@ class Preemption:
 _PREEMPTION: Preemption | None = None
 
 
-def preemption(ranks: Ranks) -> Preemption:
-    """This process's Preemption (one handler per process; a persistent worker's trainers share it)."""
+def preemption(ranks: Ranks) -> Preemption | None:
+    """This process's Preemption (one handler per process; a persistent worker's trainers share it);
+    None outside a submitit job (no handler to hand the signal to) or off the main thread."""
     global _PREEMPTION
     if _PREEMPTION is None:
+        import submitit
+        if threading.current_thread() is not threading.main_thread() \
+                or not callable(signal.getsignal(submitit.JobEnvironment._usr_sig())):
+            return None
         _PREEMPTION = Preemption(ranks)
     return _PREEMPTION

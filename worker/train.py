@@ -119,8 +119,8 @@ class InnerTrainer(Publisher):
         self.opt, self.names = params.optimizer(self.model)
         # what a training step calls: the model, or DDP over it (a sharded model syncs itself)
         self.step_model = self.model if params.collective else data_parallel(self.model, self.ranks)
-        # sharded: a preemption is acted on by every rank after a step (worker/ranks.py Preemption)
-        self.preemption = preemption(self.ranks) if params.collective else None
+        # a preemption signal is acted on between steps, every rank at the same one (worker/ranks.py)
+        self.preemption = preemption(self.ranks)
         self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
         # Reused every round (pinned on a GPU): base weights in, weights and optimizer state out. A
         # contribution of plain weights reuses the base's buffers, read back into the model before
@@ -288,9 +288,7 @@ class InnerTrainer(Publisher):
                 self._heartbeat()
             if self.preemption is not None and self.preemption.asked():
                 self._flush(pending)
-                self.settle()  # last round's state file, being written, reaches storage first
-                self.save_inflight()  # every rank, together
-                self.preemption.hand_over()  # does not return
+                self._stop_for_preemption()
         if self.preemption is not None:
             self.preemption.deferred = False
         self.trained_s, self._t_start, self.finished = time.monotonic() - self._t_start, None, not stopped
@@ -299,6 +297,16 @@ class InnerTrainer(Publisher):
         if not all(math.isfinite(v) for v in self.losses[-5:]):
             raise IslandsError(f"worker {self.task.worker} round {self.task.round}: the loss became "
                                f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")
+
+    def _stop_for_preemption(self) -> None:
+        """Between two steps, every rank here: save the in-flight checkpoint (rank 0 writes; sharded,
+        every rank gathers), then hand the signal to submitit, which requeues the job. Training
+        ahead of a round's base (round.overlap) saves none: those steps are lost, by design."""
+        self.settle()  # the last round's state file, being written, reaches storage first
+        if self._published is None:
+            self.save_inflight()
+        assert self.preemption is not None
+        self.preemption.hand_over()
 
     def _round_done(self) -> bool:
         """Are this round's steps, or its time budget, spent (round.budget; after one step at least;

@@ -87,7 +87,7 @@ class SimWorker(InnerTrainer):
         if model_hook is not None:  # LTE: attach heads, and use their optimizer
             optimizer = model_hook(self.model, worker) or make_optimizer
         self.opt, self.names = optimizer(self.model, cfg)
-        self.step_model, self.preemption = self.model, None  # one process: submitit's handler, if any
+        self.step_model, self.preemption = self.model, None  # a simulation: no job to preempt
         self.schedule, self._published, self.ahead_s = None, None, 0.0  # no replay; ahead: run_overlapped
         self.losses: list[float] = []
         self._next_beat = float("inf")
