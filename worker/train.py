@@ -303,7 +303,7 @@ class InnerTrainer(Publisher):
         every rank gathers), then hand the signal to submitit, which requeues the job. Training
         ahead of a round's base (round.overlap) saves none: those steps are lost, by design."""
         self.settle()  # the last round's state file, being written, reaches storage first
-        if self._published is None:
+        if self._published is None and (self.ranks.lead or self.params.collective):
             self.save_inflight()
         assert self.preemption is not None
         self.preemption.hand_over()
