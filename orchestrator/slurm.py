@@ -16,6 +16,8 @@ from core.config import Config
 from orchestrator.jobstatus import JobStatus
 
 log = logging.getLogger(__name__)
+
+
 def unreachable() -> str | None:
     """Why Slurm cannot take jobs from here, or None: sbatch is installed and the controller answers
     (`scontrol ping`, what an admin would try first)."""

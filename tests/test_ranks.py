@@ -123,19 +123,13 @@ def test_a_preempted_sharded_worker_saves_with_every_rank_and_resumes_on_one(tmp
     step, the ranks agree, gather and save the in-flight checkpoint together, and rank 0 asks
     submitit for the requeue. That job is then ended, and a one-process job (a requeue onto one
     GPU) resumes from the checkpoint to what an uninterrupted one-process worker publishes."""
-    from orchestrator.executor import WorkerJob, _children, kill_local_job
+    from orchestrator.executor import _children, kill_local_job
 
     one = _run(tmp_path, corpus_cache, "one", parallel="fsdp", steps=12)
     two = _run(tmp_path, corpus_cache, "two", parallel="fsdp", steps=12)
     train.run_worker(_task(one, 0))
-    monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_000.step=0.25")  # 3 s of steps: time to signal mid-round
-    ex = submitit.LocalExecutor(folder=tmp_path / "jobs" / "%j")
-    ex.update_parameters(tasks_per_node=2, timeout_min=5)
-    job = ex.submit(WorkerJob(), _task(two, 0, threads=2))  # checkpointable, as the orchestrator submits it
+    job = _slowed_job_training(tmp_path, two, _task(two, 0, threads=2), 2, monkeypatch)
     deadline = time.monotonic() + 60
-    while two.read_json(L.worker_progress(0)) is None:  # its first heartbeat: both ranks are training
-        assert time.monotonic() < deadline and job.state not in ("FINISHED", "INTERRUPTED"), job.state
-        time.sleep(0.05)
     rank1 = next(p for p in _children(int(job.job_id)) if "SUBMITIT_LOCAL_GLOBALID=1" in _environ(p))
     os.kill(rank1, signal.SIGUSR2)
     logs = tmp_path / "jobs" / job.job_id
@@ -161,25 +155,34 @@ def test_a_worker_signalled_in_the_middle_of_a_step_resumes_bit_for_bit(tmp_path
     step ahead of its step count and the resumed round differed (seen once in CI, in the Slurm
     replay test). Acted on after the step, the requeued job (the local controller restarts it)
     publishes exactly what an uninterrupted worker publishes."""
-    from orchestrator.executor import WorkerJob, _children
+    from orchestrator.executor import _children
 
     one = _run(tmp_path, corpus_cache, "one", steps=12)
     two = _run(tmp_path, corpus_cache, "two", steps=12)
     train.run_worker(_task(one, 0))
-    monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_000.step=0.25")
-    ex = submitit.LocalExecutor(folder=tmp_path / "jobs" / "%j")
-    ex.update_parameters(tasks_per_node=1, timeout_min=5)
-    job = ex.submit(WorkerJob(), _task(two, 0))
-    deadline = time.monotonic() + 60
-    while two.read_json(L.worker_progress(0)) is None:
-        assert time.monotonic() < deadline and job.state not in ("FINISHED", "INTERRUPTED"), job.state
-        time.sleep(0.05)
+    job = _slowed_job_training(tmp_path, two, _task(two, 0), 1, monkeypatch)
     os.kill(next(iter(_children(int(job.job_id)))), signal.SIGUSR2)
     job.results()
     m = read_manifest(two, L.contribution(0, 0))
     assert m["resumed_at_step"] is not None and 1 <= m["resumed_at_step"] < 12, m
     assert m["digest"] == read_manifest(one, L.contribution(0, 0))["digest"]
     assert read_manifest(two, L.worker_state(0, 0))["digest"] == read_manifest(one, L.worker_state(0, 0))["digest"]
+
+
+def _slowed_job_training(tmp_path, storage: Storage, task: WorkerTask, ranks: int, monkeypatch) -> submitit.Job:
+    """Worker 0's round as a checkpointable local job of `ranks` tasks (what the orchestrator
+    submits), each step held 0.25 s (3 s for 12 steps: time to signal it mid-round), once it trains."""
+    from orchestrator.executor import WorkerJob
+
+    monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_000.step=0.25")
+    ex = submitit.LocalExecutor(folder=tmp_path / "jobs" / "%j")
+    ex.update_parameters(tasks_per_node=ranks, timeout_min=5)
+    job = ex.submit(WorkerJob(), task)
+    deadline = time.monotonic() + 60
+    while storage.read_json(L.worker_progress(0)) is None:  # its first heartbeat: every rank is training
+        assert time.monotonic() < deadline and job.state not in ("FINISHED", "INTERRUPTED"), job.state
+        time.sleep(0.05)
+    return job
 
 
 def _environ(pid: int) -> str:

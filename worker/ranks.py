@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -144,20 +145,17 @@ class Preemption:
     (Ranks.any: one signalled rank is enough), save the in-flight checkpoint, and then hand the
     signal to submitit (hand_over). Outside training it goes to submitit at once."""
 
-    def __init__(self, ranks: Ranks) -> None:
-        import submitit
-        self.ranks = ranks
-        self.signum = submitit.JobEnvironment._usr_sig()  # USR2, or the job's SUBMITIT_PREEMPT_SIGNAL
-        self.submitit_handler = signal.getsignal(self.signum)
+    def __init__(self, ranks: Ranks, signum: int, submitit_handler: Callable[[int, Any], None]) -> None:
+        self.ranks, self.signum, self.submitit_handler = ranks, signum, submitit_handler
         self.deferred = False
         self.signalled = False
-        signal.signal(self.signum, self._on_signal)
+        signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.deferred:
             self.signalled = True
             log.warning("rank %d: preemption signal; the in-flight checkpoint follows this step", self.ranks.rank)
-        elif callable(self.submitit_handler):
+        else:
             self.submitit_handler(signum, frame)
 
     def asked(self) -> bool:
@@ -168,8 +166,7 @@ class Preemption:
         """The in-flight checkpoint is saved: submitit requeues the job from rank 0 and exits; the
         other ranks end here (a requeue ends every task of the job anyway)."""
         self.deferred = False
-        if callable(self.submitit_handler):
-            self.submitit_handler(self.signum, None)  # rank 0: checkpoint() (saved already), requeue, exit
+        self.submitit_handler(self.signum, None)  # rank 0: checkpoint() (saved already), requeue, exit
         log.info("rank %d: stopping for the requeue", self.ranks.rank)
         sys.exit(0)
 
@@ -183,8 +180,9 @@ def preemption(ranks: Ranks) -> Preemption | None:
     global _PREEMPTION
     if _PREEMPTION is None:
         import submitit
-        if threading.current_thread() is not threading.main_thread() \
-                or not callable(signal.getsignal(submitit.JobEnvironment._usr_sig())):
+        signum = submitit.JobEnvironment._usr_sig()  # USR2, or the job's SUBMITIT_PREEMPT_SIGNAL
+        handler = signal.getsignal(signum)
+        if threading.current_thread() is not threading.main_thread() or not callable(handler):
             return None
-        _PREEMPTION = Preemption(ranks)
+        _PREEMPTION = Preemption(ranks, signum, handler)
     return _PREEMPTION

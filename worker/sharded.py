@@ -81,7 +81,7 @@ class ShardedModel(FullModel):
         its shard alone, never the whole model (R whole copies in a node's host memory, otherwise)."""
         with weights_on_meta():
             model = build_model(self.cfg.model, pretrained=False)
-        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        buffers = dict(model.named_buffers())  # to_empty gives the module new tensors; these stay
         shard(model)
         model.to_empty(device=device)
         with torch.no_grad():
