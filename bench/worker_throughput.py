@@ -37,7 +37,7 @@ from core.config import config_from_dict
 from core.storage import Storage
 from core.task import WorkerTask
 from orchestrator.run_models import create_run
-from worker.data import BatchSampler, load_corpus, shard, split_heldout
+from worker.data import BatchSampler, dataset_for
 from worker.params import make_optimizer
 from worker.train import lr_at, pick_device, run_worker, serve_round
 from worker.weights import build_model
@@ -45,10 +45,8 @@ from worker.weights import build_model
 
 def bare_loop(cfg, steps: int) -> float:
     """The baseline: nothing but the training loop. Returns seconds."""
-    corpus = load_corpus(cfg.data.source, cache_dir=cfg.data.cache_dir)
-    train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
-    docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[0]
-    sampler = BatchSampler(corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, 0)
+    sampler = BatchSampler(dataset_for(cfg), cfg.model.block_size, cfg.worker_batch_size, cfg.seed, 0, cfg.workers,
+                           cfg.data.sharding)
     device = pick_device(cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(device)

@@ -31,6 +31,9 @@ class Task(Protocol):
 
     def advance(self, n: float = 1) -> None: ...
 
+    def note(self, text: str) -> None:
+        """What else the operation has done so far (e.g. "12k docs, 3.1M tokens"), shown beside it."""
+
     def close(self) -> None: ...
 
 
@@ -58,6 +61,10 @@ class LogLines:
         self.done = 0.0
         self.t0 = self._last = time.monotonic()
         self.lines = 0
+        self.extra = ""
+
+    def note(self, text: str) -> None:
+        self.extra = f", {text}"
 
     def advance(self, n: float = 1) -> None:
         self.done += n
@@ -65,13 +72,13 @@ class LogLines:
         if now - self._last >= self.interval_s:
             self._last = now
             self.lines += 1
-            self.logger.info("%s: %s after %.0fs", self.desc, self._amount(), now - self.t0)
+            self.logger.info("%s: %s%s after %.0fs", self.desc, self._amount(), self.extra, now - self.t0)
 
     def close(self) -> None:
         # a closing line only for an operation that has already said it was running
         if self.lines:
             ended = "stopped at" if self.total and self.done < self.total else "done,"
-            self.logger.info("%s: %s %s in %.0fs", self.desc, ended, self._amount(), time.monotonic() - self.t0)
+            self.logger.info("%s: %s %s%s in %.0fs", self.desc, ended, self._amount(), self.extra, time.monotonic() - self.t0)
 
     def _amount(self) -> str:
         if not self.total:

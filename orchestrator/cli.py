@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     observe_cli.add_parsers(sub)  # report, eval
     from orchestrator import merge_cli
     merge_cli.add_parser(sub)  # merge: orchestrator/merge_cli.py
+    from orchestrator import data_cli
+    data_cli.add_parser(sub)  # data prepare | check: orchestrator/data_cli.py
     return parser
 
 
@@ -109,6 +111,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
     storage = _storage(cfg.run_dir)
+    from worker.data import dataset_for
+    dataset_for(cfg)  # prepared (text: into the cache once) and its tokenizer the model's, before anything is made
     from orchestrator.lease import refuse_unsafe
     refuse_unsafe(storage, allow_group=args.allow_group_write)  # a folder made beforehand, open to others
     create_run(storage, cfg, schedule)
@@ -245,6 +249,7 @@ COMMANDS = {"submit": cmd_submit, "resume": cmd_resume, "status": cmd_status, "c
 COMMANDS["bench"] = lambda args: args.bench_handler(args)  # each bench subcommand sets its handler
 COMMANDS["report"] = COMMANDS["eval"] = lambda args: args.observe_handler(args)  # orchestrator/observe/cli.py
 COMMANDS["merge"] = lambda args: args.merge_handler(args)  # orchestrator/merge_cli.py
+COMMANDS["data"] = lambda args: args.data_handler(args)  # orchestrator/data_cli.py
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ class _Amount(ProgressColumn):
     def render(self, task: RichTask) -> Text:
         done = progress.human(task.completed)
         total = f"/{progress.human(task.total)}" if task.total else ""
-        return Text(f"{done}{total} {task.fields.get('unit', '')}")
+        rate = f" {progress.human(task.speed)}/s" if task.speed else ""
+        return Text(f"{done}{total} {task.fields.get('unit', '')}{rate}{task.fields.get('note', '')}")
 
 
 class RichBars:
@@ -34,7 +35,7 @@ class RichBars:
         if self.open == 0:
             self.bars.start()
         self.open += 1
-        return _Bar(self, self.bars.add_task(desc, total=total, unit=unit))
+        return _Bar(self, self.bars.add_task(desc, total=total, unit=unit, note=""))
 
     def _close(self, task: TaskID) -> None:
         self.bars.remove_task(task)
@@ -49,6 +50,9 @@ class _Bar:
 
     def advance(self, n: float = 1) -> None:
         self.owner.bars.advance(self.task, n)
+
+    def note(self, text: str) -> None:
+        self.owner.bars.update(self.task, note=f", {text}")
 
     def close(self) -> None:
         if not self.closed:

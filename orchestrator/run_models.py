@@ -14,7 +14,7 @@ from core.layout import RunLayout, manifest_key
 from core.replay import Schedule
 from core.storage import Storage
 from orchestrator.runstate import RUN_INFO
-from worker.data import corpus_for, eval_batches, estimate_loss, split_heldout
+from worker.data import dataset_for, eval_batches, estimate_loss
 from worker.weights import build_model, load_weights, model_metadata, weights_of
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,7 @@ class Evaluator:
     def batches(self) -> list:
         if self._batches is None:
             c = self.cfg
-            corpus = corpus_for(c)
-            _, heldout = split_heldout(corpus, c.data.heldout_fraction, c.seed)
-            self._batches = eval_batches(corpus, heldout, c.model.block_size, c.inner.batch_size, c.data.eval_batches, c.seed)
+            self._batches = eval_batches(dataset_for(c), c.model.block_size, c.inner.batch_size, c.data.eval_batches, c.seed)
         return self._batches
 
     def loss(self, storage: Storage, key: str) -> float:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+
+import numpy as np
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from safetensors.torch import save as save_safetensors  # noqa: E402
 
 from core.checkpoint import load_checkpoint  # noqa: E402
 from core.config import config_from_dict, load_config, to_yaml  # noqa: E402
+from core.dataset import DatasetError  # noqa: E402
 from core.errors import ConfigError  # noqa: E402
 from core.layout import RunLayout  # noqa: E402
 from core.storage import Storage  # noqa: E402
@@ -148,18 +151,24 @@ def test_weight_decay_groups_for_hf(hf_dir):
 def test_tokenized_corpus_has_its_own_cache(hf_dir, texts, tmp_path, monkeypatch):
     tok = load_tokenizer(str(hf_dir))
     cache = tmp_path / "cache"
-    byte = data.load_corpus(str(texts), cache_dir=cache)
-    ids = data.load_corpus(str(texts), cache_dir=cache, tokenizer=tok)
-    assert byte.fingerprint != ids.fingerprint and len(list((cache / "data").iterdir())) == 2
-    assert byte.tokens.dtype == torch.uint8 and ids.tokens.dtype == torch.int32
-    assert int(ids.tokens.max()) > 255 and ids.tokens.numel() < byte.tokens.numel()  # merges, past one byte
-    for d in ids.documents:  # each document is its file, tokenized, then the end-of-text token
-        assert tok.tok.decode(ids.tokens[d.start:d.end].tolist()) == (texts / d.name).read_text()
-        assert int(ids.tokens[d.end]) == tok.separator == tok.tok.eos_token_id
-    monkeypatch.setattr(data, "_read_bytes", lambda p: pytest.fail(f"read {p} although it is cached"))
-    again = data.load_corpus(str(texts), cache_dir=cache, tokenizer=tok)
-    assert torch.equal(again.tokens, ids.tokens) and again.documents == ids.documents
-    assert data.corpus_for(_cfg(hf_dir, data={"source": str(texts), "cache_dir": str(cache)})).fingerprint == ids.fingerprint
+    byte = data.dataset_for(config_from_dict({"data": {"source": str(texts), "cache_dir": str(cache)}}))
+    ids = data.dataset_for(_cfg(hf_dir, data={"source": str(texts), "cache_dir": str(cache)}))
+    assert byte.url != ids.url and len(list((cache / "data").iterdir())) == 2
+    assert byte.index.dtype == "uint8" and ids.index.dtype == "uint16" and ids.index.tokenizer.name == tok.name
+    for shard in ids.index.shards:  # each document is its file, tokenized, then the end-of-text token
+        tokens = np.frombuffer(ids.storage.read_bytes(shard.key), dtype="<u2")
+        ends = np.frombuffer(ids.storage.read_bytes(shard.docs_key), dtype="<u8")
+        assert int(tokens.max()) > 255 and all(int(tokens[e - 1]) == tok.separator == tok.tok.eos_token_id for e in ends)
+        decoded = {tok.tok.decode(tokens[a:b - 1].tolist()) for a, b in zip([0, *ends[:-1]], ends)}
+        assert decoded <= {p.read_text() for p in texts.rglob("*.py")}
+    monkeypatch.setattr(data, "prepare", lambda *a, **k: pytest.fail("prepared again although it is cached"))
+    assert data.dataset_for(_cfg(hf_dir, data={"source": str(texts), "cache_dir": str(cache)})).url == ids.url
+
+
+def test_a_dataset_of_another_tokenizer_is_refused_naming_both(hf_dir, texts, tmp_path):
+    byte = data.dataset_for(config_from_dict({"data": {"source": str(texts), "cache_dir": str(tmp_path)}}))
+    with pytest.raises(DatasetError, match=r"prepared with tokenizer bytes, but the model at .* reads hf-tokenizer-"):
+        data.dataset_for(_cfg(hf_dir, data={"source": byte.url}))
 
 
 # -- LoRA heads -----------------------------------------------------------------------------------

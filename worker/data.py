@@ -1,36 +1,41 @@
-"""The training text: a corpus of tokens, held-out split, per-worker shards and samplers.
+"""The training data: a prepared dataset (core/dataset.py) read in place, per-worker shards, batches.
 
-The built-in corpus is the Python standard library's own source, so every machine that can run
-this project also has its data, with no download. Tokens are raw bytes (vocab 256, uint8), or,
-for a Hugging Face model (model.hf), the ids of its own tokenizer (int32; worker/hf.py).
+`data.source` is a prepared dataset (a folder with index.json, any fsspec URL, made by `orchestrate
+data prepare`), or text files on this machine: null is the Python standard library's own source, so
+every machine that runs this project has its data. Text is prepared once into the local cache
+(cache_dir/data/<fingerprint>/, a dataset like any other) and read from there.
 
-Layout of `Corpus.tokens`: every document's tokens, each followed by one separator (b"\\n" for
-bytes, the tokenizer's end-of-text token otherwise). A document's slice [start, end) excludes its
-separator, so `tokens[start:end]` is exactly the file, tokenized.
-
-Everything a worker sees is a pure function of (corpus, seed, worker, step): a job that is killed
-and requeued, or started fresh next round, reads exactly the batches it would have read.
+A worker never holds the corpus: shards are memory-mapped on a filesystem and range-read on an
+object store, a window at a time. Its share of the train split is a set of segments (16 windows
+long) of the train shards: iid, every K-th segment of a seeded permutation of them all; non-iid,
+the segments of whole groups (a text file's top folder, or the --group-field value), dealt
+largest first. Everything a worker sees is a pure function of (dataset, seed, worker, step): a job
+that is killed and requeued, or started fresh next round, reads exactly the batches it would have
+read. The eval set is the dataset's held-out split.
 """
-
 from __future__ import annotations
 
-import array
 import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 import random
 import sysconfig
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from core import dataset as fmt
+from core.dataset import DatasetError, Index, Shard
 from core.layout import local_cache_root
-from core.progress import progress
-from worker.corpus_cache import FORMAT_VERSION, load_cache, save_cache
+from core.storage import Storage
+from worker.prepare import PrepareSpec, prepare, unit_hash
+from worker.sources import Unit
 
 if TYPE_CHECKING:
     from core.config import Config
@@ -38,71 +43,175 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHARD_MODES = ("iid", "non-iid")
-_SEPARATOR = b"\n"
-_ENCODE_BATCH = 64  # documents handed to the tokenizer at once
+SEGMENT_WINDOWS = 16
+"""A worker's share is dealt in segments of this many windows (block_size + 1 tokens each)."""
+_TEXT_CACHE_FORMAT = "islands-text-cache-v1"
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+_OPEN_MAPS = 256
 
 
-@dataclass(frozen=True)
-class Document:
-    name: str  # path relative to the source root, '/'-separated
-    group: str  # first path component, or '_toplevel' for a file directly under the root
-    start: int  # slice of Corpus.tokens, separator excluded
-    end: int
+class Dataset:
+    """A prepared dataset, opened: its checked index and windows read from its shards."""
+
+    def __init__(self, url: str, check_sizes: bool = True) -> None:
+        self.storage = Storage(url, follow_links=True)  # a dataset the user names, wherever it links
+        obj = self.storage.read_json(fmt.INDEX)
+        if obj is None:
+            raise DatasetError(f"{self.storage.display()} is not a prepared dataset (no {fmt.INDEX}); prepare it with "
+                               f"`orchestrate data prepare SOURCE... --out {url}`")
+        self.index: Index = fmt.parse_index(obj, self.storage.display())
+        self.dtype = np.dtype(self.index.dtype).newbyteorder("<")
+        self._maps: dict[str, np.ndarray] = {}
+        if check_sizes:
+            self._check_sizes()
 
     @property
-    def size(self) -> int:
-        return self.end - self.start
+    def url(self) -> str:
+        return self.storage.display()
+
+    def _check_sizes(self) -> None:
+        bad = []
+        for shard in self.index.shards:
+            for key, size in fmt.expected_sizes(shard, self.index.width).items():
+                try:
+                    got = self.storage.size(key)
+                except (FileNotFoundError, OSError):
+                    got = None
+                if got != size:
+                    bad.append(f"{key}: {'missing' if got is None else f'{got} bytes'}, the index says {size}")
+        if bad:
+            raise DatasetError(f"{self.url} does not match its index ({len(bad)} file(s)): " + "; ".join(bad[:5])
+                               + ". Prepare it again, or restore the files")
+
+    def _map(self, key: str, dtype: np.dtype) -> np.ndarray:
+        if key not in self._maps:
+            if len(self._maps) >= _OPEN_MAPS:
+                self._maps.pop(next(iter(self._maps)))
+            # a plain array over the map: slicing a np.memmap costs more than the copy it makes
+            with open(self.storage.path(key), "rb") as f:
+                self._maps[key] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=dtype)
+        return self._maps[key]
+
+    def _read(self, picks: Sequence[tuple[str, int, int]], dtype: np.dtype) -> list[np.ndarray]:
+        """The [start, end) element ranges of files, each a separate array."""
+        if self.storage.is_local:
+            return [np.array(self._map(key, dtype)[a:b]) for key, a, b in picks]
+        paths = [self.storage.path(key) for key, _, _ in picks]
+        w = dtype.itemsize
+        blobs = self.storage.fs.cat_ranges(paths, [a * w for _, a, _ in picks], [b * w for _, _, b in picks])
+        return [np.frombuffer(bytes(b), dtype=dtype) for b in blobs]
+
+    def windows(self, picks: Sequence[tuple[Shard, int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y of shape (len(picks), block_size), int64, from `block_size + 1` tokens at each (shard, start):
+        y[:, t] is the token after x[:, t], or -1 where fine-tuning data does not count its loss."""
+        ranges = [(s.key, a, a + block_size + 1) for s, a in picks]
+        tokens = self._read(ranges, self.dtype)
+        if any(len(t) != block_size + 1 for t in tokens):
+            raise DatasetError(f"{self.url}: a shard is shorter than its index says; prepare it again")
+        chunk = torch.from_numpy(np.stack(tokens).astype(np.int64))
+        x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        if self.index.masked:
+            masks = self._read([(s.mask_key, a + 1, a + block_size + 1) for s, a in picks], np.dtype(np.uint8))
+            y[torch.from_numpy(np.stack(masks) == 0)] = -1
+        return x, y
+
+    def counted_targets(self, shard: Shard, start: int, block_size: int) -> bool:
+        """Whether a window has a target whose loss counts (always, but for fine-tuning data)."""
+        if not self.index.masked:
+            return True
+        (mask,) = self._read([(shard.mask_key, start + 1, start + block_size + 1)], np.dtype(np.uint8))
+        return bool(mask.any())
 
 
-# eq=False: a generated __eq__ would compare tensors, which has no single truth value
-@dataclass(frozen=True, eq=False)
-class Corpus:
-    tokens: torch.Tensor  # 1-D uint8, documents concatenated, each followed by one b"\n"
-    documents: tuple[Document, ...]
-    fingerprint: str  # sha256 hex of format version + source + file list (path, size, mtime_ns) + tokenizer
+def open_dataset(url: str) -> Dataset:
+    return Dataset(url)
 
 
-class Tokenizer(Protocol):
-    """What the corpus needs of a tokenizer other than raw bytes (worker.hf.HFTokenizer)."""
-
-    name: str
-    """Identifies the vocabulary and the tokenization: part of the corpus cache key."""
-    separator: int
-    """The token placed after every document."""
-
-    def encode(self, texts: list[str]) -> list[list[int]]: ...
+# ----------------------------------------------------------------------------- which dataset a run reads
 
 
-def corpus_for(cfg: Config, cache_dir: str | os.PathLike | None = None) -> Corpus:
-    """The corpus a run trains and evaluates on: its data.* keys, tokenized for its model."""
-    tokenizer = None
-    if cfg.model.hf is not None:
-        from worker.hf import load_tokenizer  # transformers only when a Hugging Face model is used
-        tokenizer = load_tokenizer(cfg.model.hf)
-    return load_corpus(cfg.data.source, include_tests=cfg.data.include_tests,
-                       cache_dir=cache_dir or cfg.data.cache_dir, tokenizer=tokenizer)
+def dataset_for(cfg: Config, cache_dir: str | os.PathLike | None = None) -> Dataset:
+    """The dataset a run trains and evaluates on: data.source prepared, or the text it names prepared
+    once into the cache; its tokenizer must be the model's."""
+    tokenizer = "bytes" if cfg.model.hf is None else f"hf:{cfg.model.hf}"
+    source = cfg.data.source
+    if source is not None and (("://" in source and not source.startswith("file://")) or _has_index(source)):
+        ds = Dataset(source)
+        _check_tokenizer(ds, tokenizer, cfg)
+        return ds
+    return _text_dataset(source, cfg.data.include_tests, cache_dir or cfg.data.cache_dir, tokenizer,
+                         cfg.data.heldout_fraction)
 
 
-# ----------------------------------------------------------------------------- loading and cache
+def _has_index(source: str) -> bool:
+    return (Path(source.removeprefix("file://")).expanduser() / fmt.INDEX).is_file()
 
 
-def _read_bytes(path: Path) -> bytes:
-    # the one place that reads source files, so tests can prove a warm load never calls it
-    return path.read_bytes()
+def _check_tokenizer(ds: Dataset, tokenizer: str, cfg: Config) -> None:
+    if tokenizer == "bytes":
+        want, model = "bytes", "the built-in byte-level model"
+    else:
+        from worker.prepare import load_tokenizer
+        want, model = load_tokenizer(tokenizer).info.name, f"the model at {cfg.model.hf}"
+    if ds.index.tokenizer.name != want:
+        raise DatasetError(f"data.source {ds.url} was prepared with tokenizer {ds.index.tokenizer.name}, but {model} "
+                           f"reads {want}: prepare it again with --tokenizer {tokenizer}, or train the model it was "
+                           "prepared for")
 
 
-def _group_of(rel: str) -> str:
-    parts = rel.split("/")
-    return parts[0] if len(parts) > 1 else "_toplevel"
+def _text_dataset(source: str | None, include_tests: bool, cache_dir: str | os.PathLike | None, tokenizer: str,
+                  heldout: float) -> Dataset:
+    root, files = _list_files(source, include_tests)
+    if not files:
+        raise DatasetError(f"Corpus source {root} has no files to read; point the source at a directory that "
+                           "contains text files.")
+    head = {"format": _TEXT_CACHE_FORMAT, "root": str(root), "stdlib": source is None, "include_tests": include_tests,
+            "tokenizer": tokenizer, "heldout": heldout}
+    h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+    for rel, _, size, mtime_ns in files:
+        h.update(json.dumps([rel, size, mtime_ns]).encode() + b"\n")
+    directory = Path(cache_dir or local_cache_root()) / "data" / h.hexdigest()
+    if (directory / fmt.INDEX).is_file():
+        try:
+            return Dataset(str(directory))
+        except DatasetError as exc:  # derived data: prepared again
+            logger.warning("the prepared corpus in %s is unusable (%s); preparing it again from %s", directory, exc, root)
+    names = [rel for rel, _, size, _ in files if size > 0]
+    spec = PrepareSpec(sources=(str(root),), out=str(directory), tokenizer=tokenizer, heldout=heldout,
+                       skip_bad=True, eval_names=frozenset(_heldout_names(names, heldout, seed=0)))
+    units = [Unit("text", "", batch[0][0], sum(s for _, _, s, _ in batch), files=tuple((r, str(p)) for r, p, _, _ in batch))
+             for batch in _batches(files)]
+    prepare(spec, units)
+    return Dataset(str(directory))
+
+
+def _batches(files: list[tuple[str, Path, int, int]], limit: int = 32 << 20) -> list[list]:
+    out, cur, size = [], [], 0
+    for f in files:
+        cur.append(f)
+        size += f[2]
+        if size >= limit:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def _heldout_names(names: list[str], fraction: float, seed: int) -> set[str]:
+    """Each document decided by a hash of (seed, name) alone, so adding or removing files never moves
+    the others; at least one document on each side when there are two."""
+    u = {n: unit_hash(seed, n) for n in names}
+    held = {n for n, x in u.items() if x < fraction}
+    if len(u) >= 2 and not held:
+        held = {min(u, key=u.__getitem__)}
+    if len(u) >= 2 and len(held) == len(u):
+        held.discard(max(u, key=u.__getitem__))
+    return held
 
 
 def _walk(root: Path, keep_dir: Callable[[str], bool], keep_file: Callable[[str], bool]) -> list[tuple[str, Path, int, int]]:
-    """[(relative '/' path, path, size, mtime_ns)] of regular files under root, unsorted.
-
-    os.scandir hands back each entry's stat with the listing, so a warm start (fingerprint only,
-    no content read) costs one directory walk: it runs at the start of every worker round."""
+    """[(relative '/' path, path, size, mtime_ns)] of regular files under root, unsorted (os.scandir
+    hands back each entry's stat with the listing: a warm start costs one directory walk)."""
     out, stack = [], [(root, "")]
     while stack:
         directory, prefix = stack.pop()
@@ -123,261 +232,139 @@ def _list_files(source: str | None, include_tests: bool) -> tuple[Path, list[tup
         root = Path(sysconfig.get_paths()["stdlib"])
         skip = _STDLIB_SKIP_DIRS | (frozenset() if include_tests else _TEST_DIRS)
         return root, sorted(_walk(root, lambda d: d not in skip, lambda f: f.endswith(".py")))
-    path = Path(source).expanduser().resolve()
+    path = Path(source.removeprefix("file://")).expanduser().resolve()
     if path.is_file():
         st = path.stat()
         return path.parent, [(path.name, path, st.st_size, st.st_mtime_ns)]
     if not path.is_dir():
-        raise ValueError(
-            f"Corpus source {source!r} does not exist (resolved to {path}); pass an existing "
-            "text file or directory, or no source to use the Python standard library."
-        )
-    # hidden entries (.git, .venv, editor files) are tooling, not text to learn from
-    visible = lambda name: not name.startswith(".")  # noqa: E731
+        raise DatasetError(f"Corpus source {source!r} does not exist (resolved to {path}); pass an existing text file "
+                           "or directory, a prepared dataset, or no source to use the Python standard library.")
+    visible = lambda name: not name.startswith(".")  # noqa: E731  hidden entries are tooling, not text
     return path, sorted(_walk(path, visible, visible))
 
 
-def _fingerprint(root: Path, source: str | None, include_tests: bool,
-                 files: list[tuple[str, Path, int, int]], tokenizer: Tokenizer | None = None) -> str:
-    h = hashlib.sha256()
-    head = {"format": FORMAT_VERSION, "root": str(root), "stdlib": source is None,
-            "include_tests": include_tests}
-    if tokenizer is not None:  # absent for bytes: their fingerprints (and caches) stay as they were
-        head["tokenizer"] = tokenizer.name
-    h.update(json.dumps(head, sort_keys=True).encode())
-    for rel, _, size, mtime_ns in files:
-        h.update(json.dumps([rel, size, mtime_ns]).encode() + b"\n")
-    return h.hexdigest()
+# ----------------------------------------------------------------------------- a worker's share and its batches
 
 
-def _build(root: Path, files: list[tuple[str, Path, int, int]], fingerprint: str,
-           tokenizer: Tokenizer | None = None) -> Corpus:
-    chunks, documents, offset, skipped = [], [], 0, []
-    sep = _SEPARATOR if tokenizer is None else [tokenizer.separator]
-    with progress(len(files), f"preparing the corpus of {root}", unit="files") as bar:
-        for i in range(0, len(files), _ENCODE_BATCH):
-            texts = []
-            for rel, path, _, _ in files[i:i + _ENCODE_BATCH]:
-                data = _read_bytes(path)
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError:
-                    skipped.append(rel)
-                    continue
-                if data:  # an empty file adds nothing but a lone separator
-                    texts.append((rel, data, text))
-            ids = [d for _, d, _ in texts] if tokenizer is None else tokenizer.encode([t for *_, t in texts])
-            for (rel, _, _), toks in zip(texts, ids):
-                documents.append(Document(rel, _group_of(rel), offset, offset + len(toks)))
-                chunks += [toks, sep]
-                offset += len(toks) + len(sep)
-            bar.advance(len(files[i:i + _ENCODE_BATCH]))
-    if skipped:
-        logger.warning("skipped %d file(s) under %s that are not UTF-8 text: %s%s", len(skipped),
-                       root, ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
-    if not documents:
-        raise ValueError(
-            f"Corpus source {root} has no usable files ({len(files)} listed, {len(skipped)} not "
-            "UTF-8, the rest empty); point the source at a directory of non-empty text files."
-        )
-    if tokenizer is None:
-        tokens = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    else:  # ids past 255: 4 bytes each (array "i" is a C int, 32 bits on every platform torch runs on)
-        ids32 = array.array("i")
-        for chunk in chunks:
-            ids32.extend(chunk)
-        tokens = torch.frombuffer(ids32, dtype=torch.int32) if ids32 else torch.empty(0, dtype=torch.int32)
-    return Corpus(tokens, tuple(documents), fingerprint)
+def _affine(n: int, seed: int) -> tuple[int, int]:
+    """(a, b) with gcd(a, n) = 1: i -> (a * i + b) mod n is a seeded permutation of range(n)."""
+    a = 1 + int(unit_hash(seed, "deal-a") * n) % n if n > 1 else 1
+    while math.gcd(a, n) != 1:
+        a += 1
+    return a, int(unit_hash(seed, "deal-b") * n)
 
 
-def load_corpus(
-    source: str | None = None,
-    *,
-    include_tests: bool = False,
-    cache_dir: str | os.PathLike | None = None,
-    tokenizer: Tokenizer | None = None,
-) -> Corpus:
-    """Load a corpus of bytes (or of `tokenizer`'s ids), preparing it once and caching it under
-    cache_dir/data/<fingerprint>/.
-
-    source None is the standard library's *.py files (tests excluded unless include_tests);
-    otherwise a text file or a directory of text files (hidden entries and non-UTF-8 files skipped).
-    The fingerprint covers file names, sizes and mtimes, so an edited source gets a fresh cache
-    and an unchanged one is reused without reading any file content. The tokenizer's name is part
-    of the fingerprint: byte-level and tokenizer caches never mix.
-    """
-    root, files = _list_files(source, include_tests)
-    if not files:
-        raise ValueError(f"Corpus source {root} has no files to read; point the source at a "
-                         "directory that contains text files.")
-    fingerprint = _fingerprint(root, source, include_tests, files, tokenizer)
-    directory = Path(cache_dir or local_cache_root()) / "data" / fingerprint
-    if (directory / "index.json").exists():
-        try:
-            tokens, docs = load_cache(directory, fingerprint, torch.uint8 if tokenizer is None else torch.int32)
-            corpus = Corpus(tokens, tuple(Document(n, g, int(s), int(e)) for n, g, s, e in docs), fingerprint)
-            logger.info("corpus %s loaded from cache %s", fingerprint[:12], directory)
-            return corpus
-        except Exception as e:  # any unreadable cache is rebuilt: it is derived data
-            logger.warning("corpus cache %s is unreadable (%s: %s); rebuilding it from %s",
-                           directory, type(e).__name__, e, root)
-    corpus = _build(root, files, fingerprint, tokenizer)
-    save_cache(corpus, directory, tokenizer.name if tokenizer is not None else None)
-    logger.info("corpus %s prepared from %s: %d documents, %d tokens, cached in %s",
-                fingerprint[:12], root, len(corpus.documents), corpus.tokens.numel(), directory)
-    return corpus
-
-
-# ----------------------------------------------------------------------------- splits and shards
-
-
-def _unit_hash(*parts: object) -> float:
-    """A stable uniform number in [0, 1) from its parts (Python's hash() is salted per process)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def split_heldout(corpus: Corpus, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train doc indices, eval doc indices). Each document is decided by a hash of (seed, name)
-    alone, so adding or removing files never moves the others across the split."""
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"split_heldout needs 0 < fraction < 1, got {fraction}; "
-                         "e.g. 0.05 holds out about 5% of the documents.")
-    u = [_unit_hash(seed, d.name) for d in corpus.documents]
-    eval_ids = {i for i, x in enumerate(u) if x < fraction}
-    if len(u) >= 2 and not eval_ids:  # too few docs for the fraction: hold out the likeliest one
-        eval_ids = {min(range(len(u)), key=u.__getitem__)}
-    if len(u) >= 2 and len(eval_ids) == len(u):
-        eval_ids.discard(max(range(len(u)), key=u.__getitem__))
-    train_ids = [i for i in range(len(u)) if i not in eval_ids]
-    return train_ids, sorted(eval_ids)
-
-
-def _deal(items: list[tuple[int, list[int]]], num_workers: int) -> list[list[int]]:
-    """Give each (size, doc ids) item to the worker with the fewest bytes so far (then fewest
-    items, then lowest index, so zero-byte items still reach every worker)."""
-    load = [(0, 0)] * num_workers
-    shards: list[list[int]] = [[] for _ in range(num_workers)]
-    for size, ids in items:
-        w = min(range(num_workers), key=lambda i: (load[i], i))
-        load[w] = (load[w][0] + size, load[w][1] + 1)
-        shards[w] += ids
-    return [sorted(s) for s in shards]
-
-
-def shard(
-    corpus: Corpus, doc_ids: Sequence[int], num_workers: int, mode: str, seed: int
-) -> list[list[int]]:
-    """Partition doc_ids into num_workers shards of sorted doc indices.
-
-    iid: shuffled documents dealt greedily by bytes, so every worker sees a balanced random mix.
-    non-iid: whole groups (packages) dealt largest first, so workers see different distributions.
-    """
-    if mode not in SHARD_MODES:
-        raise ValueError(f"Unknown shard mode {mode!r}; valid modes are {', '.join(SHARD_MODES)}.")
-    if num_workers < 1:
-        raise ValueError(f"shard needs num_workers >= 1, got {num_workers}.")
-    ids = list(doc_ids)
-    if len(set(ids)) != len(ids) or any(not 0 <= i < len(corpus.documents) for i in ids):
-        raise ValueError(f"shard got doc_ids with duplicates or outside 0.."
-                         f"{len(corpus.documents) - 1}; pass indices from split_heldout.")
-    docs = corpus.documents
-    if mode == "iid":
-        if len(ids) < num_workers:
-            raise ValueError(f"Cannot shard {len(ids)} documents over {num_workers} workers (iid); "
-                             "use fewer workers or a larger corpus.")
-        random.Random(seed).shuffle(ids)
-        return _deal([(docs[i].size, [i]) for i in ids], num_workers)
-    groups: dict[str, list[int]] = {}
-    for i in ids:
-        groups.setdefault(docs[i].group, []).append(i)
-    if len(groups) < num_workers:
-        raise ValueError(f"Cannot shard {len(groups)} groups over {num_workers} workers "
-                         "(non-iid): each worker needs at least one whole group; use fewer "
-                         "workers or mode 'iid'.")
-    sized = [(sum(docs[i].size for i in g), name, g) for name, g in groups.items()]
-    sized.sort(key=lambda t: (-t[0], t[1]))
-    return _deal([(size, g) for size, _, g in sized], num_workers)
-
-
-# ----------------------------------------------------------------------------- batches
-
-
-def _stream(corpus: Corpus, doc_ids: Sequence[int]) -> torch.Tensor:
-    """The docs' tokens concatenated, each with its separator, in the corpus's compact dtype."""
-    parts = [corpus.tokens[d.start : d.end + 1] for d in (corpus.documents[i] for i in doc_ids)]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=corpus.tokens.dtype)
-
-
-def _windows(
-    stream: torch.Tensor, starts: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    chunk = stream[starts[:, None] + torch.arange(block_size + 1)].long()
-    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
-
-
-def _check_stream(stream: torch.Tensor, block_size: int, what: str) -> None:
-    if stream.numel() < block_size + 1:
-        raise ValueError(f"{what} has {stream.numel()} tokens, fewer than block_size + 1 = "
-                         f"{block_size + 1}; give it more documents or use a smaller block_size.")
+def _deal_groups(shards: list[Shard], num_workers: int) -> list[list[str]]:
+    sizes: dict[str, int] = {}
+    for s in shards:
+        sizes[s.group] = sizes.get(s.group, 0) + s.tokens
+    if len(sizes) < num_workers:
+        raise DatasetError(f"Cannot shard {len(sizes)} groups over {num_workers} workers (non-iid): each worker needs "
+                           "at least one whole group; use fewer workers or data.sharding iid.")
+    load, out = [0] * num_workers, [[] for _ in range(num_workers)]  # type: ignore[var-annotated]
+    for name in sorted(sizes, key=lambda g: (-sizes[g], g)):
+        w = min(range(num_workers), key=lambda i: (load[i], len(out[i]), i))
+        load[w] += sizes[name]
+        out[w].append(name)
+    return out
 
 
 class BatchSampler:
-    """Random windows over one worker's shard; batch(step) depends only on (seed, worker, step)."""
+    """Random windows over one worker's share of the train split; batch(step) depends only on
+    (dataset, seed, worker, step)."""
 
-    def __init__(self, corpus: Corpus, doc_ids: Sequence[int], block_size: int,
-                 batch_size: int, seed: int, worker: int):
-        if block_size < 1 or batch_size < 1:
-            raise ValueError(f"BatchSampler needs block_size >= 1 and batch_size >= 1, got "
-                             f"{block_size} and {batch_size}.")
-        self.stream = _stream(corpus, doc_ids)
-        what = f"Worker {worker}'s shard ({len(doc_ids)} documents)"
-        _check_stream(self.stream, block_size, what)
-        self.block_size, self.batch_size = block_size, batch_size
-        self.seed, self.worker = seed, worker
+    def __init__(self, ds: Dataset, block_size: int, batch_size: int, seed: int, worker: int, num_workers: int,
+                 mode: str = "iid", groups: Collection[str] | None = None) -> None:
+        """`groups`: only the train shards of these groups (all by default)."""
+        if block_size < 1 or batch_size < 1 or num_workers < 1:
+            raise ValueError(f"BatchSampler needs block_size, batch_size and num_workers >= 1, got {block_size}, "
+                             f"{batch_size} and {num_workers}.")
+        if mode not in SHARD_MODES:
+            raise ValueError(f"Unknown shard mode {mode!r}; valid modes are {', '.join(SHARD_MODES)}.")
+        self.ds, self.block_size, self.batch_size, self.seed, self.worker = ds, block_size, batch_size, seed, worker
+        shards = [s for s in ds.index.split("train") if s.tokens > block_size and (groups is None or s.group in groups)]
+        self.segment = SEGMENT_WINDOWS * (block_size + 1)
+        worker %= num_workers
+        if mode == "non-iid":
+            mine = set(_deal_groups(shards, num_workers)[worker])
+            shards = [s for s in shards if s.group in mine]
+        self.shards = shards
+        self.cum = np.cumsum([math.ceil(s.tokens / self.segment) for s in shards]) if shards else np.zeros(0, np.int64)
+        total = int(self.cum[-1]) if shards else 0
+        if mode == "iid":
+            if total < num_workers:
+                raise DatasetError(f"Cannot shard the train split of {ds.url} ({total} segments of {self.segment} "
+                                   f"tokens) over {num_workers} workers (iid); use fewer workers, a smaller "
+                                   "model.block_size or more data.")
+            self.a, self.b = _affine(total, seed)
+            self.count, self.stride, self.offset = len(range(worker, total, num_workers)), num_workers, worker
+        else:
+            self.a, self.b, self.count, self.stride, self.offset = 1, 0, total, 1, 0
+        if self.count == 0:
+            raise DatasetError(f"Worker {worker}'s share of {ds.url} is empty (no train shard of more than "
+                               f"{block_size} tokens); use a smaller model.block_size or more data.")
+        self.total = total
 
     @property
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.block_size
 
+    def _pick(self, r_seg: int, r_pos: int) -> tuple[Shard, int]:
+        g = (self.a * (self.offset + (r_seg % self.count) * self.stride) + self.b) % self.total
+        i = int(np.searchsorted(self.cum, g, side="right"))
+        shard = self.shards[i]
+        first = (g - (int(self.cum[i - 1]) if i else 0)) * self.segment
+        length = min(self.segment, shard.tokens - first)
+        return shard, min(first + r_pos % length, shard.tokens - self.block_size - 1)
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, y of shape (batch_size, block_size), int64, y[:, t] = x[:, t + 1] in the stream."""
+        """x, y of shape (batch_size, block_size), int64, y[:, t] = x[:, t + 1] in the shard (-1: no loss)."""
         if step < 0:
             raise ValueError(f"BatchSampler.batch needs step >= 0, got {step}.")
         # a fresh generator per step, instead of one advancing generator, is what makes a
         # resumed worker's batches identical without saving any sampler state
-        g = torch.Generator().manual_seed(int(_unit_hash(self.seed, self.worker, step) * 2**63))
-        high = self.stream.numel() - self.block_size
-        starts = torch.randint(0, high, (self.batch_size,), generator=g)
-        return _windows(self.stream, starts, self.block_size)
+        g = torch.Generator().manual_seed(int(unit_hash(self.seed, self.worker, step) * 2**63))
+        picks = []
+        for _ in range(self.batch_size):
+            for _attempt in range(8):  # fine-tuning data: a window whose targets are all prompt is drawn again
+                r = torch.randint(0, 2**62, (2,), generator=g).tolist()
+                pick = self._pick(r[0], r[1])
+                if self.ds.counted_targets(pick[0], pick[1], self.block_size):
+                    break
+            picks.append(pick)
+        return self.ds.windows(picks, self.block_size)
 
 
-def eval_batches(corpus: Corpus, doc_ids: Sequence[int], block_size: int, batch_size: int,
-                 num_batches: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed held-out batches: num_batches * batch_size windows evenly spaced over the eval
-    stream. The seed only deals windows to batches, so each batch is a cross-section of all
-    eval documents rather than one package, while the set of windows stays the same."""
+def eval_batches(ds: Dataset, block_size: int, batch_size: int, num_batches: int, seed: int,
+                 groups: Collection[str] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed held-out batches: num_batches * batch_size windows evenly spaced over the eval split. The
+    seed only deals windows to batches, so each batch is a cross-section of the eval documents."""
     if block_size < 1 or batch_size < 1 or num_batches < 1:
         raise ValueError(f"eval_batches needs block_size, batch_size and num_batches >= 1, got "
                          f"{block_size}, {batch_size} and {num_batches}.")
-    stream = _stream(corpus, doc_ids)
-    _check_stream(stream, block_size, f"The eval set ({len(doc_ids)} documents)")
+    shards = [s for s in ds.index.split("eval") if s.tokens > block_size and (groups is None or s.group in groups)]
+    if not shards:
+        tokens = sum(s.tokens for s in ds.index.split("eval"))
+        raise DatasetError(f"The eval split of {ds.url} ({tokens} tokens) has no shard longer than block_size + 1 = "
+                           f"{block_size + 1} tokens; hold out more documents (data.heldout_fraction, --heldout) or "
+                           "use a smaller block_size.")
+    starts = np.cumsum([0] + [s.tokens - block_size for s in shards])
     n = batch_size * num_batches
-    starts = torch.linspace(0, stream.numel() - block_size - 1, n).round().long()
+    points = np.linspace(0, starts[-1] - 1, n).round().astype(np.int64)
+    picks = []
+    for p in points:
+        i = int(np.searchsorted(starts, p, side="right")) - 1
+        picks.append((shards[i], int(p - starts[i])))
     order = list(range(n))
     random.Random(seed).shuffle(order)
-    starts = starts[torch.tensor(order)]
-    return [_windows(stream, starts[b * batch_size : (b + 1) * batch_size], block_size)
-            for b in range(num_batches)]
+    picks = [picks[j] for j in order]
+    return [ds.windows(picks[b * batch_size:(b + 1) * batch_size], block_size) for b in range(num_batches)]
 
 
-def estimate_loss(
-    model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-) -> float:
+def estimate_loss(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean loss over batches in eval mode without gradients; the caller's mode is restored."""
     if not batches:
-        raise ValueError("estimate_loss got no batches; build them with eval_batches "
-                         "(num_batches >= 1).")
+        raise ValueError("estimate_loss got no batches; build them with eval_batches (num_batches >= 1).")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

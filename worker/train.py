@@ -1,7 +1,7 @@
 """One worker, one round: H inner AdamW steps from a base checkpoint, then publish the result.
 
 Read top to bottom, a round is:
-  1. read the run's config and this worker's data shard (the corpus is cached, so this is cheap);
+  1. read the run's config and open the dataset (prepared once; this worker's share is read in place);
   2. load the base weights (the global model, or the worker's own last weights if its previous
      contribution missed the merge) and the worker's own AdamW state from its last round;
   3. train H steps. The learning-rate schedule and the batches are functions of the global step
@@ -37,7 +37,7 @@ from core.failpoints import failpoint, slowpoint
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from worker.data import BatchSampler, corpus_for, shard, split_heldout
+from worker.data import BatchSampler, dataset_for
 from worker.params import SEP, params_for
 from worker.publish import Publisher
 from worker.ranks import data_parallel, join, preemption
@@ -107,10 +107,9 @@ class InnerTrainer(Publisher):
         self.ranks = join(self.device.type)  # the job's other ranks (worker/ranks.py), if it has any
         if task.threads > 0:  # the job's CPUs, shared by its ranks
             torch.set_num_threads(max(1, task.threads // self.ranks.world))
-        corpus = corpus_for(cfg)  # bytes, or the Hugging Face model's tokens (model.hf)
-        train_ids, _ = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
-        docs = shard(corpus, train_ids, cfg.workers, cfg.data.sharding, cfg.seed)[task.worker % cfg.workers]
-        self.sampler = BatchSampler(corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, task.worker)
+        dataset = dataset_for(cfg)  # bytes, or the Hugging Face model's tokens (model.hf); memory-mapped
+        self.sampler = BatchSampler(dataset, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, task.worker,
+                                    cfg.workers, cfg.data.sharding)
         # Every weight is overwritten by the round's base (_load_base), so the model is built straight
         # on its device and a Hugging Face model's own weights are not read: at 1B parameters a CPU
         # init alone costs seconds per round.

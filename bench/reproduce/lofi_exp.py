@@ -35,10 +35,9 @@ def _one_seed(ctx: Context, seed: int) -> dict[str, float]:
     batches = data.eval_set(base_cfg)
     baseline = ctx.memo(("lofi-baseline", seed), lambda: sim.run_plain(base_cfg, data, init=pre)).extra["weights"]
     cfg = ctx.cfg(seed, algorithm="lofi", rounds=1, **steps)
-    shards = data.shards(cfg, cfg.workers)
     finetuned = []
     for w in range(cfg.workers):
-        worker = sim.SimWorker(cfg, w, shards[w], data)
+        worker = sim.SimWorker(cfg, w, cfg.workers, data)
         finetuned.append(worker.run_round(pre, 0))
     averaged = {n: average([f[n] for f in finetuned], [1.0] * len(finetuned)) for n in pre}
     singles, ensemble = ensemble_losses(_models(cfg, finetuned), batches)

@@ -22,11 +22,11 @@ from worker import lora
 
 
 class LteWorker(sim.SimWorker):
-    def __init__(self, cfg: Config, worker: int, docs: list[int], data: sim.Data) -> None:
+    def __init__(self, cfg: Config, worker: int, share: int, data: sim.Data) -> None:
         def heads(model: torch.nn.Module, w: int):
             lora.attach_heads(model, cfg.lte, seed=lora.head_seed(cfg.seed, w))
             return lora.make_optimizer
-        super().__init__(cfg, worker, docs, data, model_hook=heads)
+        super().__init__(cfg, worker, share, data, model_hook=heads)
 
     def run_round(self, start: sim.Weights | None, rnd: int) -> sim.Weights:
         if rnd > 0:  # after a merge: B <- 0 (its update is in the base now); A and AdamW state kept
@@ -54,8 +54,7 @@ def lte_merge(global_w: sim.Weights, contribs: list[sim.Weights], scale: float) 
 
 
 def run_lte(cfg: Config, data: sim.Data) -> sim.RunResult:
-    shards = data.shards(cfg, cfg.workers)
-    workers = [LteWorker(cfg, w, shards[w], data) for w in range(cfg.workers)]
+    workers = [LteWorker(cfg, w, cfg.workers, data) for w in range(cfg.workers)]
     evaluate = sim.Evaluator(cfg, data)
     global_w = sim.init_weights(cfg)
     losses, sent = [evaluate(global_w)], 0

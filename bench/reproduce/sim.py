@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from core.config import Config
+from core.config import Config, DataConfig
 from merge.methods import get_method
 from orchestrator.plan import next_bases
 from worker.overlap import adopt
-from worker.data import BatchSampler, Corpus, eval_batches, estimate_loss, load_corpus, shard, split_heldout
+from worker.data import BatchSampler, Dataset, dataset_for, eval_batches, estimate_loss
 from worker.params import make_optimizer
 from worker.ranks import SOLO
 from worker.train import InnerTrainer, pick_device
@@ -33,55 +33,46 @@ from worker.weights import build_model, load_weights, weights_of
 log = logging.getLogger(__name__)
 Weights = dict[str, torch.Tensor]
 EVAL_BATCH_SIZE = 16
-TEST_DIRS = frozenset({"test", "tests", "idle_test"})  # as worker/data.py's include_tests
-
-
-def is_test_doc(name: str) -> bool:
-    """A stdlib document under a test folder (test/, tests/, idle_test/): lo-fi's fine-tuning domain."""
-    return any(part in TEST_DIRS for part in name.split("/")[:-1])
+TEST_GROUP = "test"  # the stdlib's test/ package: lo-fi's fine-tuning domain
 
 
 @functools.lru_cache(maxsize=4)
-def corpus(include_tests: bool, cache_dir: str | None) -> Corpus:
-    return load_corpus(None, include_tests=include_tests, cache_dir=cache_dir)
+def dataset(include_tests: bool, cache_dir: str | None) -> Dataset:
+    return dataset_for(Config(data=DataConfig(include_tests=include_tests, cache_dir=cache_dir)))
 
 
 @dataclass
 class Data:
-    """A run's documents: train and held-out ids of one corpus (optionally only its tests)."""
-    corpus: Corpus
-    train: list[int]
-    heldout: list[int]
+    """A run's dataset (the stdlib), optionally only its test/ package."""
+    dataset: Dataset
+    groups: frozenset[str] | None
 
     @classmethod
     def of(cls, cfg: Config, domain: str = "source") -> "Data":
-        """domain 'source': the corpus of cfg.data (stdlib modules); 'tests': only the stdlib tests."""
-        c = corpus(cfg.data.include_tests or domain == "tests", cfg.data.cache_dir)
-        train, held = split_heldout(c, cfg.data.heldout_fraction, cfg.seed)
-        if domain == "tests":
-            keep = {i for i, d in enumerate(c.documents) if is_test_doc(d.name)}
-            train, held = [i for i in train if i in keep], [i for i in held if i in keep]
-        return cls(c, train, held)
+        """domain 'source': the corpus of cfg.data (stdlib modules); 'tests': only the stdlib's test/ package."""
+        ds = dataset(cfg.data.include_tests or domain == "tests", cfg.data.cache_dir)
+        return cls(ds, frozenset({TEST_GROUP}) if domain == "tests" else None)
 
-    def shards(self, cfg: Config, num: int) -> list[list[int]]:
-        return shard(self.corpus, self.train, num, cfg.data.sharding, cfg.seed)
+    def sampler(self, cfg: Config, worker: int, num_workers: int) -> BatchSampler:
+        return BatchSampler(self.dataset, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, worker, num_workers,
+                            cfg.data.sharding, self.groups)
 
     def eval_set(self, cfg: Config) -> list:
         """data.eval_batches batches of EVAL_BATCH_SIZE windows: not inner.batch_size, which differs
         between the methods of one experiment (4x batch, LTE heads), whose eval data must not."""
-        return eval_batches(self.corpus, self.heldout, cfg.model.block_size, EVAL_BATCH_SIZE,
-                            cfg.data.eval_batches, cfg.seed)
+        return eval_batches(self.dataset, cfg.model.block_size, EVAL_BATCH_SIZE, cfg.data.eval_batches, cfg.seed,
+                            self.groups)
 
 
 class SimWorker(InnerTrainer):
     """One worker: the real InnerTrainer minus storage (no run directory, no heartbeat file)."""
 
-    def __init__(self, cfg: Config, worker: int, docs: Sequence[int], data: Data,
+    def __init__(self, cfg: Config, worker: int, share: int, data: Data,
                  model_hook: Callable[[torch.nn.Module, int], Any] | None = None) -> None:
         # InnerTrainer.__init__ reads the run directory; everything it builds is built here instead
         self.cfg, self.device, self.ranks = cfg, pick_device(cfg), SOLO
         self.task = SimpleNamespace(worker=worker, round=0)  # train() names them in its errors
-        self.sampler = BatchSampler(data.corpus, docs, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, worker)
+        self.sampler = data.sampler(cfg, worker, share)  # `worker`'s share of the train split among `share`
         self.model = build_model(cfg.model).to(self.device)
         optimizer = make_optimizer
         if model_hook is not None:  # LTE: attach heads, and use their optimizer
@@ -167,7 +158,7 @@ def nbytes(weights: Weights) -> int:
 def run_plain(cfg: Config, data: Data, init: Weights | None = None) -> RunResult:
     """One worker trained without any merge for rounds x H steps (its batches and lr schedule
     are those of worker 0 of a DiLoCo run), evaluated every H steps."""
-    worker = SimWorker(cfg, 0, data.train, data)
+    worker = SimWorker(cfg, 0, 1, data)
     evaluate = Evaluator(cfg, data)
     w = init_weights(cfg, init)
     load_weights(worker.model, w, "initial weights")
@@ -189,7 +180,6 @@ def run_diloco(cfg: Config, data: Data, *, drop: float = 0.0, schedule: Callable
     many workers (ids 0..k-1) train that round (the DiLoCo paper's Fig. 7), default all. `ahead`
     (with cfg.round.overlap): from round 1 on, each worker takes that many of its steps before it
     adopts the round's global, as an overlapped worker whose merge took that long."""
-    shards = data.shards(cfg, cfg.workers)
     workers: dict[int, SimWorker] = {}
     evaluate = Evaluator(cfg, data)
     global_w = init_weights(cfg, init)
@@ -203,7 +193,7 @@ def run_diloco(cfg: Config, data: Data, *, drop: float = 0.0, schedule: Callable
         active = _active_count(schedule, cfg, r)
         for w in range(active):
             if w not in workers:  # a worker joining later starts with a fresh AdamW state
-                workers[w] = SimWorker(cfg, w, shards[w], data)
+                workers[w] = SimWorker(cfg, w, cfg.workers, data)
             base = bases.get(w, "global")
             if cfg.round.overlap != "off" and r > 0 and base == "global" and w in own:
                 own[w] = workers[w].run_overlapped(global_w, own[w], r, ahead, cfg.round.overlap, cfg.round.overlap_mix)

@@ -27,7 +27,7 @@ from core.errors import CheckpointError, RunError
 from core.layout import SAFETENSORS, RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.runstate import load_run
-from worker.data import corpus_for, eval_batches, split_heldout
+from worker.data import dataset_for, eval_batches
 from worker.weights import MODEL_META, build_model, load_model, load_weights
 
 L = RunLayout()
@@ -148,9 +148,7 @@ def evaluate_checkpoints(args: Sequence[str], batches: int | None = None, run: s
                               + ", ".join(f"{t.label}: {m.vocab_size}" for t, m in zip(targets, models)))
     block = min([cfg.model.block_size] + [m.block_size for m in models])
     n = batches or cfg.data.eval_batches
-    corpus = corpus_for(cfg, cache_dir)
-    _, heldout = split_heldout(corpus, cfg.data.heldout_fraction, cfg.seed)
-    data = eval_batches(corpus, heldout, block, cfg.inner.batch_size, n, cfg.seed)
+    data = eval_batches(dataset_for(cfg, cache_dir), block, cfg.inner.batch_size, n, cfg.seed)
     singles, mixed = ensemble_losses(models, data)
     return {"data": {"config": source, "batches": n, "batch_size": cfg.inner.batch_size, "block_size": block,
                      "tokens": n * cfg.inner.batch_size * block},

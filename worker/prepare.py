@@ -1,0 +1,315 @@
+"""Sources -> token shards + index (core/dataset.py), once, at any fsspec URL: `orchestrate data prepare`.
+
+Each unit of work (worker/sources.py) is read, tokenized and written by one process on its own:
+its documents go to the train or the eval split (by a hash of the document's id, or for a folder
+of text files by name, decided up front so each side has at least one), and to the stream of
+their group; a stream is cut into shards of at most `shard_tokens` tokens. The unit's record
+(parts/NNNNNN.json) is written after its shards, and the index after every unit: a prepare killed
+anywhere and run again redoes only the units without a record, and the same sources and settings
+give the same bytes whatever the number of processes.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import multiprocessing
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from core import dataset as fmt
+from core.dataset import DatasetError, Index, Shard, Tokenizer
+from core.progress import human, progress
+from core.storage import Storage
+from worker.sources import BadRecord, Fields, Record, Unit, plan_units, records
+
+log = logging.getLogger(__name__)
+_ENCODE_BATCH = 256  # documents handed to the tokenizer at once
+
+
+@dataclass(frozen=True)
+class PrepareSpec:
+    sources: tuple[str, ...]
+    """Files or folders (any fsspec URL) to read."""
+    out: str
+    """Where the dataset is written (any fsspec URL)."""
+    tokenizer: str = "bytes"
+    """`bytes` (vocabulary 256), or `hf:DIR`: the tokenizer saved in a Hugging Face model folder."""
+    fields: Fields = field(default_factory=Fields)
+    heldout: float = 0.05
+    """Fraction of the documents held out as the eval split."""
+    seed: int = 0
+    """Decides which documents are held out."""
+    procs: int = 1
+    """Processes that prepare units at once."""
+    shard_tokens: int = 1 << 25
+    """Most tokens in one shard."""
+    skip_bad: bool = False
+    """Skip (and count) a bad record instead of stopping at it."""
+    eval_names: frozenset[str] | None = None
+    """The held-out documents by id, decided by the caller (a text corpus: see worker/data.py)."""
+
+    def settings(self) -> dict[str, Any]:
+        """What makes the bytes: a resume with other settings is refused."""
+        return {"sources": list(self.sources), "tokenizer": self.tokenizer, "fields": asdict(self.fields),
+                "heldout": self.heldout, "seed": self.seed, "shard_tokens": self.shard_tokens,
+                "skip_bad": self.skip_bad, "eval_names": None if self.eval_names is None else
+                hashlib.sha256("\n".join(sorted(self.eval_names)).encode()).hexdigest()}
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class _Bytes:
+    info = Tokenizer("bytes", 256, ord("\n"))
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+
+class _HF:
+    def __init__(self, path: str) -> None:
+        from worker.hf import load_tokenizer  # transformers: only for hf: tokenizers
+        self.tok = load_tokenizer(path)
+        self.info = Tokenizer(self.tok.name, len(self.tok.tok), self.tok.separator)
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int64) for ids in self.tok.encode(texts)]
+
+
+def load_tokenizer(spec: str) -> _Bytes | _HF:
+    if spec == "bytes":
+        return _Bytes()
+    if spec.startswith("hf:") and len(spec) > 3:
+        return _HF(spec[3:])
+    raise DatasetError(f"--tokenizer {spec!r}: give `bytes` or `hf:DIR` (a Hugging Face model folder with its tokenizer)")
+
+
+# ----------------------------------------------------------------------------- one unit
+
+
+def unit_hash(*parts: object) -> float:
+    """A stable uniform number in [0, 1) from its parts (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+class _Stream:
+    """One (split, group) of one unit: documents buffered until a shard's worth is written."""
+
+    def __init__(self, number: int, split: str, group: str) -> None:
+        self.number, self.split, self.group = number, split, group
+        self.parts: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.ends: list[int] = []
+        self.size = 0
+        self.written = 0
+
+    def add(self, tokens: np.ndarray, mask: np.ndarray | None) -> None:
+        self.parts.append(tokens)
+        if mask is not None:
+            self.masks.append(mask)
+        self.size += len(tokens)
+        self.ends.append(self.size)
+
+
+class _UnitWriter:
+    def __init__(self, storage: Storage, number: int, spec: PrepareSpec, tok: Any) -> None:
+        self.storage, self.number, self.spec, self.tok = storage, number, spec, tok
+        self.dtype = fmt.dtype_for(tok.info.vocab_size)
+        self.streams: dict[tuple[str, str], _Stream] = {}
+        self.shards: list[Shard] = []
+        self.documents = self.skipped = self.tokens = 0
+
+    def add(self, batch: list[Record]) -> None:
+        sep = np.array([self.tok.info.separator])
+        if self.spec.fields.response:
+            prompts, responses = self.tok.encode([r.prompt or "" for r in batch]), self.tok.encode([r.text for r in batch])
+            docs = [(np.concatenate([p, r, sep]), np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)]))
+                    for p, r in zip(prompts, responses)]
+        else:
+            docs = [(np.concatenate([t, sep]), None) for t in self.tok.encode([r.text for r in batch])]
+        for record, (tokens, mask) in zip(batch, docs):
+            if len(tokens) == 1:  # an empty document adds nothing but a separator
+                continue
+            stream = self._stream(self._split(record), record.group)
+            stream.add(tokens.astype(self.dtype), mask)
+            self.documents += 1
+            self.tokens += len(tokens)
+            if stream.size >= self.spec.shard_tokens:
+                self._flush(stream)
+
+    def _split(self, record: Record) -> str:
+        if self.spec.eval_names is not None:
+            return "eval" if record.id in self.spec.eval_names else "train"
+        return "eval" if unit_hash(self.spec.seed, record.id) < self.spec.heldout else "train"
+
+    def _stream(self, split: str, group: str) -> _Stream:
+        key = (split, group)
+        if key not in self.streams:
+            self.streams[key] = _Stream(len(self.streams), split, group)
+        return self.streams[key]
+
+    def _flush(self, s: _Stream) -> None:
+        if not s.size:
+            return
+        key = fmt.shard_key(self.number, s.number, s.written)
+        tokens = np.concatenate(s.parts).astype(f"<{np.dtype(self.dtype).str[1:]}").tobytes()
+        ends = np.asarray(s.ends, dtype="<u8").tobytes()
+        mask = np.concatenate(s.masks).tobytes() if s.masks else None
+        shard = Shard(key, s.split, s.group, s.size, len(s.ends),
+                      (fmt.checksum(tokens), fmt.checksum(ends), None if mask is None else fmt.checksum(mask)))
+        self.storage.write_bytes(shard.key, tokens)
+        self.storage.write_bytes(shard.docs_key, ends)
+        if mask is not None:
+            self.storage.write_bytes(shard.key[:-4] + ".mask", mask)
+        self.shards.append(shard)
+        s.parts, s.masks, s.ends, s.size, s.written = [], [], [], 0, s.written + 1
+
+    def finish(self, settings_digest: str) -> dict[str, Any]:
+        for s in self.streams.values():
+            self._flush(s)
+        record = {"settings": settings_digest, "documents": self.documents, "skipped": self.skipped,
+                  "tokens": self.tokens, "shards": [s.to_json() for s in self.shards]}
+        self.storage.write_json(fmt.part_key(self.number), record)  # last: the unit is done once it exists
+        return record
+
+
+_TOKENIZER: Any = None
+
+
+def _init_process(tokenizer: str) -> None:
+    global _TOKENIZER
+    _TOKENIZER = load_tokenizer(tokenizer)
+
+
+def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, tok: Any = None) -> dict[str, Any]:
+    """Read, tokenize and write one unit (in a pool process, or here with `tok`); its record."""
+    tok = tok or _TOKENIZER or load_tokenizer(spec.tokenizer)
+    writer = _UnitWriter(Storage(spec.out, follow_links=True), number, spec, tok)
+    batch: list[Record] = []
+    for rec in records(unit, spec.fields):
+        if isinstance(rec, BadRecord):
+            if not spec.skip_bad:
+                raise DatasetError(f"{rec} (stopped: fix the record, or pass --skip-bad to skip and count such records)")
+            writer.skipped += 1
+            log.debug("skipped %s", rec)
+            continue
+        batch.append(rec)
+        if len(batch) >= _ENCODE_BATCH:
+            writer.add(batch)
+            batch = []
+    if batch:
+        writer.add(batch)
+    return writer.finish(_digest(spec.settings()))
+
+
+def _digest(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------------- the whole prepare
+
+
+def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
+    """Prepare `spec.sources` (or the `units` given) into `spec.out`, resuming a killed prepare; the
+    checked index."""
+    if not 0.0 < spec.heldout < 1.0:
+        raise DatasetError(f"--heldout must be in (0, 1), got {spec.heldout}")
+    if spec.procs < 1 or spec.shard_tokens < 1:
+        raise DatasetError(f"--procs and --shard-tokens must be >= 1, got {spec.procs} and {spec.shard_tokens}")
+    tok = load_tokenizer(spec.tokenizer)
+    storage = Storage(spec.out, follow_links=True)
+    digest = _digest(spec.settings())
+    existing = storage.read_json(fmt.INDEX)
+    if existing is not None:
+        index = fmt.parse_index(existing, storage.display())
+        if index.settings.get("digest") == digest:
+            log.info("%s is already prepared with these settings", storage.display())
+            return index
+        raise DatasetError(f"{storage.display()} already holds a dataset prepared with other settings; give another "
+                           "--out, or remove it first")
+    units = units if units is not None else plan_units(list(spec.sources), spec.fields)
+    masked = spec.fields.response is not None
+    done = {i: rec for i in range(len(units)) if (rec := _finished(storage, i, digest, masked, tok)) is not None}
+    if done:
+        log.info("resuming: %d of %d units already prepared", len(done), len(units))
+    todo = [i for i in range(len(units)) if i not in done]
+    total = sum(u.size for u in units) / 1e6
+    with progress(total, f"preparing {len(units)} units", unit="MB") as bar:
+        bar.advance(sum(units[i].size for i in done) / 1e6)
+        for i, rec in _run(todo, units, spec, tok):
+            done[i] = rec
+            docs = sum(r["documents"] for r in done.values())
+            tokens = sum(r["tokens"] for r in done.values())
+            bar.note(f"{human(docs)} docs, {human(tokens)} tokens")
+            bar.advance(units[i].size / 1e6)
+    return _write_index(storage, spec, tok, [done[i] for i in range(len(units))], digest, masked)
+
+
+def _run(todo: list[int], units: list[Unit], spec: PrepareSpec, tok: Any):
+    if spec.procs == 1 or len(todo) <= 1:
+        for i in todo:
+            yield i, prepare_unit(i, units[i], spec, tok)
+        return
+    # spawn: a fresh interpreter per process (a fork would copy this one's threads and tokenizer state)
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(spec.procs, mp_context=ctx, initializer=_init_process, initargs=(spec.tokenizer,)) as pool:
+        futures = {pool.submit(prepare_unit, i, units[i], spec): i for i in todo}
+        try:
+            for fut in cf.as_completed(futures):
+                yield futures[fut], fut.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # finished units stay: a re-run skips them
+            raise
+
+
+def _finished(storage: Storage, i: int, digest: str, masked: bool, tok: Any) -> dict[str, Any] | None:
+    """Unit i's record if a previous prepare with the same settings finished it (files of the right size)."""
+    try:
+        rec = storage.read_json(fmt.part_key(i))
+    except Exception:  # a damaged record: the unit is prepared again
+        return None
+    if not isinstance(rec, dict) or rec.get("settings") != digest:
+        if rec is not None:
+            raise DatasetError(f"{storage.display(fmt.part_key(i))} was written by a prepare with other settings; give "
+                               "another --out, or remove it first")
+        return None
+    parsed = fmt.parse_part(rec, storage.display(fmt.part_key(i)), masked)
+    if parsed is None or not isinstance(rec.get("tokens"), int):
+        return None
+    width = fmt.DTYPES[fmt.dtype_for(tok.info.vocab_size)]
+    for shard in parsed[0]:
+        for key, size in fmt.expected_sizes(shard, width).items():
+            if not storage.exists(key) or storage.size(key) != size:
+                return None
+    return rec
+
+
+def _write_index(storage: Storage, spec: PrepareSpec, tok: Any, parts: list[dict[str, Any]], digest: str,
+                 masked: bool) -> Index:
+    shards = [s for rec in parts for s in rec["shards"]]
+    documents, skipped = sum(r["documents"] for r in parts), sum(r["skipped"] for r in parts)
+    splits = {s["split"] for s in shards}
+    if documents == 0:
+        raise DatasetError(f"the sources hold no document to train on ({skipped} bad record(s) skipped, the rest "
+                           "empty); check --text-field and the files")
+    if len({s["group"] for s in shards}) > fmt.MAX_GROUPS:
+        raise DatasetError(f"--group-field {spec.fields.group!r} has more than {fmt.MAX_GROUPS} values: it is not a "
+                           "group; name a coarser field (a source, a domain)")
+    for split in ("train", "eval"):
+        if split not in splits:
+            raise DatasetError(f"no document went to the {split} split ({documents} documents, --heldout "
+                               f"{spec.heldout}): {'raise' if split == 'eval' else 'lower'} --heldout, or add documents")
+    settings = {**spec.settings(), "digest": digest}
+    obj = {"format": fmt.FORMAT, "settings": settings, "dtype": fmt.dtype_for(tok.info.vocab_size), "masked": masked,
+           "tokenizer": asdict(tok.info), "documents": documents, "skipped": skipped, "shards": shards}
+    index = fmt.parse_index(obj, storage.display())  # what a reader will check, checked before it is written
+    storage.write_bytes(fmt.INDEX, json.dumps(index.to_json(), indent=1, sort_keys=True).encode())
+    log.info("prepared %s: %d documents (%d skipped), %d train + %d eval tokens in %d shards", storage.display(),
+             documents, skipped, sum(s.tokens for s in index.split("train")), sum(s.tokens for s in index.split("eval")),
+             len(index.shards))
+    return index

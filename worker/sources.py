@@ -1,0 +1,287 @@
+"""What `orchestrate data prepare` reads: sources listed into units of work, units read as records.
+
+A source is a file or a folder at any fsspec URL. Files are read by their names: `*.jsonl`,
+`*.ndjson` (optionally `.gz` or `.zst`: fsspec's inferred compression, zstandard for zst) one JSON
+object a line, parsed by the standard library's json; `*.parquet` through pyarrow (only the
+columns asked for, a row group at a time); any other file is one plain-text document. A folder
+saved by Hugging Face `datasets` (`save_to_disk`: state.json and Arrow stream files, or a
+DatasetDict's dataset_dict.json, whose `train` split is read) is read with pyarrow's IPC reader,
+so `datasets` itself is not needed. Hidden entries (.git, editor files) are skipped.
+
+A unit is a piece one process prepares on its own: a batch of text files, a byte range of an
+uncompressed JSON-lines file (a line belongs to the range its first byte is in), a whole compressed
+file, a run of parquet row groups, or one Arrow file. Units are listed in a fixed order, so the
+prepared bytes never depend on how many processes did the work.
+"""
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import fsspec
+
+from core.dataset import DatasetError
+
+UNIT_BYTES = 32 << 20
+"""Input bytes of one unit of work (a progress step; a resumed prepare redoes at most one per process)."""
+_JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
+_BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which record fields are read (JSON lines, parquet and Arrow rows; text files are whole documents)."""
+    text: str = "text"
+    prompt: str | None = None  # with `response`: fine-tuning pairs, the loss on the response only
+    response: str | None = None
+    group: str | None = None  # documents of one value form one group (non-iid sharding); a URL: its host
+
+    def columns(self) -> list[str]:
+        names = [self.prompt, self.response] if self.response else [self.text]
+        return names + ([self.group] if self.group else [])
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: str  # text | jsonl | parquet | arrow
+    url: str  # the file (text: unused, see files)
+    rel: str  # its name under the source, in ids and messages
+    size: int  # input bytes, for progress
+    start: int = 0  # jsonl: byte range (end 0: the whole file); parquet: row groups [start, end)
+    end: int = 0
+    files: tuple[tuple[str, str], ...] = field(default=())  # text: (rel, url) of each file
+
+
+@dataclass(frozen=True)
+class Record:
+    id: str  # stable: the held-out split is decided by it
+    where: str  # file and line or row, for messages
+    group: str
+    text: str = ""
+    prompt: str | None = None
+
+
+class BadRecord(DatasetError):
+    def __init__(self, where: str, why: str) -> None:
+        self.where, self.why = where, why
+        super().__init__(f"{where}: {why}")
+
+
+def _kind(name: str) -> str:
+    lower = name.lower()
+    if lower.endswith(_JSONL):
+        return "jsonl"
+    return "parquet" if lower.endswith(".parquet") else "text"
+
+
+def _visible(rel: str) -> bool:
+    return not any(part.startswith(".") for part in rel.split("/"))
+
+
+def plan_units(sources: list[str], fields: Fields) -> list[Unit]:
+    """Every source's units, in order; a DatasetError naming a source that is missing or empty."""
+    units: list[Unit] = []
+    for source in sources:
+        fs, root = fsspec.core.url_to_fs(source)
+        protocol = source.split("://", 1)[0] + "://" if "://" in source else ""
+        if not fs.exists(root):
+            raise DatasetError(f"source {source} does not exist; give a file or folder of text, JSON lines, parquet "
+                               "or a Hugging Face datasets folder")
+        found = _units_of(fs, root.rstrip("/"), protocol)
+        if not found:
+            raise DatasetError(f"source {source} has no files to read (hidden entries are skipped)")
+        units += found
+    return units
+
+
+def _units_of(fs: Any, root: str, protocol: str) -> list[Unit]:
+    if not fs.isdir(root):
+        return _file_units(fs, fs.info(root), posixpath.basename(root), protocol)
+    if fs.exists(f"{root}/dataset_dict.json") or fs.exists(f"{root}/state.json"):
+        return _arrow_units(fs, root, protocol)
+    infos = sorted((i for i in fs.find(root, detail=True).values() if i["type"] == "file"), key=lambda i: i["name"])
+    units, texts, size = [], [], 0
+    for info in infos:
+        rel = info["name"][len(root) + 1:]
+        if not _visible(rel):
+            continue
+        if _kind(rel) != "text":
+            units += _file_units(fs, info, rel, protocol)
+            continue
+        texts.append((rel, protocol + info["name"]))
+        size += info["size"]
+        if size >= UNIT_BYTES:
+            units.append(Unit("text", "", texts[0][0], size, files=tuple(texts)))
+            texts, size = [], 0
+    if texts:
+        units.append(Unit("text", "", texts[0][0], size, files=tuple(texts)))
+    return units
+
+
+def _file_units(fs: Any, info: dict, rel: str, protocol: str) -> list[Unit]:
+    url, size, kind = protocol + info["name"], int(info["size"]), _kind(rel)
+    if kind == "text":
+        return [Unit("text", "", rel, size, files=((rel, url),))]
+    if kind == "jsonl":
+        if fsspec.utils.infer_compression(rel) is not None or size <= UNIT_BYTES:
+            return [Unit("jsonl", url, rel, size)]  # end 0: to the end of the (decompressed) file
+        return [Unit("jsonl", url, rel, min(UNIT_BYTES, size - a), a, min(a + UNIT_BYTES, size))
+                for a in range(0, size, UNIT_BYTES)]
+    import pyarrow.parquet as pq
+    with fs.open(info["name"], "rb") as f:
+        meta = pq.ParquetFile(f).metadata
+    units, first, acc = [], 0, 0
+    for g in range(meta.num_row_groups):
+        acc += meta.row_group(g).total_byte_size
+        if acc >= UNIT_BYTES or g == meta.num_row_groups - 1:
+            units.append(Unit("parquet", url, rel, acc, first, g + 1))
+            first, acc = g + 1, 0
+    return units
+
+
+def _arrow_units(fs: Any, root: str, protocol: str) -> list[Unit]:
+    folder = root
+    if fs.exists(f"{root}/dataset_dict.json"):
+        splits = _json(fs, f"{root}/dataset_dict.json").get("splits", [])
+        if "train" not in splits:
+            raise DatasetError(f"{root} is a Hugging Face DatasetDict without a train split (splits: {splits}); "
+                               f"give the folder of the split to prepare, e.g. {root}/{splits[0] if splits else 'SPLIT'}")
+        folder = f"{root}/train"
+    files = _json(fs, f"{folder}/state.json").get("_data_files", [])
+    names = [f.get("filename") for f in files if isinstance(f, dict)]
+    if not names or not all(isinstance(n, str) and "/" not in n and _visible(n) for n in names):
+        raise DatasetError(f"{folder}/state.json lists no usable Arrow files ({names!r}); save the dataset again "
+                           "with save_to_disk")
+    return [Unit("arrow", f"{protocol}{folder}/{n}", posixpath.relpath(f"{folder}/{n}", root), int(fs.size(f"{folder}/{n}")))
+            for n in names]
+
+
+def _json(fs: Any, path: str) -> dict:
+    try:
+        obj = json.loads(fs.cat_file(path))
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{path} is not readable JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{path} is not a JSON object")
+    return obj
+
+
+# ----------------------------------------------------------------------------- reading a unit
+
+
+def records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
+    """The unit's records in order; a bad one is yielded as a BadRecord (the caller stops or skips)."""
+    if unit.kind == "text":
+        yield from _text_records(unit)
+    elif unit.kind == "jsonl":
+        yield from _jsonl_records(unit, fields)
+    else:
+        yield from _table_records(unit, fields)
+
+
+def _text_records(unit: Unit) -> Iterator[Record | BadRecord]:
+    for rel, url in unit.files:
+        with fsspec.open(url, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield BadRecord(rel, f"not UTF-8 text (byte {exc.start})")
+            continue
+        parts = rel.split("/")
+        yield Record(rel, rel, parts[0] if len(parts) > 1 else "_toplevel", text)
+
+
+def _jsonl_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
+    with fsspec.open(unit.url, "rb", compression="infer") as raw:
+        # zstandard's reader has no readline: a buffer over it gives one
+        f = io.BufferedReader(raw, 1 << 20) if fsspec.utils.infer_compression(unit.rel) == "zstd" else raw
+        pos, line_no = 0, 0
+        if unit.start:
+            f.seek(unit.start - 1)
+            pos, line_no = unit.start - 1 + len(f.readline()), None  # that line is the previous range's
+        while not unit.end or pos < unit.end:
+            line = f.readline()
+            if not line:
+                break
+            if line_no is not None:
+                line_no += 1
+            at, pos = pos, pos + len(line)
+            if not line.strip():
+                continue
+            try:
+                rec = _record(json.loads(line), f"{unit.rel}@{at}", "", fields)
+            except (ValueError, RecursionError) as exc:
+                rec = BadRecord("", f"not a JSON object ({str(exc)[:120]})")
+            if isinstance(rec, BadRecord):  # only now is the line's number worth counting
+                rec = BadRecord(f"{unit.rel} line {line_no if line_no is not None else _line_at(unit.url, at)}", rec.why)
+            yield rec
+
+
+def _line_at(url: str, offset: int) -> int:
+    """The line number of the byte at `offset` (for a message: counts the lines before it)."""
+    n, done = 1, 0
+    with fsspec.open(url, "rb") as f:
+        while done < offset:
+            chunk = f.read(min(1 << 24, offset - done))
+            if not chunk:
+                break
+            n, done = n + chunk.count(b"\n"), done + len(chunk)
+    return n
+
+
+def _table_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    with fsspec.open(unit.url, "rb") as f:
+        if unit.kind == "parquet":
+            pf = pq.ParquetFile(f)
+            names = pf.schema_arrow.names
+            row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
+            _need_columns(unit, names, fields)
+            batches = pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=range(unit.start, unit.end), columns=fields.columns())
+        else:
+            reader = pa.ipc.open_stream(f)
+            names, row = reader.schema.names, 0
+            _need_columns(unit, names, fields)
+            batches = reader
+        for batch in batches:
+            cols = {name: batch.column(name).to_pylist() for name in fields.columns()}
+            for i in range(batch.num_rows):
+                yield _record({k: v[i] for k, v in cols.items()}, f"{unit.rel}#{row}", f"{unit.rel} row {row}", fields)
+                row += 1
+
+
+def _need_columns(unit: Unit, names: list[str], fields: Fields) -> None:
+    missing = [c for c in fields.columns() if c not in names]
+    if missing:
+        raise DatasetError(f"{unit.rel} has no column {', '.join(map(repr, missing))} (its columns: {', '.join(names)}); "
+                           "name the right one with --text-field, --prompt-field/--response-field or --group-field")
+
+
+def _record(obj: Any, rid: str, where: str, fields: Fields) -> Record | BadRecord:
+    if not isinstance(obj, dict):
+        return BadRecord(where, f"a record must be a JSON object, got {type(obj).__name__}")
+    group = "_all"
+    if fields.group:
+        value = obj.get(fields.group)
+        if value is None or isinstance(value, (dict, list)):
+            return BadRecord(where, f"field {fields.group!r} (--group-field) is missing or not a single value")
+        group = str(value)
+        if group.startswith(("http://", "https://")):
+            group = urlsplit(group).hostname or group
+        group = group[:256] or "_empty"
+    names = [fields.prompt, fields.response] if fields.response else [fields.text]
+    values = [obj.get(n) for n in names]
+    for n, v in zip(names, values):
+        if not isinstance(v, str):
+            what = "missing" if n not in obj else f"a {type(v).__name__}, not a string"
+            return BadRecord(where, f"field {n!r} is {what} (its fields: {', '.join(list(obj)[:10])})")
+    if fields.response:
+        return Record(rid, where, group, values[1], prompt=values[0])
+    return Record(rid, where, group, values[0])
