@@ -48,19 +48,22 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str | None = None
-    """Text to train on: null = the Python standard library's own source (always present);
-    or a file or directory of text files of your own."""
+    """What to train on: a prepared dataset (a folder with index.json at any fsspec URL, made by
+    `orchestrate data prepare`; docs/data.md); or a text file or folder of text files on this machine,
+    prepared once into cache_dir; or null, the Python standard library's own source (always present)."""
     include_tests: bool = False
     """With the built-in corpus: also include the stdlib's test/ folders."""
     sharding: Literal["iid", "non-iid"] = "iid"
-    """How documents are split across workers: `iid` deals files at random; `non-iid` gives each
-    worker whole top-level packages (email/, asyncio/, ...), a natural non-i.i.d. split."""
+    """How the train split is shared by the workers: `iid` deals segments of it at random; `non-iid`
+    gives each worker whole groups (a text folder's top-level folders, email/, asyncio/, ...; or
+    the values of a prepared dataset's --group-field), a natural non-i.i.d. split."""
     heldout_fraction: float = 0.05
-    """Fraction of documents held out for the global model's eval loss."""
+    """Text sources: the fraction of files held out for the global model's eval loss (a prepared
+    dataset has its own held-out split: its --heldout)."""
     eval_batches: int = 8
     """Held-out batches (of inner.batch_size sequences) per evaluation."""
     cache_dir: str | None = None
-    """Where prepared token shards are cached (default $ISLANDS_CACHE or ~/.cache/islands)."""
+    """Where text sources are prepared (default $ISLANDS_CACHE or ~/.cache/islands)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,6 @@ is wrong at once; readers check each shard's size against the index before using
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -121,11 +120,10 @@ class _Problems:
             self.items.append(what)
         return ok
 
-    def integer(self, obj: dict, key: str, low: int = 0, high: int = 1 << 62) -> int:
+    def integer(self, obj: dict, key: str, low: int = 0, high: int = 1 << 62) -> int | None:
         v = obj.get(key)
         ok = isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
-        self.need(ok, f"{key} must be a whole number in [{low}, {high}], got {_short(v)}")
-        return v if ok else low
+        return v if self.need(ok, f"{key} must be a whole number in [{low}, {high}], got {_short(v)}") else None
 
     def done(self, fix: str) -> None:
         if self.items:
@@ -152,8 +150,9 @@ def _shard(p: _Problems, obj: Any, i: int, masked: bool) -> Shard | None:
                and (sums[2] is None if not masked else isinstance(sums[2], str) and _HEX.fullmatch(sums[2]) is not None))
     ok &= p.need(sums_ok, f"shards[{i}].sums must be 2 xxh3-128 hex digests and {'a third' if masked else 'null'}, "
                  f"got {_short(sums)}")
-    tokens = p.integer(obj, "tokens", 1)
-    documents = p.integer(obj, "documents", 1)
+    tokens, documents = p.integer(obj, "tokens", 1), p.integer(obj, "documents", 1)
+    if tokens is None or documents is None:
+        return None
     ok &= p.need(documents <= tokens, f"shards[{i}] has more documents ({documents}) than tokens ({tokens})")
     return Shard(key, split, group, tokens, documents, tuple(sums)) if ok else None  # type: ignore[arg-type]
 
@@ -183,13 +182,15 @@ def parse_index(obj: Any, where: str) -> Index:
     tokenizer = None
     if p.need(isinstance(tok, dict) and isinstance(tok.get("name"), str), f"tokenizer must be an object with a name, got {_short(tok)}"):
         vocab = p.integer(tok, "vocab_size", 2, 1 << 32)
-        separator = p.integer(tok, "separator", 0, vocab - 1)
-        tokenizer = Tokenizer(tok["name"], vocab, separator)
-        p.need(dtype not in DTYPES or vocab <= 1 << (8 * DTYPES[dtype]), f"a vocabulary of {vocab} does not fit {dtype}")
+        separator = p.integer(tok, "separator", 0, (vocab or 2) - 1)
+        tokenizer = Tokenizer(tok["name"], vocab or 2, separator or 0)
+        p.need(dtype not in DTYPES or vocab is None or vocab <= 1 << (8 * DTYPES[dtype]),
+               f"a vocabulary of {vocab} does not fit {dtype}")
     shards = parse_shards(p, obj.get("shards"), masked is True)
     documents = p.integer(obj, "documents", 1)
     skipped = p.integer(obj, "skipped", 0)
-    p.need(documents == sum(s.documents for s in shards), "documents is not the sum of the shards' documents")
+    if documents is not None:
+        p.need(documents == sum(s.documents for s in shards), "documents is not the sum of the shards' documents")
     p.need(any(s.split == "train" for s in shards), "no train shard")
     p.need(any(s.split == "eval" for s in shards), "no eval shard (the held-out split)")
     p.done(fix)
@@ -204,7 +205,7 @@ def parse_part(obj: Any, where: str, masked: bool) -> tuple[list[Shard], int, in
     shards = parse_shards(p, obj.get("shards"), masked)
     documents, skipped = p.integer(obj, "documents", 0), p.integer(obj, "skipped", 0)
     p.need(documents == sum(s.documents for s in shards), "documents is not the sum of the shards' documents")
-    return None if p.items else (shards, documents, skipped)
+    return None if p.items else (shards, documents, skipped)  # type: ignore[return-value]
 
 
 def expected_sizes(shard: Shard, width: int) -> dict[str, int]:
@@ -233,6 +234,3 @@ def verify_shard(shard: Shard, read: Any, width: int) -> list[str]:
                 problems.append(f"{key}: document ends are not increasing up to the shard's {shard.tokens} tokens")
     return problems
 
-
-def finite_fraction(v: Any) -> bool:
-    return isinstance(v, float) and math.isfinite(v) and 0.0 < v < 1.0

@@ -55,7 +55,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                        Fields(args.text_field, args.prompt_field, args.response_field, args.group_field),
                        args.heldout, args.seed, args.procs, args.shard_tokens, args.skip_bad)
     t0 = time.monotonic()
-    index = prepare(spec)
+    try:
+        index = prepare(spec)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: the units finished so far are kept in {args.out}; the same command goes on "
+                      "from there", markup=False)
+        return 130
     tokens = index.to_json()["tokens"]
     console.print(f"prepared {args.out}: {index.documents} documents ({index.skipped} bad records skipped), "
                   f"{tokens['train']} train + {tokens['eval']} eval tokens ({index.dtype}) in {len(index.shards)} "

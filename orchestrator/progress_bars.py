@@ -8,7 +8,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TaskID, TaskProgressColumn, TextColumn
 from rich.progress import Task as RichTask
-from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import TimeRemainingColumn
 from rich.text import Text
 
 from core import progress
@@ -18,8 +18,9 @@ class _Amount(ProgressColumn):
     def render(self, task: RichTask) -> Text:
         done = progress.human(task.completed)
         total = f"/{progress.human(task.total)}" if task.total else ""
-        rate = f" {progress.human(task.speed)}/s" if task.speed else ""
-        return Text(f"{done}{total} {task.fields.get('unit', '')}{rate}{task.fields.get('note', '')}")
+        unit = task.fields.get("unit", "")
+        rate = f" {task.speed:.1f} {unit}/s" if task.speed and unit == "MB" else ""
+        return Text(f"{done}{total} {unit}{rate}")
 
 
 class RichBars:
@@ -27,8 +28,10 @@ class RichBars:
     runs while any is open (rich allows one live display at a time, and operations may nest)."""
 
     def __init__(self, console: Console) -> None:
-        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), _Amount(),
-                             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True)
+        # 80 columns: a short bar, and what an operation notes (docs, tokens) after its description
+        self.bars = Progress(TextColumn("{task.description}{task.fields[note]}"), BarColumn(bar_width=10),
+                             TaskProgressColumn(), _Amount(),
+                             TimeRemainingColumn(), console=console, transient=True)
         self.open = 0
 
     def __call__(self, total: float | None, desc: str, unit: str) -> "_Bar":
@@ -52,7 +55,7 @@ class _Bar:
         self.owner.bars.advance(self.task, n)
 
     def note(self, text: str) -> None:
-        self.owner.bars.update(self.task, note=f", {text}")
+        self.owner.bars.update(self.task, note=f": {text}")
 
     def close(self) -> None:
         if not self.closed:

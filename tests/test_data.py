@@ -5,6 +5,7 @@ bad input) is tests/test_prepare.py.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,13 @@ def test_eval_batches_and_estimate_loss(stdlib):
     model.train()
     loss = estimate_loss(model, batches)
     assert 4.0 < loss < 7.0 and model.training  # ~ln(256) for an untrained model; mode restored
+
+
+def test_a_damaged_cache_is_prepared_again(tmp_path):
+    src = write_tree(tmp_path / "src", {f"d{i}.txt": b"words %d " % i * 30 for i in range(10)})
+    cfg = _cfg(tmp_path / "cache", source=str(src), heldout_fraction=0.3)
+    first = dataset_for(cfg)
+    for damage in (b"{not json", json.dumps({"format": "islands-dataset-v1"}).encode()):
+        (Path(first.url) / "index.json").write_bytes(damage)
+        again = dataset_for(cfg)
+        assert again.url == first.url and sorted(documents(again)) == sorted(documents(first))

@@ -60,10 +60,10 @@ def test_overlap_adopting_at_step_0_is_synchronous_diloco(ctx: Context) -> None:
 
 def test_test_docs_are_a_separate_domain(ctx: Context) -> None:
     tests = ctx.data(ctx.cfg(0), "tests")
-    names = [tests.corpus.documents[i].name for i in tests.train + tests.heldout]
-    assert names and all(sim.is_test_doc(n) for n in names)
+    assert {s.group for s in tests.sampler(ctx.cfg(0), 0, 1).shards} == {sim.TEST_GROUP}
+    assert tests.dataset.index.split("eval") and tests.eval_set(ctx.cfg(0))
     source = ctx.data(ctx.cfg(0))
-    assert not any(sim.is_test_doc(source.corpus.documents[i].name) for i in source.train)
+    assert sim.TEST_GROUP not in {s.group for s in source.dataset.index.shards}
 
 
 def test_one_experiment_end_to_end_keeps_notes(tmp_path) -> None:

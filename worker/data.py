@@ -5,8 +5,8 @@ data prepare`), or text files on this machine: null is the Python standard libra
 every machine that runs this project has its data. Text is prepared once into the local cache
 (cache_dir/data/<fingerprint>/, a dataset like any other) and read from there.
 
-A worker never holds the corpus: shards are memory-mapped on a filesystem and range-read on an
-object store, a window at a time. Its share of the train split is a set of segments (16 windows
+A worker never holds the corpus: it reads a window at a time, by position from a shard on a
+filesystem (local or network), by a range request on an object store. Its share of the train split is a set of segments (16 windows
 long) of the train shards: iid, every K-th segment of a seeded permutation of them all; non-iid,
 the segments of whole groups (a text file's top folder, or the --group-field value), dealt
 largest first. Everything a worker sees is a pure function of (dataset, seed, worker, step): a job
@@ -19,9 +19,9 @@ import hashlib
 import json
 import logging
 import math
-import mmap
 import os
 import random
+import shutil
 import sysconfig
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -32,9 +32,10 @@ import torch
 
 from core import dataset as fmt
 from core.dataset import DatasetError, Index, Shard
+from core.errors import StorageError
 from core.layout import local_cache_root
 from core.storage import Storage
-from worker.prepare import PrepareSpec, prepare, unit_hash
+from worker.prepare import PrepareSpec, load_tokenizer, prepare, unit_hash
 from worker.sources import Unit
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ SEGMENT_WINDOWS = 16
 _TEXT_CACHE_FORMAT = "islands-text-cache-v1"
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
-_OPEN_MAPS = 256
+_OPEN_FILES = 64
 
 
 class Dataset:
@@ -62,7 +63,7 @@ class Dataset:
                                f"`orchestrate data prepare SOURCE... --out {url}`")
         self.index: Index = fmt.parse_index(obj, self.storage.display())
         self.dtype = np.dtype(self.index.dtype).newbyteorder("<")
-        self._maps: dict[str, np.ndarray] = {}
+        self._fds: dict[str, int] = {}
         if check_sizes:
             self._check_sizes()
 
@@ -71,36 +72,44 @@ class Dataset:
         return self.storage.display()
 
     def _check_sizes(self) -> None:
+        """Every file's size against the index, from one listing (on an object store a file's size is a request)."""
+        try:
+            listed = self.storage.fs.find(self.storage.path("shards"), detail=True)
+        except OSError:
+            listed = {}
+        sizes = {k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1]: int(v["size"]) for k, v in listed.items()}
         bad = []
         for shard in self.index.shards:
             for key, size in fmt.expected_sizes(shard, self.index.width).items():
-                try:
-                    got = self.storage.size(key)
-                except (FileNotFoundError, OSError):
-                    got = None
+                got = sizes.get(key)
                 if got != size:
                     bad.append(f"{key}: {'missing' if got is None else f'{got} bytes'}, the index says {size}")
         if bad:
             raise DatasetError(f"{self.url} does not match its index ({len(bad)} file(s)): " + "; ".join(bad[:5])
                                + ". Prepare it again, or restore the files")
 
-    def _map(self, key: str, dtype: np.dtype) -> np.ndarray:
-        if key not in self._maps:
-            if len(self._maps) >= _OPEN_MAPS:
-                self._maps.pop(next(iter(self._maps)))
-            # a plain array over the map: slicing a np.memmap costs more than the copy it makes
-            with open(self.storage.path(key), "rb") as f:
-                self._maps[key] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=dtype)
-        return self._maps[key]
+    def _fd(self, key: str) -> int:
+        if key not in self._fds:
+            if len(self._fds) >= _OPEN_FILES:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            self._fds[key] = os.open(self.storage.path(key), os.O_RDONLY)
+        return self._fds[key]
 
     def _read(self, picks: Sequence[tuple[str, int, int]], dtype: np.dtype) -> list[np.ndarray]:
-        """The [start, end) element ranges of files, each a separate array."""
-        if self.storage.is_local:
-            return [np.array(self._map(key, dtype)[a:b]) for key, a, b in picks]
-        paths = [self.storage.path(key) for key, _, _ in picks]
+        """The [start, end) element ranges of files, each a separate array: positional reads of a local
+        (or network) file, range requests to an object store. Not a memory map: its read-ahead put every
+        page it touched into the worker's resident memory, which then grew with the steps taken."""
         w = dtype.itemsize
+        if self.storage.is_local:
+            return [np.frombuffer(os.pread(self._fd(key), (b - a) * w, a * w), dtype=dtype) for key, a, b in picks]
+        paths = [self.storage.path(key) for key, _, _ in picks]
         blobs = self.storage.fs.cat_ranges(paths, [a * w for _, a, _ in picks], [b * w for _, _, b in picks])
         return [np.frombuffer(bytes(b), dtype=dtype) for b in blobs]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def windows(self, picks: Sequence[tuple[Shard, int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y of shape (len(picks), block_size), int64, from `block_size + 1` tokens at each (shard, start):
@@ -152,7 +161,6 @@ def _check_tokenizer(ds: Dataset, tokenizer: str, cfg: Config) -> None:
     if tokenizer == "bytes":
         want, model = "bytes", "the built-in byte-level model"
     else:
-        from worker.prepare import load_tokenizer
         want, model = load_tokenizer(tokenizer).info.name, f"the model at {cfg.model.hf}"
     if ds.index.tokenizer.name != want:
         raise DatasetError(f"data.source {ds.url} was prepared with tokenizer {ds.index.tokenizer.name}, but {model} "
@@ -167,7 +175,7 @@ def _text_dataset(source: str | None, include_tests: bool, cache_dir: str | os.P
         raise DatasetError(f"Corpus source {root} has no files to read; point the source at a directory that "
                            "contains text files.")
     head = {"format": _TEXT_CACHE_FORMAT, "root": str(root), "stdlib": source is None, "include_tests": include_tests,
-            "tokenizer": tokenizer, "heldout": heldout}
+            "tokenizer": load_tokenizer(tokenizer).info.name, "heldout": heldout}
     h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
     for rel, _, size, mtime_ns in files:
         h.update(json.dumps([rel, size, mtime_ns]).encode() + b"\n")
@@ -175,8 +183,9 @@ def _text_dataset(source: str | None, include_tests: bool, cache_dir: str | os.P
     if (directory / fmt.INDEX).is_file():
         try:
             return Dataset(str(directory))
-        except DatasetError as exc:  # derived data: prepared again
+        except (DatasetError, StorageError) as exc:  # derived data: prepared again
             logger.warning("the prepared corpus in %s is unusable (%s); preparing it again from %s", directory, exc, root)
+            shutil.rmtree(directory)
     names = [rel for rel, _, size, _ in files if size > 0]
     spec = PrepareSpec(sources=(str(root),), out=str(directory), tokenizer=tokenizer, heldout=heldout,
                        skip_bad=True, eval_names=frozenset(_heldout_names(names, heldout, seed=0)))

@@ -138,7 +138,9 @@ class HFTokenizer:
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         if self.backend is not None:
-            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+            # encode_batch_fast (tokenizers >= 0.21): the same ids without the character offsets nobody reads here
+            encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
 

@@ -10,11 +10,11 @@ give the same bytes whatever the number of processes.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import json
 import logging
 import multiprocessing
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from core import dataset as fmt
 from core.dataset import DatasetError, Index, Shard, Tokenizer
+from core.errors import StorageError
 from core.progress import human, progress
 from core.storage import Storage
 from worker.sources import BadRecord, Fields, Record, Unit, plan_units, records
@@ -183,6 +184,7 @@ _TOKENIZER: Any = None
 
 def _init_process(tokenizer: str) -> None:
     global _TOKENIZER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     _TOKENIZER = load_tokenizer(tokenizer)
 
 
@@ -204,10 +206,12 @@ def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, tok: Any = None) ->
             batch = []
     if batch:
         writer.add(batch)
-    return writer.finish(_digest(spec.settings()))
+    return writer.finish(_digest(spec, tok))
 
 
-def _digest(settings: dict[str, Any]) -> str:
+def _digest(spec: PrepareSpec, tok: Any) -> str:
+    """The settings and the tokenizer itself (a folder's tokenizer may change under the same name)."""
+    settings = {**spec.settings(), "tokenizer_identity": tok.info.name}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -223,8 +227,12 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
         raise DatasetError(f"--procs and --shard-tokens must be >= 1, got {spec.procs} and {spec.shard_tokens}")
     tok = load_tokenizer(spec.tokenizer)
     storage = Storage(spec.out, follow_links=True)
-    digest = _digest(spec.settings())
-    existing = storage.read_json(fmt.INDEX)
+    digest = _digest(spec, tok)
+    try:
+        existing = storage.read_json(fmt.INDEX)
+    except StorageError as exc:
+        raise DatasetError(f"{storage.display(fmt.INDEX)} is damaged ({exc}); remove {storage.display()} or give "
+                           "another --out") from None
     if existing is not None:
         index = fmt.parse_index(existing, storage.display())
         if index.settings.get("digest") == digest:
@@ -239,13 +247,13 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
         log.info("resuming: %d of %d units already prepared", len(done), len(units))
     todo = [i for i in range(len(units)) if i not in done]
     total = sum(u.size for u in units) / 1e6
-    with progress(total, f"preparing {len(units)} units", unit="MB") as bar:
+    with progress(total, "preparing", unit="MB") as bar:
         bar.advance(sum(units[i].size for i in done) / 1e6)
         for i, rec in _run(todo, units, spec, tok):
             done[i] = rec
             docs = sum(r["documents"] for r in done.values())
             tokens = sum(r["tokens"] for r in done.values())
-            bar.note(f"{human(docs)} docs, {human(tokens)} tokens")
+            bar.note(f"{human(docs)} docs, {human(tokens)} tok")
             bar.advance(units[i].size / 1e6)
     return _write_index(storage, spec, tok, [done[i] for i in range(len(units))], digest, masked)
 
@@ -256,15 +264,16 @@ def _run(todo: list[int], units: list[Unit], spec: PrepareSpec, tok: Any):
             yield i, prepare_unit(i, units[i], spec, tok)
         return
     # spawn: a fresh interpreter per process (a fork would copy this one's threads and tokenizer state)
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(spec.procs, mp_context=ctx, initializer=_init_process, initargs=(spec.tokenizer,)) as pool:
-        futures = {pool.submit(prepare_unit, i, units[i], spec): i for i in todo}
-        try:
-            for fut in cf.as_completed(futures):
-                yield futures[fut], fut.result()
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)  # finished units stay: a re-run skips them
-            raise
+    pool = multiprocessing.get_context("spawn").Pool(spec.procs, initializer=_init_process, initargs=(spec.tokenizer,))
+    try:
+        yield from pool.imap_unordered(_prepare_job, [(i, units[i], spec) for i in todo])
+    finally:  # Ctrl-C or a bad record: stop every unit at once; the finished ones stay for a re-run
+        pool.terminate()
+        pool.join()
+
+
+def _prepare_job(job: tuple[int, Unit, PrepareSpec]) -> tuple[int, dict[str, Any]]:
+    return job[0], prepare_unit(*job)
 
 
 def _finished(storage: Storage, i: int, digest: str, masked: bool, tok: Any) -> dict[str, Any] | None:

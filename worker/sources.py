@@ -27,7 +27,7 @@ import fsspec
 
 from core.dataset import DatasetError
 
-UNIT_BYTES = 32 << 20
+UNIT_BYTES = 16 << 20
 """Input bytes of one unit of work (a progress step; a resumed prepare redoes at most one per process)."""
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
 _BATCH_ROWS = 1024
