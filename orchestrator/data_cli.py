@@ -30,6 +30,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--text-field", default="text", help="the record field holding a document (default text)")
     p.add_argument("--prompt-field", help="with --response-field: fine-tuning pairs, the loss on the response only")
     p.add_argument("--response-field", help="the record field holding the response")
+    p.add_argument("--messages-field", help="chat data: the field holding a list of {role, content} messages, rendered by "
+                                            "the tokenizer's chat template; the loss on the assistant's turns only")
     p.add_argument("--group-field", help="documents with one value of this field form a group (data.sharding non-iid); "
                                          "a URL's host is its value")
     p.add_argument("--heldout", type=float, default=0.05, help="fraction of documents held out for eval (default 0.05)")
@@ -51,8 +53,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if (args.prompt_field is None) != (args.response_field is None):
         from core.dataset import DatasetError
         raise DatasetError("--prompt-field and --response-field go together: name both fields of a fine-tuning pair")
+    if args.messages_field and args.response_field:
+        from core.dataset import DatasetError
+        raise DatasetError("--messages-field and --prompt-field/--response-field are two kinds of fine-tuning data: give one")
     spec = PrepareSpec(tuple(args.sources), args.out, args.tokenizer,
-                       Fields(args.text_field, args.prompt_field, args.response_field, args.group_field),
+                       Fields(args.text_field, args.prompt_field, args.response_field, args.group_field,
+                              args.messages_field),
                        args.heldout, args.seed, args.procs, args.shard_tokens, args.skip_bad)
     t0 = time.monotonic()
     try:

@@ -258,3 +258,32 @@ def test_a_dataset_prepared_on_s3_is_trained_on_by_a_local_run(s3_server, tmp_pa
                  "--set", "data.eval_batches=2", "--set", "round.poll_s=0.2"]) == 0
     assert "final eval loss" in capsys.readouterr().out
     assert os.path.exists(run / "final" / "model.safetensors")
+
+
+def test_chat_messages_count_the_assistant_turns_only(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf import _tiny_hf
+    model = _tiny_hf(tmp_path / "model")
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.save_pretrained(model)
+    chats = [{"messages": [{"role": "user", "content": f"add {i} and {i}"}, {"role": "assistant", "content": f"it is {2 * i}"},
+                           {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "you are welcome"}]}
+             for i in range(60)]
+    src = _jsonl(tmp_path / "chat.jsonl", chats)
+    with pytest.raises(DatasetError, match="needs --tokenizer hf:DIR"):
+        prepare(PrepareSpec((str(src),), str(tmp_path / "no"), fields=Fields(messages="messages")))
+    prepare(PrepareSpec((str(src),), str(tmp_path / "chat"), tokenizer=f"hf:{model}", fields=Fields(messages="messages"),
+                        heldout=0.2))
+    ds = Dataset(str(tmp_path / "chat"))
+    assert ds.index.masked and ds.index.documents == 60
+    shard = ds.index.split("train")[0]
+    tokens = np.frombuffer(ds.storage.read_bytes(shard.key), "<u2")
+    mask = np.frombuffer(ds.storage.read_bytes(shard.mask_key), np.uint8)
+    ends = np.frombuffer(ds.storage.read_bytes(shard.docs_key), "<u8")
+    first = slice(0, int(ends[0]))
+    counted = tok.decode(tokens[first][mask[first] == 1].tolist())
+    assert counted.startswith("it is ") and counted.endswith("you are welcome")
+    assert "<assistant>" not in counted and "add" not in counted and "thanks" not in counted
+    assert tok.decode(tokens[first][:-1].tolist()) in {tok.apply_chat_template(c["messages"], tokenize=False) for c in chats}

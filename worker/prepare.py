@@ -80,6 +80,23 @@ class _HF:
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int64) for ids in self.tok.encode(texts)]
 
+    def chat(self, turns: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray] | None:
+        """A conversation through the tokenizer's chat template: (tokens, mask), the mask 1 on the assistant's
+        turns (not on the header the template puts before each); None if the template does not render a
+        conversation's turns as prefixes of it (then no mask can be cut)."""
+        render = lambda n, prompt: self.tok.tok.apply_chat_template(  # noqa: E731
+            [{"role": r, "content": c} for r, c in turns[:n]], tokenize=False, add_generation_prompt=prompt)
+        pieces, done = [], ""
+        for i, (role, _) in enumerate(turns):
+            cut = [render(i, True), render(i + 1, False)] if role == "assistant" else [render(i + 1, False)]
+            for text, counts in zip(cut, (0, 1) if role == "assistant" else (0,)):
+                if not text.startswith(done):
+                    return None
+                pieces.append((text[len(done):], counts))
+                done = text
+        ids = self.encode([t for t, _ in pieces])
+        return np.concatenate(ids), np.concatenate([np.full(len(x), c, np.uint8) for x, (_, c) in zip(ids, pieces)])
+
 
 def load_tokenizer(spec: str) -> _Bytes | _HF:
     if spec == "bytes":
@@ -127,13 +144,19 @@ class _UnitWriter:
 
     def add(self, batch: list[Record]) -> None:
         sep = np.array([self.tok.info.separator])
-        if self.spec.fields.response:
+        if self.spec.fields.messages:
+            docs = [self._chat(r, sep) for r in batch]
+        elif self.spec.fields.response:
             prompts, responses = self.tok.encode([r.prompt or "" for r in batch]), self.tok.encode([r.text for r in batch])
             docs = [(np.concatenate([p, r, sep]), np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)]))
                     for p, r in zip(prompts, responses)]
         else:
             docs = [(np.concatenate([t, sep]), None) for t in self.tok.encode([r.text for r in batch])]
-        for record, (tokens, mask) in zip(batch, docs):
+        for record, doc in zip(batch, docs):
+            if doc is None:  # a conversation the chat template cannot cut into turns
+                self.skipped += 1
+                continue
+            tokens, mask = doc
             if len(tokens) == 1:  # an empty document adds nothing but a separator
                 continue
             stream = self._stream(self._split(record), record.group)
@@ -142,6 +165,16 @@ class _UnitWriter:
             self.tokens += len(tokens)
             if stream.size >= self.spec.shard_tokens:
                 self._flush(stream)
+
+    def _chat(self, record: Record, sep: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        out = self.tok.chat(record.messages)
+        if out is None:
+            if not self.spec.skip_bad:
+                raise DatasetError(f"{record.where}: the tokenizer's chat template does not render this conversation's "
+                                   "turns as prefixes of it, so its assistant turns cannot be told apart (stopped: "
+                                   "--skip-bad skips and counts such records)")
+            return None
+        return np.concatenate([out[0], sep]), np.concatenate([out[1], np.zeros(1, np.uint8)])
 
     def _split(self, record: Record) -> str:
         if self.spec.eval_names is not None:
@@ -226,6 +259,11 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
     if spec.procs < 1 or spec.shard_tokens < 1:
         raise DatasetError(f"--procs and --shard-tokens must be >= 1, got {spec.procs} and {spec.shard_tokens}")
     tok = load_tokenizer(spec.tokenizer)
+    if spec.fields.messages and not isinstance(tok, _HF):
+        raise DatasetError("--messages-field needs --tokenizer hf:DIR: a Hugging Face tokenizer with a chat template")
+    if spec.fields.messages and not getattr(tok.tok.tok, "chat_template", None):
+        raise DatasetError(f"--messages-field: the tokenizer of {spec.tokenizer} has no chat template; save one with "
+                           "it (tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR))")
     storage = Storage(spec.out, follow_links=True)
     digest = _digest(spec, tok)
     try:
@@ -241,7 +279,7 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
         raise DatasetError(f"{storage.display()} already holds a dataset prepared with other settings; give another "
                            "--out, or remove it first")
     units = units if units is not None else plan_units(list(spec.sources), spec.fields)
-    masked = spec.fields.response is not None
+    masked = spec.fields.masked
     done = {i: rec for i in range(len(units)) if (rec := _finished(storage, i, digest, masked, tok)) is not None}
     if done:
         log.info("resuming: %d of %d units already prepared", len(done), len(units))

@@ -40,10 +40,19 @@ class Fields:
     prompt: str | None = None  # with `response`: fine-tuning pairs, the loss on the response only
     response: str | None = None
     group: str | None = None  # documents of one value form one group (non-iid sharding); a URL: its host
+    messages: str | None = None  # chat: a list of {role, content}; the loss on the assistant's turns only
+
+    @property
+    def masked(self) -> bool:
+        return self.response is not None or self.messages is not None
+
+    def _names(self) -> list[str]:
+        if self.messages:
+            return [self.messages]
+        return [self.prompt, self.response] if self.response else [self.text]  # type: ignore[list-item]
 
     def columns(self) -> list[str]:
-        names = [self.prompt, self.response] if self.response else [self.text]
-        return names + ([self.group] if self.group else [])
+        return self._names() + ([self.group] if self.group else [])
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Record:
     group: str
     text: str = ""
     prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of each turn
 
 
 class BadRecord(DatasetError):
@@ -276,7 +286,9 @@ def _record(obj: Any, rid: str, where: str, fields: Fields) -> Record | BadRecor
         if group.startswith(("http://", "https://")):
             group = urlsplit(group).hostname or group
         group = group[:256] or "_empty"
-    names = [fields.prompt, fields.response] if fields.response else [fields.text]
+    if fields.messages:
+        return _chat(obj.get(fields.messages), rid, where, group, fields.messages)
+    names = fields._names()
     values = [obj.get(n) for n in names]
     for n, v in zip(names, values):
         if not isinstance(v, str):
@@ -285,3 +297,12 @@ def _record(obj: Any, rid: str, where: str, fields: Fields) -> Record | BadRecor
     if fields.response:
         return Record(rid, where, group, values[1], prompt=values[0])
     return Record(rid, where, group, values[0])
+
+
+def _chat(value: Any, rid: str, where: str, group: str, name: str) -> Record | BadRecord:
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    if not ok:
+        return BadRecord(where, f"field {name!r} must be a list of {{role, content}} messages (strings), got "
+                                f"{str(value)[:80]}")
+    return Record(rid, where, group, messages=tuple((m["role"], m["content"]) for m in value))
