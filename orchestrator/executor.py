@@ -13,6 +13,7 @@ import datetime as dt
 import io
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -155,7 +156,7 @@ class Executor:
     def _local_status(self, job_id: str) -> JobStatus:
         # A job this process started and has not reaped runs; else (ended, or started by an earlier
         # orchestrator: resume) the local job id is the pid of submitit's controller, alive while it runs.
-        alive = job_id in self._jobs or _pid_is_submitit(job_id)
+        alive = job_id in self._jobs or self._is_ours(job_id)
         return local_job_status(self.folder, job_id, alive)
 
     def cancel(self, job_ids: list[str]) -> None:
@@ -165,11 +166,18 @@ class Executor:
             subprocess.run(["scancel", *job_ids], check=False, capture_output=True)
             return
         for j in job_ids:
-            if _pid_is_submitit(j):
+            if self._is_ours(j):
                 with contextlib.suppress(OSError):  # what status reads: this job was cancelled, not failed
                     (self.folder / j / CANCELLED_MARK).touch()
                 kill_local_job(j)
         self._reap()
+
+    def _is_ours(self, job_id: str) -> bool:
+        """Whether the local job id (a pid, read from the run directory, which others may write) is a
+        submitit controller of this run's jobs: a process of this user whose command line ends with
+        this run's job folder. Nothing else is ever adopted or signalled: not another run's job, not a
+        reused pid, not a process someone named in jobs.json."""
+        return _controller_folder(job_id) == str(self.folder / "%j")
 
     def stderr_tail(self, job_id: str, lines: int = 15) -> str:
         """The end of a job's stderr: why it ended without a contribution."""
@@ -278,9 +286,22 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _pid_is_submitit(job_id: str) -> bool:
+def _controller_folder(job_id: str) -> str | None:
+    """The job folder a local submitit controller of this user runs for, from its command line
+    (`python -m submitit.local._local FOLDER`, or that at the end of `sh -c "SETUP && ..."`)."""
+    if not job_id.isdigit():
+        return None
+    proc = Path(f"/proc/{int(job_id)}")
     try:
-        cmdline = Path(f"/proc/{int(job_id)}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        return False
-    return b"submitit" in cmdline
+        if proc.stat().st_uid != os.getuid():
+            return None
+        argv = proc.joinpath("cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    argv = [a for a in argv if a]
+    if len(argv) == 3 and argv[1] == "-c":  # executor.setup: a shell runs the setup, then the controller
+        with contextlib.suppress(ValueError):
+            argv = shlex.split(argv[2])
+    if len(argv) < 4 or argv[-3:-1] != ["-m", "submitit.local._local"]:
+        return None
+    return argv[-1]
