@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.config import Algorithm, Config, load_config, replace
-from core.errors import ConfigError, IslandsError
+from core.errors import ConfigError, IslandsError, RunError
 from core.layout import RunLayout
 from orchestrator.console import console, setup_logging
 
@@ -168,15 +169,37 @@ def _executor_kind(kind: str) -> str:
 
 
 def _jobs_folder(storage: Storage, create: bool = True) -> str:
-    """submitit's folder: inside a local run directory, else a local cache (it holds job scripts)."""
-    folder = storage.local_path(L.JOBS) or str(Path.home() / ".cache" / "islands" / "jobs" / Path(storage.root).name)
+    """submitit's folder: inside a local run directory, else this machine's cache, one folder per run
+    URL (it holds the job scripts and the pickles the jobs execute: private, and checked like jobs/)."""
+    folder = storage.local_path(L.JOBS)
+    if folder is None:
+        from core.layout import local_cache_root
+        digest = hashlib.sha256(storage.display().encode()).hexdigest()[:16]
+        folder = str(local_cache_root() / "jobs" / f"{Path(storage.root).name}-{digest}")
+        _refuse_loose_folder(folder)
     if create:
         _storage(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
     return folder
 
 
+def _refuse_loose_folder(folder: str) -> None:
+    """A job folder someone else made, or can write, would let them run commands as you."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return
+    import stat
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RunError(f"the run's local job folder {folder} is not a private folder of yours (mode "
+                       f"{oct(stat.S_IMODE(st.st_mode))}, uid {st.st_uid}): anyone who can write it runs commands as "
+                       f"you; remove it (rm -r {folder}) and try again")
+
+
 def _storage(url: str) -> Storage:
     from core.storage import Storage  # fsspec: not for `--help`
+    if "://" in url and ".." in url.split("://", 1)[1].split("/"):
+        raise RunError(f"{url}: a run URL with a '..' component names another place than it seems; give the "
+                       "run's own URL")
     return Storage(url)
 
 

@@ -59,3 +59,21 @@ def test_a_controller_of_this_runs_folder_is_recognised_also_behind_a_setup_shel
     assert _controller_folder("not-a-pid") is None and _controller_folder("999999999") is None
     Executor(Config(), tmp_path / "run" / "jobs").cancel([str(shell.pid)])
     assert shell.wait(timeout=10) in (-9, 137)  # this run's: killed (or ended as its killed child did)
+
+
+def test_a_remote_runs_job_folder_is_private_and_its_own(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from core.errors import RunError
+    from core.storage import Storage
+    from orchestrator.cli import _jobs_folder, _storage
+    monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path / "cache"))
+    a = _jobs_folder(Storage("memory://bucket/team/run1"))
+    b = _jobs_folder(Storage("memory://bucket/other/run1"))
+    assert a != b and os.path.basename(a).startswith("run1-") and stat.S_IMODE(os.stat(a).st_mode) == 0o700
+    os.chmod(b, 0o777)
+    with pytest.raises(RunError, match="not a private folder of yours"):
+        _jobs_folder(Storage("memory://bucket/other/run1"))
+    with pytest.raises(RunError, match="'..' component"):
+        _storage("s3://bucket/..")
