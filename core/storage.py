@@ -329,6 +329,22 @@ class Storage:
                      len(gone), older_than_s, gone[:5])
         return gone
 
+    def identity(self, key: str) -> tuple | None:
+        """What tells this file at `key` from another later put there (None: nothing there): on a
+        filesystem its inode, size and mtime, the link itself if it is one; elsewhere its size and
+        ETag or modification time."""
+        if self.is_local:
+            try:
+                st = os.lstat(self.path(key))
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            return st.st_ino, st.st_size, st.st_mtime_ns
+        try:
+            info = self.fs.info(self.path(key))
+        except FileNotFoundError:
+            return None
+        return info.get("size"), str(info.get("ETag") or info.get("mtime") or info.get("LastModified") or info.get("created"))
+
     def remove(self, key: str, recursive: bool = False) -> None:
         self.check_fence(key)
         try:

@@ -75,6 +75,9 @@ class RoundMerger:
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
         self.schedule = replay.of_run(self.storage, self.cfg)  # a replay sums in its source's order
+        # (round, worker) -> the identity of the contribution's manifest and data when first read: a refused
+        # one is set aside only if it is still the file there (a worker's valid one may land meanwhile)
+        self._seen: dict[tuple[int, int], tuple] = {}
 
     def stream(self, jobs: RoundJobs) -> None:
         """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""
@@ -137,17 +140,26 @@ class RoundMerger:
         failpoint("service.after_record")
         # after the commit: a resumed round finds them where the merge did
         self.set_aside(jobs, {int(w): why for w, why in record.rejected_reasons.items()})
+        self._seen = {k: v for k, v in self._seen.items() if k[0] != jobs.round}
 
     def _merge(self, r: int, inputs: list[Contribution]) -> MergeResult:
         return self.method(self.storage, r, inputs, self._sum if self._sum_round == r else None,
                            min_inputs=self.cfg.quorum, metadata=self.metadata, manifest={"round": r + 1})
 
     def set_aside(self, jobs: RoundJobs, rejected: dict[int, str]) -> None:
-        """Move refused contributions out of the round (kept as evidence) so their workers rerun."""
+        """Move refused contributions out of the round (kept as evidence) so their workers rerun; one
+        that is no longer the file that was refused (a new one landed at its key) is left where it is."""
         r = jobs.round
         for w, why in rejected.items():
             e = jobs.workers[w]
             dest, src = L.rejected_contribution(r, w, e.attempts), L.contribution(r, w)
+            seen = self._seen.pop((r, w), None)
+            if seen is not None and self._identity(src) != seen:
+                log.warning("round %d worker %d: a new contribution landed after the refused one was read; it is left "
+                            "in place, not set aside under the old one's reason", r, w)
+                e.failures.append({"job_id": e.latest, "rejected": why, "left_in_place": "a new file landed at its "
+                                   "key after the merge read the refused one: not set aside"})
+                continue
             for a, b in ((manifest_key(src), manifest_key(dest)), (src, dest)):  # unpublish first
                 with contextlib.suppress(FileNotFoundError):
                     self.storage.move(a, b)  # a rename: whatever it is (a FIFO too), it is not read
@@ -155,6 +167,9 @@ class RoundMerger:
                                     {"worker": w, "reason": why, "job_id": e.latest, "at": time.time()})
             e.failures.append({"job_id": e.latest, "rejected": why})
         jobs.save(self.storage)
+
+    def _identity(self, key: str) -> tuple:
+        return self.storage.identity(manifest_key(key)), self.storage.identity(key)
 
     def _why_dropped(self, jobs: RoundJobs, dropped: list[int], states: dict[str, JobStatus]) -> dict[str, str]:
         """For each dropped worker: its job's end state (recorded with its log), or that it is a straggler."""
@@ -201,6 +216,7 @@ class RoundMerger:
     def _contribution(self, jobs: RoundJobs, w: int) -> tuple[Contribution | None, str, dict[str, Any]]:
         """(worker w's contribution, or None and why it is stale or invalid; its manifest)."""
         r, key = jobs.round, L.contribution(jobs.round, w)
+        self._seen.setdefault((r, w), self._identity(key))  # before anything of it is read
         try:
             m = read_manifest(self.storage, key) or {}
         except CheckpointError as exc:  # an invalid manifest (core.manifest.check_manifest): refused

@@ -259,3 +259,27 @@ def test_fuzzed_hf_indexes_give_a_merge_error_and_write_nothing_outside_out(tmp_
         assert not (d / "out").exists()
     assert sorted(p.name for p in d.iterdir()) in (["hf", "other.json", "other.safetensors"],
                                                     ["hf", "other.json", "other.safetensors", "out"])
+
+
+@pytest.mark.slow
+def test_a_valid_contribution_landing_during_the_merge_is_not_set_aside_as_the_refused_one(tmp_path, monkeypatch):
+    """Worker 1's key holds a refused file when the merge reads it; its real, valid contribution lands
+    after that, before the refused one is set aside (seen live 44 and 80 ms into a merge). The valid
+    file stays at its key, nothing is moved to rejected/ under the old reason, and jobs.json says why."""
+    from orchestrator.round_merge import RoundMerger
+    real_commit = RoundMerger.commit
+
+    def commit_after_a_valid_one_landed(self, jobs, record):
+        key = L.contribution(0, 1)
+        write_checkpoint(self.storage, key, {n: v - 0.25 for n, v in G0.items()},
+                         manifest={"round": 0, "worker": 1, **WORK, "base_digest": read_manifest(self.storage, L.global_weights(0))["digest"]})
+        return real_commit(self, jobs, record)
+
+    monkeypatch.setattr(RoundMerger, "commit", commit_after_a_valid_one_landed)
+    s = _run(tmp_path, {1: _plant_tokens(1e30)})
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0] and rec["rejected"] == [1]
+    assert read_manifest(s, L.contribution(0, 1))["tokens"] == WORK["tokens"]  # the valid one, still at its key
+    assert not s.exists(L.rejected_reason(0, 1, 1)) and not s.exists(L.rejected_contribution(0, 1, 1))
+    failure = s.read_json(L.round_jobs(0))["workers"]["1"]["failures"][-1]
+    assert "claims 1e+30 tokens" in failure["rejected"] and "not set aside" in failure["left_in_place"]
