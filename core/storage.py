@@ -107,6 +107,7 @@ class Storage:
         if not self.is_local:
             self.fs.makedirs(path, exist_ok=True)
             return
+        self.confine(posixpath.join(path, "x"))  # the folder itself may be the link
         missing = []
         p = path
         while p and not os.path.isdir(p):
@@ -118,6 +119,26 @@ class Storage:
         for d in reversed(missing):
             with contextlib.suppress(FileExistsError):  # another writer created it first
                 os.mkdir(d, PRIVATE_DIR)
+
+    def confine(self, path: str) -> None:
+        """Refuse to write, create, rename or remove at `path` (a filesystem path of this fs) when a
+        link on the way leads out of the run: a co-tenant's link from `final/` or `metrics/` to a
+        folder elsewhere must not receive the run's files. The check every write, rename, folder
+        creation and removal of a local run directory goes through, as `_check_inside` is for reads
+        (a link swapped in between the check and the write is a race this does not close)."""
+        if not self.is_local or self.follow_links:
+            return
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self.root)
+        folder = posixpath.dirname(path)
+        while folder and not os.path.lexists(folder) and folder != posixpath.dirname(folder):
+            folder = posixpath.dirname(folder)  # the nearest folder that exists: what the write goes through
+        if (self.root + "/").startswith(folder.rstrip("/") + "/") and folder != self.root:
+            return  # the run directory itself does not exist yet: all of it is made from here
+        real = os.path.realpath(folder)
+        if real != self._real_root and not real.startswith(self._real_root.rstrip("/") + "/"):
+            raise NotARegularFile(f"{path}: {folder} leads to {real}, outside the run directory {self._real_root} (a "
+                                  "link planted in the run): islands writes only inside the run; remove the link")
 
     def make_private(self, path: str) -> None:
         """Files of a local run directory are readable and writable by their owner only (0600)."""
@@ -277,6 +298,7 @@ class Storage:
     def _create_exclusive_local(self, key: str, data: bytes) -> bool:
         path = self.path(key)
         self.makedirs_path(posixpath.dirname(path))
+        self.confine(path)
         tmp = posixpath.join(posixpath.dirname(path), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(path)}")
         try:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as f:
@@ -321,6 +343,10 @@ class Storage:
                 continue
             if now - _mtime(info, now) < older_than_s:
                 continue
+            try:
+                self.confine(path)  # a walk through a planted link: not the run's temporary
+            except NotARegularFile:
+                continue
             with contextlib.suppress(FileNotFoundError):  # another sweeper or its writer's cleanup came first
                 self.fs.rm_file(path)
                 gone.append(key)
@@ -347,6 +373,7 @@ class Storage:
 
     def remove(self, key: str, recursive: bool = False) -> None:
         self.check_fence(key)
+        self.confine(self.path(key) if not recursive else posixpath.join(self.path(key), "x"))
         try:
             self._retry(f"remove {key}", lambda: self.fs.rm(self.path(key), recursive=recursive))
         except FileNotFoundError:
@@ -360,6 +387,8 @@ class Storage:
         def mv() -> None:
             if self.is_local:
                 self.makedirs_path(posixpath.dirname(self.path(dst)))
+                self.confine(self.path(src))
+                self.confine(self.path(dst))
                 os.replace(self.path(src), self.path(dst))
             else:
                 self.fs.mv(self.path(src), self.path(dst))
@@ -422,6 +451,7 @@ class Staged:
             if self._tmp is None:
                 return storage.fs.open(final, "wb")
             storage.makedirs_path(posixpath.dirname(final))
+            storage.confine(self._tmp)
             f = storage.fs.open(self._tmp, "wb")
             storage.make_private(self._tmp)
             return f
@@ -454,6 +484,7 @@ class Staged:
             except OSError as exc:
                 raise s.error(f"write {self.key}", exc) from exc
             if self._tmp is not None:
+                s.confine(s.path(self.key))
                 s._retry(f"publish {self.key}", lambda: s.fs.mv(self._tmp, s.path(self.key)))
         except BaseException:
             self.discard()

@@ -6,6 +6,7 @@ only with -v. A run also logs everything to its own file (`log_to_file`), whatev
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,15 @@ def setup_logging(verbose: bool) -> None:
 def log_to_file(path: Path) -> None:
     """Every log record of this process from now on also goes to `path` (appended: a resumed run
     continues its log)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    # private (0600), and never through a link planted at its name (O_NOFOLLOW)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        from core.errors import RunError
+        raise RunError(f"cannot open the run's log {path} ({exc.strerror}): if it is a link someone planted, remove "
+                       "it; islands writes only inside the run") from None
+    os.fchmod(fd, 0o600)
+    handler = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8"))
     handler.setFormatter(logging.Formatter(PLAIN))
     logging.getLogger().addHandler(handler)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -33,7 +34,7 @@ from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import IslandsError, StorageError
 from core.layout import RunLayout
-from core.storage import Storage
+from core.storage import PRIVATE_FILE, Storage
 from orchestrator.records import RoundJobs, utilization
 from orchestrator.runstate import RUN_INFO, arrived_workers
 
@@ -217,11 +218,16 @@ def write_tensorboard(storage: Storage, lines: list[dict[str, Any]]) -> bool:
     except ImportError:
         return False
     try:
+        storage.makedirs_path(folder)  # private (0700), and not through a link out of the run (confine)
         with SummaryWriter(log_dir=folder) as tb:
             for line in lines:
                 for tag, step, value in tensorboard_scalars(line):
                     tb.add_scalar(tag, value, step)
-    except (OSError, ValueError) as exc:  # never fail a run for a dashboard
+        for name in os.listdir(folder):  # the event files TensorBoard made (by the umask): the run's, private
+            path = os.path.join(folder, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.chmod(path, PRIVATE_FILE)
+    except (OSError, ValueError, IslandsError) as exc:  # never fail a run for a dashboard
         log.warning("tensorboard events not written (%s)", exc)
         return False
     return True
