@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -171,12 +172,31 @@ def _taken_by(storage: Storage, epoch: int) -> str:
             f"(epoch {epoch}, {c.get('reason')})")
 
 
+_FIELDS = {"pid": int, "epoch": int, "host": str, "reason": str, "heartbeat_at": float, "at": float, "since": float}
+
+
 def _read(storage: Storage, key: str) -> dict[str, Any]:
+    """lock.json or an epoch's claim, checked: each field of the right type and range kept (times finite
+    and not past tomorrow, text printable and short), anything else dropped as if absent. A damaged
+    heartbeat then proves no live holder: a NaN one made every resume wait for ever."""
     try:
         value = json.loads(storage.read_bytes(key, limit=1 << 16))
-    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
+    except (FileNotFoundError, UnicodeDecodeError, ValueError, RecursionError):
         return {}
-    return value if isinstance(value, dict) else {}
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name, kind in _FIELDS.items():
+        v = value.get(name)
+        if isinstance(v, bool) or v is None:
+            continue
+        if kind is int and isinstance(v, int) and 0 <= v < 1 << 40:
+            out[name] = v
+        elif kind is float and isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= time.time() + 86400:
+            out[name] = float(v)
+        elif kind is str and isinstance(v, str):
+            out[name] = "".join(c for c in v[:256] if c.isprintable())
+    return out
 
 
 def _me() -> dict[str, Any]:
