@@ -3,6 +3,7 @@ Light on purpose (no torch): `status` and `cancel` use it; the models are orches
 from __future__ import annotations
 
 import datetime as dt
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +42,70 @@ def arrived_workers(storage: Storage, r: int) -> list[int]:
                   and manifest_key(L.contribution(r, w)).rsplit("/", 1)[-1] in names)
 
 
+def text(v: Any, limit: int = 4000) -> str | None:
+    """A string from a run directory, fit for a terminal: control characters (escape sequences that
+    retitle a window or clear a screen) removed, length bounded; None for anything not a string."""
+    if not isinstance(v, str):
+        return None
+    return "".join(c for c in v[:limit] if c.isprintable() or c in "\n\t")
+
+
+def number(v: Any) -> float | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return v if ok else None
+
+
+def _workers(v: Any) -> list[int]:
+    return [w for w in v if isinstance(w, int) and not isinstance(w, bool)] if isinstance(v, list) else []
+
+
+def _by_worker(v: Any, value: Any) -> dict[str, Any]:
+    items = v.items() if isinstance(v, dict) else ()
+    return {str(text(k, 16)): got for k, x in items if (got := value(x)) is not None}
+
+
+def _job(v: Any) -> dict[str, Any] | None:
+    if not isinstance(v, dict):
+        return None
+    out = {k: number(v.get(k)) for k in ("queue_wait_s", "run_s", "attempts") if number(v.get(k)) is not None}
+    return {**out, **{k: text(v.get(k), 200) for k in ("job_id", "state") if text(v.get(k), 200) is not None}}
+
+
+def round_line(r: int, rec: Any) -> dict[str, Any]:
+    """A round record as status shows it, checked field by field: a record someone damaged or planted
+    shows its wrong fields as absent, never a traceback, and nothing in it reaches a terminal raw."""
+    rec = rec if isinstance(rec, dict) else {}
+    line: dict[str, Any] = {"round": r, **{k: _workers(rec.get(k)) for k in ("merged", "dropped", "rejected")}}
+    line.update({k: number(rec.get(k)) for k in ("eval_loss", "merge_seconds", "bytes_read", "outer_grad_norm")})
+    line.update({k: _by_worker(rec.get(k), text) for k in ("dropped_reasons", "rejected_reasons")})
+    line.update({k: _by_worker(rec.get(k), number) for k in ("worker_train_s", "worker_idle_s")})
+    line["jobs"] = _by_worker(rec.get("jobs"), _job)
+    line["utilization"] = utilization([{"worker_train_s": line["worker_train_s"], "worker_idle_s": line["worker_idle_s"]}])
+    ends = (number(rec.get("submitted_at")), number(rec.get("committed_at")))
+    line["wall_s"] = round(ends[1] - ends[0], 1) if None not in ends else None
+    return line
+
+
+def _failure(v: Any) -> dict[str, Any] | None:
+    """failed.json (written by orchestrator/loop.py: round, reason, at), checked like a round record."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        return {"round": None, "reason": "failed.json is not a record islands wrote (damaged or planted)", "at": None}
+    r = v.get("round")
+    return {"round": r if isinstance(r, int) and not isinstance(r, bool) else None,
+            "reason": text(v.get("reason")) or "(no reason recorded)", "at": number(v.get("at"))}
+
+
 def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
     """What `orchestrate status --json` prints; read from storage alone (`cfg`: the run's, if read already)."""
     cfg = cfg or load_run(storage)
     rounds = []
     r = 0
     while (rec := storage.read_json(L.round_record(r))) is not None:
-        line = {k: rec.get(k) for k in ("round", "merged", "dropped", "rejected", "eval_loss", "merge_seconds",
-                                        "bytes_read", "outer_grad_norm", "dropped_reasons", "rejected_reasons", "jobs",
-                                        "worker_train_s", "worker_idle_s")}
-        line["utilization"] = utilization([rec])
-        ends = (rec.get("submitted_at"), rec.get("committed_at"))
-        line["wall_s"] = round(ends[1] - ends[0], 1) if all(isinstance(t, (int, float)) for t in ends) else None
-        rounds.append(line)
+        rounds.append(round_line(r, rec))
         r += 1
-    failed = storage.read_json(L.FAILED)
+    failed = _failure(storage.read_json(L.FAILED))
     state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
     info = storage.read_json(RUN_INFO) or {}
     current = RoundJobs.load(storage, r) if r < cfg.rounds else None
@@ -64,7 +114,7 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
         "rounds_total": cfg.rounds, "rounds_done": r, "initial_eval_loss": info.get("initial_eval_loss"),
         "rounds": rounds, "failure": failed, "utilization": utilization(rounds),
         "current_round": None if current is None else {
-            "round": r, "workers": {str(w): {"job_id": e.latest, "attempts": e.attempts,
+            "round": r, "workers": {str(w): {"job_id": text(str(e.latest), 64), "attempts": e.attempts,
                                              "progress": read_heartbeat(storage, w)}
                                     for w, e in current.workers.items()},
             "arrived": arrived_workers(storage, r)},

@@ -57,8 +57,8 @@ def status_table(status: dict[str, Any]) -> Any:
         loss = "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
         table.add_row(str(r["round"]), loss, f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
-                      _ids(r["rejected"]), f"{r['merge_seconds']:.2f}", wall, _busy(r.get("utilization")),
-                      f"{r['bytes_read'] / 1e6:.1f}")
+                      _ids(r["rejected"]), _num(r["merge_seconds"], "{:.2f}"), wall, _busy(r.get("utilization")),
+                      _num(None if r["bytes_read"] is None else r["bytes_read"] / 1e6, "{:.1f}"))
     current = status["current_round"]
     if current and status["state"] == "running":
         table.add_section()
@@ -67,6 +67,10 @@ def status_table(status: dict[str, Any]) -> Any:
                           _times(v), "", worker_state(int(w), current["round"], set(current["arrived"]), v.get("progress")),
                           "", "", "")
     return table
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
 
 
 def _busy(u: float | None) -> str:

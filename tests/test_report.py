@@ -276,3 +276,43 @@ def test_eval_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
         evaluate_checkpoints([str(tmp_path)])
     assert main(["eval", str(tmp_path / "nope.safetensors")]) == 2
     assert "neither a run directory (no config.yaml) nor a checkpoint file" in capsys.readouterr().out
+
+
+# -- damaged or planted records (#40): status and report read them through checked views ----------
+@slow
+@pytest.mark.parametrize("damage", [
+    {"merged": 3, "dropped": "all", "rejected": None},
+    {"eval_loss": "low", "merge_seconds": None, "bytes_read": None, "submitted_at": "x"},
+    {"rejected_reasons": {"1": "\x1b]0;pwned\x07\x1b[2Jbad file"}, "jobs": {"0": {"job_id": "\x1b[31m7", "run_s": "x"}},
+     "worker_train_s": {"0": "busy"}, "worker_idle_s": [1]},
+    [1, 2, 3],
+])
+def test_status_shows_a_damaged_record_without_a_traceback_or_raw_escapes(tiny_run, tmp_path, capsys, damage):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    rec = json.loads((run / "rounds/00000/record.json").read_text())
+    (run / "rounds/00000/record.json").write_text(json.dumps({**rec, **damage} if isinstance(damage, dict) else damage))
+    (run / "failed.json").write_text(json.dumps("\x1b[2J a string"))
+    capsys.readouterr()
+    for args in (["status", str(run)], ["status", str(run), "--json"]):
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out and "Traceback" not in out
+    st = json.loads(out)
+    assert st["failure"]["reason"].startswith("failed.json is not a record") and st["rounds"][1]["merged"] == [0, 1]
+
+
+@slow
+def test_a_planted_metrics_line_is_one_clear_error_in_the_report(tiny_run, tmp_path, capsys):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    path = run / "metrics" / "round_00000.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[-1])
+    path.write_text("\n".join(lines + [json.dumps({**first, "round": "<script>alert(1)</script>"})]) + "\n")
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 2
+    out = capsys.readouterr().out
+    assert "round_00000.jsonl line" in out and "not a whole number" in out and "Traceback" not in out
+    assert not (tmp_path / "report" / "report.html").exists()

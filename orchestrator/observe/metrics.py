@@ -132,17 +132,45 @@ def _finite(value: Any) -> Any:
     return value
 
 
+_WHOLE = ("round", "step", "worker", "schema", "workers", "rounds", "inner_steps", "attempts")
+
+
+def _bad_field(line: dict[str, Any]) -> str | None:
+    """What is wrong with a metrics line's values (None: nothing): whole numbers where counts are, and
+    otherwise only numbers, short strings, and lists or objects of them (what the service writes)."""
+    for k in _WHOLE:
+        v = line.get(k)
+        if v is not None and (type(v) is not int):
+            return f"{k} is {str(v)[:40]!r}, not a whole number"
+
+    def plain(v: Any, depth: int = 0) -> bool:
+        if v is None or isinstance(v, (bool, int, float)):
+            return True
+        if isinstance(v, str):
+            return len(v) <= 10_000
+        if depth < 3 and isinstance(v, list):
+            return all(plain(x, depth + 1) for x in v)
+        if depth < 3 and isinstance(v, dict):
+            return all(isinstance(k, str) and plain(x, depth + 1) for k, x in v.items())
+        return False
+    bad = next((k for k, v in line.items() if not plain(v)), None)
+    return None if bad is None else f"{bad} is not a value the service writes"
+
+
 def parse_jsonl(data: bytes, source: str) -> list[dict[str, Any]]:
     """Lines of a metrics file, checked against the schema; the error names the file and line."""
     out = []
-    for n, text in enumerate(data.decode().splitlines(), 1):
+    for n, text in enumerate(data.decode(errors="replace").splitlines(), 1):
         if not text.strip():
             continue
         try:
             line = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise StorageError(f"{source} line {n} is not JSON ({exc}); delete the file: it is derived again "
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise StorageError(f"{source} line {n} is not JSON ({str(exc)[:120]}); delete the file: it is derived again "
                                "from the round's record") from None
+        if not isinstance(line, dict) or (bad := _bad_field(line)):
+            raise StorageError(f"{source} line {n}: {'not an object' if not isinstance(line, dict) else bad}; delete "
+                               "the file: it is derived again from the round's record")
         if line.get("kind") not in FIELDS or line.get("schema") != SCHEMA:
             raise StorageError(f"{source} line {n}: unknown kind {line.get('kind')!r} or schema {line.get('schema')!r} "
                                f"(this version reads schema {SCHEMA}, kinds {sorted(FIELDS)})")

@@ -290,7 +290,7 @@ def round_rows(data: RunData, budget: Sequence[Mapping[str, Any]]) -> list[list[
         pairs = o.get("pairwise") or []
         written = sum(line.get(k) or 0 for k in ("bytes_contributions", "bytes_global", "bytes_outer_state",
                                                  "bytes_worker_states"))
-        rows.append([str(r), _cell(line["eval_loss"], "{:.4f}"), _cell(line["merged"]), _cell(line["dropped"]),
+        rows.append([_cell(r), _cell(line["eval_loss"], "{:.4f}"), _cell(line["merged"]), _cell(line["dropped"]),
                      _cell(line["rejected"]), _cell(line["round_seconds"], "{:.1f}"), _cell(b.get("queued"), "{:.1f}"),
                      _cell(b.get("running"), "{:.1f}"), _cell(_pct(line.get("utilization")), "{:.0f}%"),
                      _cell(line["merge_seconds"], "{:.2f}"),
