@@ -14,8 +14,8 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from core.config_parse import (PRESET_KEYS, apply_executor_preset, apply_preset, build, check, model_shorthand, read_yaml,
-                               set_dotted)
+from core.config_parse import (PRESET_KEYS, apply_executor_preset, apply_preset, build, check, load_yaml, model_shorthand,
+                               read_yaml, set_dotted)
 from core.errors import ConfigError
 
 Algorithm = Literal["diloco", "lofi", "fedavg", "lte"]
@@ -355,7 +355,11 @@ def load_config(
         if not sep or not key.strip():
             problems.append(f"--set {item!r}: expected dotted.key=value, e.g. --set inner.lr=1e-3")
             continue
-        flat[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        try:
+            flat[key.strip()] = load_yaml(value, f"--set {key.strip()}") if value.strip() else None
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
     for key, value in flat.items():
         set_dotted(raw, key, value)
         raw = model_shorthand(raw, problems)  # `--set model=hf:PATH`, then `--set model.block_size=...`

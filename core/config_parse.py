@@ -26,14 +26,57 @@ if TYPE_CHECKING:
     from core.config import Config, ModelConfig
 
 
+MAX_DEPTH, MAX_NODES = 32, 100_000
+"""A config needs none of these near their bounds; past them YAML is an attack (billion laughs,
+nesting that overflows the stack, a tag asking for an object) and is refused before it is built."""
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C one: faster at every worker start
+
+
+def load_yaml(text: str | bytes, where: str) -> Any:
+    """YAML parsed safely and boundedly: the size the document would have with every alias expanded,
+    and its nesting, measured on the event stream before any object is built (an alias bomb expands
+    only when something walks it, such as an error message), and tags other than YAML's own refused;
+    every problem is a ConfigError naming `where`."""
+    sizes: dict[str, int] = {}  # anchor -> nodes it stands for, expanded
+    stack: list[list] = []  # open collections: [anchor, nodes so far]
+    try:
+        for event in yaml.parse(text, Loader=_SafeLoader):
+            tag = getattr(event, "tag", None)
+            if tag is not None and (not tag.startswith("tag:yaml.org,2002:") or tag.startswith("tag:yaml.org,2002:python/")):
+                raise ConfigError([f"YAML tag {tag!r} ({event.start_mark}): a config takes no tags"], source=where)
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                stack.append([event.anchor, 1])
+                if len(stack) > MAX_DEPTH:
+                    raise ConfigError([f"YAML nested deeper than {MAX_DEPTH} levels is not a config"], source=where)
+                continue
+            if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                anchor, n = stack.pop()
+            elif isinstance(event, yaml.AliasEvent):
+                anchor, n = None, sizes.get(event.anchor, 1)
+            elif isinstance(event, yaml.ScalarEvent):
+                anchor, n = event.anchor, 1
+            else:
+                continue
+            if anchor:
+                sizes[anchor] = n
+            if stack:
+                stack[-1][1] += n
+            if n > MAX_NODES or (stack and stack[-1][1] > MAX_NODES):
+                raise ConfigError([f"YAML that stands for more than {MAX_NODES} values once its aliases are expanded "
+                                   "is not a config (an alias bomb?)"], source=where)
+        return yaml.load(text, Loader=_SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {str(exc)[:500]}"], source=where) from None
+
+
 def read_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = load_yaml(f.read(), path)
     except FileNotFoundError:
         raise ConfigError([f"config file {path} does not exist"], source=path) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"not valid YAML: {exc}"], source=path) from None
+    except (UnicodeDecodeError, OSError) as exc:
+        raise ConfigError([f"cannot read it as text: {exc}"], source=path) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -75,7 +118,7 @@ def load_preset(name: str, directory: Path = PRESET_DIR) -> dict[str, Any]:
         known = sorted(p.stem for p in directory.glob("*.yaml"))
         raise ConfigError([f"executor.preset {name!r} does not exist; known presets: {', '.join(known) or 'none'} "
                            f"(files in {directory})"])
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_yaml(path.read_text(), str(path)) or {}
     unknown = sorted(set(data) - set(PRESET_KEYS))
     if unknown:
         raise ConfigError([f"preset {path}: unknown key(s) {unknown}; valid keys: {', '.join(PRESET_KEYS)}"])

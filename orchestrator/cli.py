@@ -131,9 +131,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
     """`submit --replay RUN`: RUN's config made a replay of RUN (core/replay.py), and its schedule.
     Only where it runs may change: anything else would change what is replayed."""
-    import yaml
-
     from core import replay
+    from core.config_parse import load_yaml
     from orchestrator.runstate import load_run
     changed = [flag for flag, value in (("--config", args.config), ("--workers", args.workers), ("--rounds", args.rounds),
                                          ("--inner-steps", args.inner_steps), ("--algorithm", args.algorithm)) if value]
@@ -144,7 +143,7 @@ def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
     source = _storage(args.replay)
     src = load_run(source)
     schedule = replay.from_run(source, src.workers, src.rounds, src.inner.steps)
-    sets = {key.strip(): yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.sets)}
+    sets = {key.strip(): load_yaml(value, f"--set {key.strip()}") for key, _, value in (item.partition("=") for item in args.sets)}
     cfg = replace(src, run_dir=args.run_dir, executor__kind=args.executor or src.executor.kind, round__replay=source.display(),
                   round__stream_merge=False, round__min_workers=0, round__deadline_s=0.0,
                   inner__threads=schedule.threads or src.inner.threads, **sets)

@@ -7,9 +7,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from core.config import Config, config_from_dict
+from core.config_parse import load_yaml
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
@@ -28,7 +28,8 @@ def default_run_dir(cfg: Config) -> str:
 def load_run(storage: Storage) -> Config:
     if not storage.exists(L.CONFIG):
         raise RunError(f"{storage.display()} is not a run directory (no {L.CONFIG})")
-    return config_from_dict(yaml.safe_load(storage.read_bytes(L.CONFIG)), source=storage.display(L.CONFIG))
+    return config_from_dict(load_yaml(storage.read_bytes(L.CONFIG), storage.display(L.CONFIG)),
+                            source=storage.display(L.CONFIG))
 
 
 def arrived_workers(storage: Storage, r: int) -> list[int]:

@@ -61,3 +61,30 @@ def test_a_live_holder_is_named_without_its_planted_escape_sequences(tmp_path):
         acquire(s)
     assert "\x1b" not in str(info.value) and "\x07" not in str(info.value) and "evil]0;pwned[2J" in str(info.value)
     held.release()
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))  # 9^9 values expanded
+
+
+@pytest.mark.parametrize("yaml_text, says", [
+    (BOMB, "aliases are expanded"),
+    ("inner: !!python/object/apply:os.system [echo hi]\n", "a config takes no tags"),
+    ("inner: !custom 1\n", "a config takes no tags"),
+    ("inner: " + "[" * 200 + "]" * 200 + "\n", "nested deeper"),
+])
+def test_hostile_yaml_is_one_config_error_everywhere_it_is_read(tmp_path, capsys, yaml_text, says):
+    from orchestrator.cli import main
+    (tmp_path / "c.yaml").write_text(yaml_text)
+    assert main(["submit", "--config", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "r1")]) == 2
+    assert says in capsys.readouterr().out and not (tmp_path / "r1").exists()
+    value = yaml_text.split(":", 1)[1].strip() if not yaml_text.startswith("a:") else "&a [1, 1]"
+    assert main(["submit", "--set", f"inner.lr={value}", "--run-dir", str(tmp_path / "r2")]) == 2
+    assert "Traceback" not in capsys.readouterr().out
+    run = tmp_path / "planted"
+    run.mkdir(mode=0o700)
+    (run / "config.yaml").write_text(yaml_text)
+    for command in (["status", str(run)], ["resume", str(run)]):
+        assert main(command) == 2
+        out = capsys.readouterr().out
+        assert says in out and "Traceback" not in out

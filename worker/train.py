@@ -27,11 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import yaml
 
 from core import codec, replay
 from core.checkpoint import read_manifest
 from core.config import Config, config_from_dict
+from core.config_parse import load_yaml
 from core.errors import CheckpointError, IslandsError
 from core.failpoints import failpoint, slowpoint
 from core.layout import RunLayout
@@ -55,9 +55,7 @@ _RESIDENT: "InnerTrainer | None" = None
 
 
 def load_run_config(storage: Storage) -> Config:
-    raw = storage.read_bytes(L.CONFIG)
-    # the C loader when PyYAML has it: the pure-Python one is a visible part of a worker's start-up
-    return config_from_dict(yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)),
+    return config_from_dict(load_yaml(storage.read_bytes(L.CONFIG), storage.display(L.CONFIG)),
                             source=storage.display(L.CONFIG))
 
 
