@@ -7,6 +7,7 @@ cross-field check on the typed result. core.config's loaders call these and rais
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -236,6 +237,24 @@ def _scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
     return value
 
 
+MAX_WORKERS, MAX_ROUNDS = 4096, 1_000_000
+"""Past these a number is a typo, not a run: each worker is a job (on the local executor a process)."""
+
+
+def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float in a config, nested sections and tuples included."""
+    out = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(v):
+            out += _floats(v, key + ".")
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, float):
+                out.append((key, x))
+    return out
+
+
 def check(cfg: Config) -> list[str]:
     """Range and cross-field checks, all of them, on a well-typed config."""
     p: list[str] = []
@@ -244,8 +263,9 @@ def check(cfg: Config) -> list[str]:
         if not cond:
             p.append(msg)
 
-    need(cfg.workers >= 1, f"workers must be >= 1, got {cfg.workers}")
-    need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    p += [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
+    need(1 <= cfg.workers <= MAX_WORKERS, f"workers must be in [1, {MAX_WORKERS}], got {cfg.workers}")
+    need(1 <= cfg.rounds <= MAX_ROUNDS, f"rounds must be in [1, {MAX_ROUNDS}], got {cfg.rounds}")
     need(cfg.algorithm != "lofi" or cfg.rounds == 1,
          f"lofi averages once at the end, so rounds must be 1 (got {cfg.rounds}); use --algorithm diloco for several rounds")
     need(0 <= cfg.round.min_workers <= cfg.workers,
@@ -285,6 +305,9 @@ def check(cfg: Config) -> list[str]:
          f"{rc.deadline_s}, {str(rc.stream_merge).lower()}); `orchestrate submit --replay RUN` sets them")
     m = cfg.model
     need(min(m.n_layer, m.n_head, m.n_embd, m.block_size) >= 1, "model sizes (n_layer, n_head, n_embd, block_size) must be >= 1")
+    for key, value, most in (("n_layer", m.n_layer, 1024), ("n_head", m.n_head, 1024), ("n_embd", m.n_embd, 1 << 16),
+                             ("block_size", m.block_size, 1 << 20)):
+        need(value <= most, f"model.{key} is {value}, more than any model this runs ({most}): a typo?")
     need(m.n_head >= 1 and m.n_embd % max(m.n_head, 1) == 0,
          f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")

@@ -109,6 +109,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if problems := rank_problems(cfg):  # before the run directory exists: nothing half-made is left
         raise ConfigError(problems, source="the worker jobs' ranks")
     cfg = replace(cfg, executor__kind=_executor_kind(cfg.executor.kind))
+    local_most = max(16, 4 * (os.cpu_count() or 1))
+    if cfg.executor.kind == "local" and cfg.workers > local_most:  # one process each, all on this machine
+        raise ConfigError([f"workers: {cfg.workers} local workers would start {cfg.workers} processes on this machine "
+                           f"of {os.cpu_count()} cores (at most {local_most} here); use --executor slurm, or fewer "
+                           "workers"], source="--workers")
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
     storage = _storage(cfg.run_dir)

@@ -88,3 +88,17 @@ def test_hostile_yaml_is_one_config_error_everywhere_it_is_read(tmp_path, capsys
         assert main(command) == 2
         out = capsys.readouterr().out
         assert says in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "100000", "--executor", "local"], "workers must be in [1, 4096]"),
+    (["--workers", "400", "--executor", "local"], "400 local workers would start 400 processes"),
+    (["--set", "round.poll_s=.inf"], "round.poll_s must be a finite number, got inf"),
+    (["--set", "inner.lr=.nan"], "inner.lr must be a finite number"),
+    (["--set", "model.block_size=1000000000000"], "more than any model this runs"),
+])
+def test_numbers_that_would_exhaust_the_machine_are_refused_before_anything_is_made(tmp_path, capsys, args, says):
+    from orchestrator.cli import main
+    assert main(["submit", *args, "--run-dir", str(tmp_path / "run")]) == 2
+    out = capsys.readouterr().out
+    assert says in out and "Traceback" not in out and not (tmp_path / "run").exists()
