@@ -264,8 +264,10 @@ def check(cfg: Config) -> list[str]:
             p.append(msg)
 
     p += [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
-    need(1 <= cfg.workers <= MAX_WORKERS, f"workers must be in [1, {MAX_WORKERS}], got {cfg.workers}")
-    need(1 <= cfg.rounds <= MAX_ROUNDS, f"rounds must be in [1, {MAX_ROUNDS}], got {cfg.rounds}")
+    need(cfg.workers >= 1, f"workers must be >= 1, got {cfg.workers}")
+    need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
+    need(cfg.workers <= MAX_WORKERS, f"workers must be at most {MAX_WORKERS}, got {cfg.workers}: a typo?")
+    need(cfg.rounds <= MAX_ROUNDS, f"rounds must be at most {MAX_ROUNDS}, got {cfg.rounds}: a typo?")
     need(cfg.algorithm != "lofi" or cfg.rounds == 1,
          f"lofi averages once at the end, so rounds must be 1 (got {cfg.rounds}); use --algorithm diloco for several rounds")
     need(0 <= cfg.round.min_workers <= cfg.workers,
