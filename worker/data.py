@@ -133,10 +133,6 @@ class Dataset:
         return bool(mask.any())
 
 
-def open_dataset(url: str) -> Dataset:
-    return Dataset(url)
-
-
 # ----------------------------------------------------------------------------- which dataset a run reads
 
 

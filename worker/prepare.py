@@ -184,6 +184,9 @@ class _UnitWriter:
     def _stream(self, split: str, group: str) -> _Stream:
         key = (split, group)
         if key not in self.streams:
+            if len(self.streams) >= 2 * fmt.MAX_GROUPS:  # before thousands of buffers pile up
+                raise DatasetError(f"--group-field {self.spec.fields.group!r} has more than {fmt.MAX_GROUPS} values: it "
+                                   "is not a group; name a coarser field (a source, a domain)")
             self.streams[key] = _Stream(len(self.streams), split, group)
         return self.streams[key]
 
