@@ -46,6 +46,9 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 MAX_CONFIG_BYTES = 1 << 20
+MAX_RANK, MAX_ALPHA = 1 << 16, 1e6
+"""Past these a rank or an alpha is damage, not an adapter: a rank of 1e15 allocated petabytes, an alpha of 1e308
+made the merged adapter Inf."""
 MAX_PATTERN = 512
 _PARTS = {".lora_A.weight": ("a", False), ".lora_B.weight": ("b", False),
           ".lora_embedding_A": ("a", True), ".lora_embedding_B": ("b", True)}
@@ -127,19 +130,19 @@ def check_config(cfg: Any, label: str) -> list[str]:
         return [f"{label}: peft_type is {cfg.get('peft_type')!r}; only LoRA adapters (LORA) can be merged"]
     problems = []
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
-        problems.append(f"{label}: r is {r!r}, not a positive integer")
-    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha) and alpha != 0):
-        problems.append(f"{label}: lora_alpha is {alpha!r}, not a nonzero number")
+    if not (isinstance(r, int) and not isinstance(r, bool) and 0 < r <= MAX_RANK):
+        problems.append(f"{label}: r is {r!r}, not a positive integer up to {MAX_RANK}")
+    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < abs(alpha) <= MAX_ALPHA):
+        problems.append(f"{label}: lora_alpha is {alpha!r}, not a nonzero number up to {MAX_ALPHA:g} in size")
     for key, what in _UNSUPPORTED.items():
         if cfg.get(key):
             problems.append(f"{label}: {what} ({key}) cannot be merged; merge plain LoRA adapters")
     for key in ("fan_in_fan_out", "use_rslora"):
         if not isinstance(cfg.get(key, False), bool):
             problems.append(f"{label}: {key} is {cfg.get(key)!r}, not true or false")
-    for key, ok in (("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    for key, ok in (("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_RANK),
                     ("alpha_pattern", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                     and math.isfinite(v) and v != 0)):
+                     and 0 < abs(v) <= MAX_ALPHA)):
         pat = cfg.get(key) or {}
         if not isinstance(pat, dict):
             problems.append(f"{label}: {key} is not an object of module patterns")
@@ -150,6 +153,8 @@ def check_config(cfg: Any, label: str) -> list[str]:
             try:
                 if len(k) > MAX_PATTERN:
                     raise re.error("too long")
+                if "(" in k or sum(k.count(q) for q in "*+?{") > 4:  # what can make a match take exponential time
+                    raise re.error("groups and more than 4 repetitions are refused: such a pattern can take for ever")
                 re.compile(rf"(.*\.)?({k})$")  # as PEFT uses it
             except re.error as exc:
                 problems.append(f"{label}: {key} key {k[:80]!r} is not a usable module pattern ({exc})")

@@ -383,3 +383,14 @@ def test_gpt2_conv1d_fold_equals_peft(tmp_path):
     assert torch.equal(got["transformer.h.0.attn.c_attn.weight"], want["transformer.h.0.attn.c_attn.weight"])
     assert not torch.equal(got["transformer.h.0.attn.c_attn.weight"],
                            load_file(str(tmp_path / "base" / "model.safetensors"))["transformer.h.0.attn.c_attn.weight"])
+
+
+@pytest.mark.parametrize("cfg, pattern", [
+    ({"rank_pattern": {"(a+)+$": 1}}, "can take for ever"),  # catastrophic backtracking on a module name
+    ({"alpha_pattern": {".*" * 10: 2.0}}, "can take for ever"),
+    ({"r": 10**15}, "not a positive integer up to 65536"),  # allocated petabytes
+    ({"lora_alpha": 1e308}, "not a nonzero number up to 1e\\+06"),  # made the merged adapter Inf
+])
+def test_hostile_adapter_configs_are_refused_at_once(tmp_path, cfg, pattern):
+    ad = _adapter(tmp_path / "ad", {"p": (A1, B1)}, **cfg)
+    _refused(tmp_path, [ad, _adapter(tmp_path / "ad2", {"p": (A2, B2)})], "out", pattern)
