@@ -251,3 +251,24 @@ def test_lte_two_workers_two_rounds_on_a_hf_model(hf_dir, texts, tmp_path, capsy
     g1, g2 = (load_checkpoint(s, L.global_weights(r))[0] for r in (1, 2))
     assert not torch.equal(g1["model.layers.0.mlp.up_proj.weight"], g2["model.layers.0.mlp.up_proj.weight"])
     assert st["final_hf"] is not None
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"vocab_size": 10**12}, r"vocab_size is 1000000000000, not a whole number"),
+    ({"model_type": "no-such-model"}, "is not a usable Hugging Face config"),
+    ({"hidden_size": 30, "num_attention_heads": 4}, "not a multiple of the number of attention heads|not divisible"),
+    ({"num_hidden_layers": 10**6}, r"num_hidden_layers is 1000000, not a whole number"),
+    ({"hidden_size": 65536, "intermediate_size": 4, "num_attention_heads": 1, "num_hidden_layers": 64}, "would take about"),
+    ("[" * 100_000 + "]" * 100_000, "is not a usable Hugging Face config"),
+    ("{not json", "is not a usable Hugging Face config"),
+])
+def test_a_hostile_hf_config_is_one_clear_error_before_anything_is_allocated(hf_dir, tmp_path, change, says):
+    import shutil
+
+    from worker.hf import build
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(change if isinstance(change, str) else json.dumps({**config, **change}))
+    with pytest.raises(ConfigError, match=says):
+        build(_cfg(bad).model, pretrained=False)

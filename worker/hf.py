@@ -95,11 +95,45 @@ def max_positions(config: object) -> int | None:
     return None
 
 
+_CONFIG_LIMIT = 1 << 20  # bytes of a config.json
+
+
+def _config(tf: ModuleType, path: str) -> object:
+    """The model's config, checked before anything is allocated: readable JSON of sane depth and size,
+    a model type transformers knows, whole sizes that divide, and weights that fit this machine's memory."""
+    where = os.path.join(path, "config.json")
+    try:
+        with open(where, "rb") as f:
+            data = f.read(_CONFIG_LIMIT + 1)
+        if len(data) > _CONFIG_LIMIT or not isinstance(json.loads(data), dict):
+            raise ValueError(f"not a JSON object of at most {_CONFIG_LIMIT} bytes")
+        config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers' own checks raise their own kinds: any of them means the same
+        raise ConfigError([f"model.hf: {where} is not a usable Hugging Face config ({type(exc).__name__}: "
+                           f"{str(exc)[:200]})"], source="model") from None
+    sizes = {k: getattr(config, k, None) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers")}
+    most = {"vocab_size": 1 << 24, "hidden_size": 1 << 17, "num_attention_heads": 1 << 12, "num_hidden_layers": 1 << 12}
+    bad = [f"{k} is {v!r}, not a whole number in [1, {most[k]}]" for k, v in sizes.items()
+           if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= most[k])]
+    if not bad and sizes["hidden_size"] and sizes["num_attention_heads"] and sizes["hidden_size"] % sizes["num_attention_heads"]:
+        bad.append(f"hidden_size {sizes['hidden_size']} is not divisible by num_attention_heads {sizes['num_attention_heads']}")
+    if not bad and None not in (sizes["vocab_size"], sizes["hidden_size"], sizes["num_hidden_layers"]):
+        d = sizes["hidden_size"]
+        weights = 4 * (2 * sizes["vocab_size"] * d + 12 * sizes["num_hidden_layers"] * d * d)  # fp32, a rough count
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if weights > memory:
+            bad.append(f"its fp32 weights alone would take about {weights / 1e9:.0f} GB, more than this machine's "
+                       f"{memory / 1e9:.0f} GB")
+    if bad:
+        raise ConfigError([f"model.hf: {where}: {b}" for b in bad], source="model")
+    return config
+
+
 def build(cfg: ModelConfig, pretrained: bool = True) -> HFCausalLM:
     """The model at cfg.hf: its weights (pretrained) or its architecture only, in float32."""
     tf = transformers_module()
     path = _directory(cfg)
-    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    config = _config(tf, path)
     limit = max_positions(config)
     if limit is not None and cfg.block_size > limit:
         raise ConfigError([f"model.block_size is {cfg.block_size}, but the Hugging Face model at {path} has "
