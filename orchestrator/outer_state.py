@@ -80,6 +80,9 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
     if problem or changed:
         raise RunError(f"cannot rebuild {target}: " + (problem or f"the contributions of workers {changed} "
                        f"changed or disappeared since round {r} merged them") + f"; {fix}")
+    if read_manifest(storage, L.global_weights(r + 1)) is None:  # a commit publishes the global before its record
+        raise RunError(f"cannot rebuild {target}: round {r}'s record names {L.global_weights(r + 1)}, which is not there: "
+                       f"the round was never committed (the record is forged or left from elsewhere); {fix}")
     scratch, scratch_state = L.rebuilt_global(r), L.rebuilt_state(r)
     try:
         try:

@@ -234,3 +234,15 @@ def test_a_state_write_that_fails_in_the_service_commits_nothing_and_resume_fini
         assert s.read_bytes(L.global_weights(r)) == clean.read_bytes(L.global_weights(r))
     assert sorted(p.name for p in outer.iterdir()) == ["state_00001.json", "state_00001.safetensors",
                                                        "state_00002.json", "state_00002.safetensors"]
+
+
+def test_a_forged_record_of_an_uncommitted_round_writes_nothing(run_copy):
+    """Round 1's record is there (real digests, as a forger would copy them) but its global is not: the
+    round was never committed, so its state is not rebuilt from it; one clear error, nothing written."""
+    s, cfg, _ = run_copy
+    for key in ("global/round_00002.safetensors", "global/round_00002.json", "outer/state_00002.safetensors",
+                "outer/state_00002.json"):
+        s.remove(key)
+    with pytest.raises(RunError, match=r"round 1's record names global/round_00002.safetensors, which is not there"):
+        ensure_outer_state(s, cfg, 2, model_metadata(cfg.model))
+    assert not s.exists("outer/state_00002.safetensors") and not s.exists("outer/state_00002.json")
