@@ -13,8 +13,10 @@ import time
 
 import pytest
 
-from core.config import Config
+from core.config import config_from_dict
 from orchestrator.executor import Executor, _controller_folder
+
+LOCAL = config_from_dict({"executor": {"kind": "local"}})  # local jobs are pids (on Slurm, cancel is scancel)
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def spawn():
 
 
 def test_a_process_that_only_mentions_submitit_or_another_runs_folder_is_left_alone(tmp_path, spawn):
-    ours = Executor(Config(), tmp_path / "run" / "jobs")
+    ours = Executor(LOCAL, tmp_path / "run" / "jobs")
     decoys = [
         spawn([sys.executable, "-c", "import time; time.sleep(60)", "submitit"]),  # what was enough before
         spawn([sys.executable, "-c", "import time; time.sleep(60)", "-m", "submitit.local._local",
@@ -57,7 +59,7 @@ def test_a_controller_of_this_runs_folder_is_recognised_also_behind_a_setup_shel
     shell = spawn(["/bin/sh", "-c", f"sleep 60 && {sys.executable} -m submitit.local._local '{folder}'"])
     assert _controller_folder(str(shell.pid)) == folder
     assert _controller_folder("not-a-pid") is None and _controller_folder("999999999") is None
-    Executor(Config(), tmp_path / "run" / "jobs").cancel([str(shell.pid)])
+    Executor(LOCAL, tmp_path / "run" / "jobs").cancel([str(shell.pid)])
     assert shell.wait(timeout=10) in (-9, 137)  # this run's: killed (or ended as its killed child did)
 
 
