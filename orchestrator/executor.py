@@ -177,7 +177,7 @@ class Executor:
         submitit controller of this run's jobs: a process of this user whose command line ends with
         this run's job folder. Nothing else is ever adopted or signalled: not another run's job, not a
         reused pid, not a process someone named in jobs.json."""
-        return _controller_folder(job_id) == str(self.folder / "%j")
+        return _controller_folder(job_id) == str((self.folder / "%j").expanduser().absolute())  # as submitit writes it
 
     def stderr_tail(self, job_id: str, lines: int = 15) -> str:
         """The end of a job's stderr: why it ended without a contribution."""
