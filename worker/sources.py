@@ -224,8 +224,9 @@ def _jsonl_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
             at, pos = pos, pos + len(line)
             if not line.strip():
                 continue
+            where = f"{unit.rel} line {line_no}" if line_no is not None else f"{unit.rel} at byte {at}"
             try:
-                rec = _record(json.loads(line), f"{unit.rel}@{at}", "", fields)
+                rec = _record(json.loads(line), f"{unit.rel}@{at}", where, fields)
             except (ValueError, RecursionError) as exc:
                 rec = BadRecord("", f"not a JSON object ({str(exc)[:120]})")
             if isinstance(rec, BadRecord):  # only now is the line's number worth counting
