@@ -216,6 +216,27 @@ def expected_sizes(shard: Shard, width: int) -> dict[str, int]:
     return sizes
 
 
+def listed_sizes(storage: Any) -> dict[str, int]:
+    """{key: bytes} of every file under shards/ of the dataset at `storage`, from one listing (on an
+    object store asking each file its size is a request)."""
+    try:
+        listed = storage.fs.find(storage.path("shards"), detail=True)
+    except OSError:
+        return {}
+    return {"shards/" + k.rsplit("/", 1)[-1]: int(v["size"]) for k, v in listed.items()}
+
+
+def size_problems(shards: list[Shard] | tuple[Shard, ...], width: int, sizes: dict[str, int]) -> list[str]:
+    """Each file of `shards` whose size in `sizes` (listed_sizes) is not the index's."""
+    bad = []
+    for shard in shards:
+        for key, size in expected_sizes(shard, width).items():
+            got = sizes.get(key)
+            if got != size:
+                bad.append(f"{key}: {'missing' if got is None else f'{got} bytes'}, the index says {size}")
+    return bad
+
+
 def verify_shard(shard: Shard, read: Any, width: int) -> list[str]:
     """What is wrong with `shard`'s files (`read(key) -> bytes`): sizes, checksums, document ends."""
     import numpy as np

@@ -48,13 +48,12 @@ def add_parser(subparsers: Any) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     import time
 
+    from core.dataset import DatasetError
     from worker.prepare import PrepareSpec, prepare
     from worker.sources import Fields
     if (args.prompt_field is None) != (args.response_field is None):
-        from core.dataset import DatasetError
         raise DatasetError("--prompt-field and --response-field go together: name both fields of a fine-tuning pair")
     if args.messages_field and args.response_field:
-        from core.dataset import DatasetError
         raise DatasetError("--messages-field and --prompt-field/--response-field are two kinds of fine-tuning data: give one")
     spec = PrepareSpec(tuple(args.sources), args.out, args.tokenizer,
                        Fields(args.text_field, args.prompt_field, args.response_field, args.group_field,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import socket
@@ -34,6 +33,7 @@ from typing import Any
 from core.errors import RunError
 from core.layout import RunLayout
 from core.storage import Storage
+from orchestrator.records import number, text
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -188,14 +188,12 @@ def _read(storage: Storage, key: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, kind in _FIELDS.items():
         v = value.get(name)
-        if isinstance(v, bool) or v is None:
-            continue
-        if kind is int and isinstance(v, int) and 0 <= v < 1 << 40:
+        if kind is int and type(v) is int and 0 <= v < 1 << 40:
             out[name] = v
-        elif kind is float and isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= time.time() + 86400:
+        elif kind is float and number(v) is not None and 0 <= v <= time.time() + 86400:
             out[name] = float(v)
         elif kind is str and isinstance(v, str):
-            out[name] = "".join(c for c in v[:256] if c.isprintable())
+            out[name] = text(v, 256)
     return out
 
 

@@ -7,6 +7,7 @@ Reading one checks its shape: a file that is not what the service wrote is refus
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,21 @@ from core.layout import RunLayout
 from core.storage import Storage
 
 L = RunLayout()
+
+
+def text(v: Any, limit: int = 4000) -> str | None:
+    """A string from a run directory, fit for a terminal: control characters (escape sequences that
+    retitle a window or clear a screen) removed, length bounded; None for anything not a string."""
+    if not isinstance(v, str):
+        return None
+    return "".join(c for c in v[:limit] if c.isprintable() or c in "\n\t")
+
+
+def number(v: Any) -> float | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return v if ok else None
+
+
 LIMIT = 16 << 20
 
 

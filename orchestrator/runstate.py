@@ -3,7 +3,6 @@ Light on purpose (no torch): `status` and `cancel` use it; the models are orches
 from __future__ import annotations
 
 import datetime as dt
-import math
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from core.config_parse import load_yaml
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from orchestrator.records import RoundJobs, utilization
+from orchestrator.records import RoundJobs, number, text, utilization
 
 L = RunLayout()
 RUN_INFO = "run.json"
@@ -41,19 +40,6 @@ def arrived_workers(storage: Storage, r: int) -> list[int]:
     found = (L.parse_contribution(n) for n in names)
     return sorted(w for w in found if w is not None
                   and manifest_key(L.contribution(r, w)).rsplit("/", 1)[-1] in names)
-
-
-def text(v: Any, limit: int = 4000) -> str | None:
-    """A string from a run directory, fit for a terminal: control characters (escape sequences that
-    retitle a window or clear a screen) removed, length bounded; None for anything not a string."""
-    if not isinstance(v, str):
-        return None
-    return "".join(c for c in v[:limit] if c.isprintable() or c in "\n\t")
-
-
-def number(v: Any) -> float | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return v if ok else None
 
 
 def _workers(v: Any) -> list[int]:

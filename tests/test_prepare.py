@@ -287,3 +287,11 @@ def test_chat_messages_count_the_assistant_turns_only(tmp_path):
     assert counted.startswith("it is ") and counted.endswith("you are welcome")
     assert "<assistant>" not in counted and "add" not in counted and "thanks" not in counted
     assert tok.decode(tokens[first][:-1].tolist()) in {tok.apply_chat_template(c["messages"], tokenize=False) for c in chats}
+
+
+def test_a_group_field_with_too_many_values_stops_the_unit_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(fmt, "MAX_GROUPS", 3)
+    src = _jsonl(tmp_path / "a.jsonl", _rows(100))  # every text differs: 100 values
+    with pytest.raises(DatasetError, match="--group-field 'text' has more than 3 values: it is not a group"):
+        prepare(PrepareSpec((str(src),), str(tmp_path / "out"), fields=Fields(group="text")))
+    assert not any((tmp_path / "out").rglob("*.json"))  # no unit record, no index

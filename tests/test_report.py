@@ -316,3 +316,24 @@ def test_a_planted_metrics_line_is_one_clear_error_in_the_report(tiny_run, tmp_p
     out = capsys.readouterr().out
     assert "round_00000.jsonl line" in out and "not a whole number" in out and "Traceback" not in out
     assert not (tmp_path / "report" / "report.html").exists()
+
+
+@slow
+def test_tensorboard_files_are_private_and_never_written_through_a_link(tiny_run, tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")
+    import os
+    import stat
+
+    from orchestrator.observe.metrics import write_tensorboard
+    lines = read_metrics(Storage(str(tiny_run)), load_run(Storage(str(tiny_run))))
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    assert write_tensorboard(Storage(str(run)), lines)
+    assert stat.S_IMODE(os.stat(run / L.TENSORBOARD).st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (run / L.TENSORBOARD).iterdir())
+    linked = tmp_path / "linked"
+    linked.mkdir(mode=0o700)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", linked / L.TENSORBOARD)
+    assert not write_tensorboard(Storage(str(linked)), lines)  # a dashboard is never worth a write outside
+    assert list((tmp_path / "outside").iterdir()) == []

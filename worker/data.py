@@ -72,18 +72,7 @@ class Dataset:
         return self.storage.display()
 
     def _check_sizes(self) -> None:
-        """Every file's size against the index, from one listing (on an object store a file's size is a request)."""
-        try:
-            listed = self.storage.fs.find(self.storage.path("shards"), detail=True)
-        except OSError:
-            listed = {}
-        sizes = {k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1]: int(v["size"]) for k, v in listed.items()}
-        bad = []
-        for shard in self.index.shards:
-            for key, size in fmt.expected_sizes(shard, self.index.width).items():
-                got = sizes.get(key)
-                if got != size:
-                    bad.append(f"{key}: {'missing' if got is None else f'{got} bytes'}, the index says {size}")
+        bad = fmt.size_problems(self.index.shards, self.index.width, fmt.listed_sizes(self.storage))
         if bad:
             raise DatasetError(f"{self.url} does not match its index ({len(bad)} file(s)): " + "; ".join(bad[:5])
                                + ". Prepare it again, or restore the files")

@@ -22,7 +22,7 @@ import numpy as np
 
 from core import dataset as fmt
 from core.dataset import DatasetError, Index, Shard, Tokenizer
-from core.errors import StorageError
+from core.errors import IslandsError, StorageError
 from core.progress import human, progress
 from core.storage import Storage
 from worker.sources import BadRecord, Fields, Record, Unit, plan_units, records
@@ -224,8 +224,9 @@ def _init_process(tokenizer: str) -> None:
     _TOKENIZER = load_tokenizer(tokenizer)
 
 
-def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, tok: Any = None) -> dict[str, Any]:
-    """Read, tokenize and write one unit (in a pool process, or here with `tok`); its record."""
+def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, digest: str, tok: Any = None) -> dict[str, Any]:
+    """Read, tokenize and write one unit (in a pool process, or here with `tok`); its record, stamped
+    with the settings' `digest`."""
     tok = tok or _TOKENIZER or load_tokenizer(spec.tokenizer)
     writer = _UnitWriter(Storage(spec.out, follow_links=True), number, spec, tok)
     batch: list[Record] = []
@@ -242,7 +243,7 @@ def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, tok: Any = None) ->
             batch = []
     if batch:
         writer.add(batch)
-    return writer.finish(_digest(spec, tok))
+    return writer.finish(digest)
 
 
 def _digest(spec: PrepareSpec, tok: Any) -> str:
@@ -283,45 +284,48 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
                            "--out, or remove it first")
     units = units if units is not None else plan_units(list(spec.sources), spec.fields)
     masked = spec.fields.masked
-    done = {i: rec for i in range(len(units)) if (rec := _finished(storage, i, digest, masked, tok)) is not None}
+    width, sizes = fmt.DTYPES[fmt.dtype_for(tok.info.vocab_size)], fmt.listed_sizes(storage)
+    done = {i: rec for i in range(len(units)) if (rec := _finished(storage, i, digest, masked, (width, sizes))) is not None}
     if done:
         log.info("resuming: %d of %d units already prepared", len(done), len(units))
     todo = [i for i in range(len(units)) if i not in done]
     total = sum(u.size for u in units) / 1e6
+    docs, tokens = sum(r["documents"] for r in done.values()), sum(r["tokens"] for r in done.values())
     with progress(total, "preparing", unit="MB") as bar:
         bar.advance(sum(units[i].size for i in done) / 1e6)
-        for i, rec in _run(todo, units, spec, tok):
+        for i, rec in _run(todo, units, spec, digest, tok):
             done[i] = rec
-            docs = sum(r["documents"] for r in done.values())
-            tokens = sum(r["tokens"] for r in done.values())
+            docs, tokens = docs + rec["documents"], tokens + rec["tokens"]
             bar.note(f"{human(docs)} docs, {human(tokens)} tok")
             bar.advance(units[i].size / 1e6)
     return _write_index(storage, spec, tok, [done[i] for i in range(len(units))], digest, masked)
 
 
-def _run(todo: list[int], units: list[Unit], spec: PrepareSpec, tok: Any):
+def _run(todo: list[int], units: list[Unit], spec: PrepareSpec, digest: str, tok: Any):
     if spec.procs == 1 or len(todo) <= 1:
         for i in todo:
-            yield i, prepare_unit(i, units[i], spec, tok)
+            yield i, prepare_unit(i, units[i], spec, digest, tok)
         return
     # spawn: a fresh interpreter per process (a fork would copy this one's threads and tokenizer state)
     pool = multiprocessing.get_context("spawn").Pool(spec.procs, initializer=_init_process, initargs=(spec.tokenizer,))
     try:
-        yield from pool.imap_unordered(_prepare_job, [(i, units[i], spec) for i in todo])
+        yield from pool.imap_unordered(_prepare_job, [(i, units[i], spec, digest) for i in todo])
     finally:  # Ctrl-C or a bad record: stop every unit at once; the finished ones stay for a re-run
         pool.terminate()
         pool.join()
 
 
-def _prepare_job(job: tuple[int, Unit, PrepareSpec]) -> tuple[int, dict[str, Any]]:
+def _prepare_job(job: tuple[int, Unit, PrepareSpec, str]) -> tuple[int, dict[str, Any]]:
     return job[0], prepare_unit(*job)
 
 
-def _finished(storage: Storage, i: int, digest: str, masked: bool, tok: Any) -> dict[str, Any] | None:
-    """Unit i's record if a previous prepare with the same settings finished it (files of the right size)."""
+def _finished(storage: Storage, i: int, digest: str, masked: bool, files: tuple[int, dict[str, int]]
+              ) -> dict[str, Any] | None:
+    """Unit i's record if a previous prepare with the same settings finished it: its files, of `files`'
+    (token width, listed sizes), have the sizes it says."""
     try:
         rec = storage.read_json(fmt.part_key(i))
-    except Exception:  # a damaged record: the unit is prepared again
+    except IslandsError:  # a damaged record: the unit is prepared again
         return None
     if not isinstance(rec, dict) or rec.get("settings") != digest:
         if rec is not None:
@@ -329,13 +333,8 @@ def _finished(storage: Storage, i: int, digest: str, masked: bool, tok: Any) -> 
                                "another --out, or remove it first")
         return None
     parsed = fmt.parse_part(rec, storage.display(fmt.part_key(i)), masked)
-    if parsed is None or not isinstance(rec.get("tokens"), int):
+    if parsed is None or not isinstance(rec.get("tokens"), int) or fmt.size_problems(parsed[0], *files):
         return None
-    width = fmt.DTYPES[fmt.dtype_for(tok.info.vocab_size)]
-    for shard in parsed[0]:
-        for key, size in fmt.expected_sizes(shard, width).items():
-            if not storage.exists(key) or storage.size(key) != size:
-                return None
     return rec
 
 

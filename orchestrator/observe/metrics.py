@@ -251,10 +251,10 @@ def write_tensorboard(storage: Storage, lines: list[dict[str, Any]]) -> bool:
             for line in lines:
                 for tag, step, value in tensorboard_scalars(line):
                     tb.add_scalar(tag, value, step)
-        for name in os.listdir(folder):  # the event files TensorBoard made (by the umask): the run's, private
-            path = os.path.join(folder, name)
-            if os.path.isfile(path) and not os.path.islink(path):
-                os.chmod(path, PRIVATE_FILE)
+        with os.scandir(folder) as entries:  # the event files TensorBoard made (by the umask): the run's, private
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    os.chmod(entry.path, PRIVATE_FILE)
     except (OSError, ValueError, IslandsError) as exc:  # never fail a run for a dashboard
         log.warning("tensorboard events not written (%s)", exc)
         return False
