@@ -24,6 +24,7 @@ from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import RunLayout
 from core.manifest import read_manifest
+from core.records import RoundRecord
 from core.storage import Storage
 
 L = RunLayout()
@@ -63,21 +64,22 @@ def from_run(storage: Storage, workers: int, rounds: int, max_steps: int) -> Sch
     problems: list[str] = []
     steps, adopted, order, threads = {}, {}, {}, set()
     for r in range(rounds):
-        record = storage.read_json(L.round_record(r))
-        if not isinstance(record, dict):
+        try:
+            record = RoundRecord.load(storage, r)
+        except RunError as exc:
+            problems.append(str(exc))
+            continue
+        if record is None:
             problems.append(f"round {r} is not committed (no {storage.display(L.round_record(r))}): only a finished "
                             "run can be replayed")
             continue
-        merged, folded = record.get("merged"), record.get("folded") or []
+        merged, folded = record.merged, record.folded
         if merged != list(range(workers)) or folded:
-            problems.append(f"round {r} merged workers {str(merged)[:80]} and {len(folded) if isinstance(folded, list) else '?'} "
+            problems.append(f"round {r} merged workers {str(merged)[:80]} and {len(folded)} "
                             f"late fold(s), not all {workers} workers: a replay cannot make a merge leave out or fold in "
                             "the same contributions")
             continue
-        order[r] = record.get("merge_order") or merged
-        if not (isinstance(order[r], list) and all(isinstance(w, int) and not isinstance(w, bool) for w in order[r])):
-            problems.append(f"round {r}: merge_order {str(order[r])[:80]} in its record is not a list of workers")
-            continue
+        order[r] = record.merge_order or merged
         for w in range(workers):
             try:
                 m = read_manifest(storage, L.contribution(r, w)) or {}

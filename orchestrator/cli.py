@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("submit", help="start a run and drive it to the end")
     _config_args(p)
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="on the local executor, start more worker processes than 4 per core (at least 16 are allowed without it)")
     p.add_argument("--replay", metavar="RUN",
                    help="run RUN again, its config and seed, its workers' steps and its merge order, so that every "
                         "global it publishes equals RUN's bit for bit (a finished run that merged every worker "
@@ -110,10 +112,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         raise ConfigError(problems, source="the worker jobs' ranks")
     cfg = replace(cfg, executor__kind=_executor_kind(cfg.executor.kind))
     local_most = max(16, 4 * (os.cpu_count() or 1))
-    if cfg.executor.kind == "local" and cfg.workers > local_most:  # one process each, all on this machine
+    if cfg.executor.kind == "local" and cfg.workers > local_most and not args.oversubscribe:  # one process each, here
         raise ConfigError([f"workers: {cfg.workers} local workers would start {cfg.workers} processes on this machine "
-                           f"of {os.cpu_count()} cores (at most {local_most} here); use --executor slurm, or fewer "
-                           "workers"], source="--workers")
+                           f"of {os.cpu_count()} cores (at most {local_most} without --oversubscribe); use --executor "
+                           "slurm, fewer workers, or --oversubscribe if this machine can take them"], source="--workers")
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
     storage = _storage(cfg.run_dir)

@@ -18,11 +18,11 @@ from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import CheckpointError, ContributionRejected
 from core.layout import RunLayout
+from core.records import RoundJobs, RoundRecord
 from core.storage import Storage
 from merge.late import rebase
 from merge.rounds import Contribution
 from orchestrator.plan import Fold, contribution_weight, fold_plan
-from orchestrator.records import RoundJobs
 from orchestrator.runstate import arrived_workers
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,18 @@ class Folded:
         return asdict(self)
 
 
+def _record(storage: Storage, q: int) -> dict[str, Any]:
+    rec = RoundRecord.load(storage, q)
+    return rec.to_json() if rec else {}
+
+
 def late_window(storage: Storage, r: int, max_staleness: int) -> tuple[dict[int, list[int]], set[tuple[int, int]]]:
     """(round -> workers published there but not merged or rejected, (round, worker) already
     folded or refused a fold) over the rounds a merge of round r may still fold from."""
     unmerged: dict[int, list[int]] = {}
     done: set[tuple[int, int]] = set()
     for q in range(max(0, r - max_staleness), r):
-        rec = storage.read_json(L.round_record(q)) or {}
+        rec = _record(storage, q)
         for f in [*rec.get("folded", []), *rec.get("fold_rejected", [])]:
             done.add((int(f["from_round"]), int(f["worker"])))
         taken = {int(w) for w in [*rec.get("merged", []), *rec.get("rejected", [])]}
@@ -110,7 +115,7 @@ def unfinished_late_jobs(storage: Storage, r: int, max_staleness: int) -> list[s
     unmerged, _ = late_window(storage, r, max_staleness)
     ids = []
     for q in range(max(0, r - max_staleness), r):
-        rec = storage.read_json(L.round_record(q)) or {}
+        rec = _record(storage, q)
         for w in rec.get("dropped", []):
             if w not in unmerged.get(q, []):
                 ids.append(RoundJobs.load(storage, q).workers[w].latest)

@@ -33,7 +33,7 @@ from typing import Any
 from core.errors import RunError
 from core.layout import RunLayout
 from core.storage import Storage
-from orchestrator.records import number, text
+from core.records import number, text
 
 log = logging.getLogger(__name__)
 L = RunLayout()

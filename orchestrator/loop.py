@@ -32,7 +32,7 @@ from orchestrator.lease import Lease
 from orchestrator.observe.metrics import write_round_metrics
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
-from orchestrator.records import RoundJobs, RoundRecord
+from core.records import RoundJobs, RoundRecord
 from orchestrator.round_merge import RoundMerger
 from orchestrator.runstate import arrived_workers
 from orchestrator.run_models import Evaluator, export_final

@@ -19,6 +19,7 @@ from core.checkpoint import TensorFile, read_manifest
 from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import RunLayout, manifest_key
+from core.records import RoundRecord
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
 
@@ -64,9 +65,13 @@ def ensure_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping[
 def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping[str, str]) -> None:
     """Write outer/state_{r+1} by doing committed round r's merge again (see the module's doc)."""
     target = storage.display(L.outer_state(r + 1))
-    record = storage.read_json(L.round_record(r)) or {}
     fix = (f"restore the round's files from a backup, or delete {storage.display(L.round_record(r))} so that "
            f"`orchestrate resume` merges round {r} again (its workers rerun if their contributions are gone)")
+    try:
+        loaded = RoundRecord.load(storage, r)
+    except RunError as exc:  # it names the damaged field
+        raise RunError(f"cannot rebuild {target}: {exc}; {fix}") from None
+    record = loaded.to_json() if loaded else {}
     if not record:
         raise RunError(f"cannot rebuild {target}: round {r} has no record")
     try:

@@ -26,7 +26,7 @@ from merge.rounds import Contribution, MergeResult, QuorumError, RunningSum, mer
 from orchestrator import late
 from orchestrator.executor import JobStatus
 from orchestrator.plan import Decision, contribution_weight
-from orchestrator.records import RoundJobs, RoundRecord
+from core.records import RoundJobs, RoundRecord
 from orchestrator.runstate import arrived_workers
 from orchestrator.submission import UNKNOWN, Submitter
 

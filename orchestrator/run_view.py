@@ -22,7 +22,7 @@ from rich.text import Text
 
 from core.config import Config
 from core.storage import Storage
-from orchestrator.records import utilization
+from core.records import utilization
 from orchestrator.runstate import arrived_workers, read_heartbeat
 
 SHOWN_WORKERS = 8

@@ -12,7 +12,7 @@ from core.config_parse import load_yaml
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from orchestrator.records import RoundJobs, number, text, utilization
+from core.records import RoundJobs, RoundRecord, number, text, utilization
 
 L = RunLayout()
 RUN_INFO = "run.json"
@@ -89,8 +89,16 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
     cfg = cfg or load_run(storage)
     rounds = []
     r = 0
-    while (rec := storage.read_json(L.round_record(r))) is not None:
-        rounds.append(round_line(r, rec))
+    while True:
+        try:
+            rec = RoundRecord.load(storage, r)
+        except RunError as exc:  # committed (the file is there) but not as the service wrote it
+            rounds.append({**round_line(r, {}), "damaged": text(str(exc))})
+            r += 1
+            continue
+        if rec is None:
+            break
+        rounds.append(round_line(r, rec.to_json()))
         r += 1
     failed = _failure(storage.read_json(L.FAILED))
     state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"

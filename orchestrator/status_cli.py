@@ -54,7 +54,7 @@ def status_table(status: dict[str, Any]) -> Any:
                         f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
                         f"initial eval loss {status['initial_eval_loss']}")
     for r in status["rounds"]:
-        loss = "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        loss = "damaged" if r.get("damaged") else "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
         table.add_row(str(r["round"]), loss, f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
                       _ids(r["rejected"]), _num(r["merge_seconds"], "{:.2f}"), wall, _busy(r.get("utilization")),
@@ -117,7 +117,7 @@ def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
 
 def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:
     from orchestrator.executor import Executor
-    from orchestrator.records import RoundJobs
+    from core.records import RoundJobs
 
     storage = Storage(args.run)
     cfg = load_run(storage)

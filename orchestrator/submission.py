@@ -13,7 +13,7 @@ from core.storage import Storage
 from core.task import WorkerTask
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import next_bases
-from orchestrator.records import JobEntry, RoundJobs, RoundRecord
+from core.records import JobEntry, RoundJobs, RoundRecord
 
 log = logging.getLogger(__name__)
 L = RunLayout()

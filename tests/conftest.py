@@ -136,3 +136,15 @@ def stall_reads(monkeypatch):
     monkeypatch.setattr(TensorFile, "_read_exact", hang)
     yield keys.add
     release.set()
+
+
+@pytest.fixture
+def round_record():
+    """make(r, **fields): a round record as the service writes one, every field there (empty) but
+    `fields`; for tests that plant a record (core/records.py refuses one with a field missing)."""
+    import typing
+
+    from core.records import RoundRecord
+    hints = typing.get_type_hints(RoundRecord)
+    empty = {k: {list: [], dict: {}}.get(typing.get_origin(t), {str: "", float: 0.0, int: 0}.get(t)) for k, t in hints.items()}
+    return lambda r, **fields: {**empty, "round": r, **fields}

@@ -295,7 +295,7 @@ def test_a_planted_heartbeat_is_no_heartbeat(tmp_path, corpus_cache):
 
 
 def test_utilization_counts_persistent_workers_only():
-    from orchestrator.records import utilization
+    from core.records import utilization
     rounds = [{"worker_train_s": {"0": 9.0, "1": 6.0}, "worker_idle_s": {"0": 1.0, "1": 4.0}},
               {"worker_train_s": {"0": 10.0, "2": 5.0}, "worker_idle_s": {"0": 0.0}}]  # 2: a per-round job
     assert utilization(rounds[:1]) == 0.75 and utilization(rounds[1:]) == 1.0

@@ -1,14 +1,21 @@
 """The service's own JSON records in a run directory, planted or damaged: each read through a checked
-loader (orchestrator/lease.py `_read` for lock.json and the lease epochs), never a hang or a traceback.
+loader (orchestrator/lease.py `_read` for lock.json and the lease epochs, core/records.py for jobs.json
+and record.json), never a hang or a traceback.
 Real files, the real lease."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from core.errors import RunError
 from core.layout import RunLayout
+from core.records import RoundJobs, RoundRecord
 from core.storage import Storage
 from orchestrator.lease import acquire
 
@@ -102,3 +109,94 @@ def test_numbers_that_would_exhaust_the_machine_are_refused_before_anything_is_m
     assert main(["submit", *args, "--run-dir", str(tmp_path / "run")]) == 2
     out = capsys.readouterr().out
     assert says in out and "Traceback" not in out and not (tmp_path / "run").exists()
+
+
+def test_oversubscribe_lets_more_local_workers_through_that_check(tmp_path, capsys):
+    """--oversubscribe lifts the local process bound (and only it): the submission goes on to the next
+    check, here a run directory others can write, so that no 400 processes are started by the test."""
+    from orchestrator.cli import main
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o777)
+    assert main(["submit", "--workers", "400", "--executor", "local", "--oversubscribe", "--run-dir", str(run)]) == 2
+    out = capsys.readouterr().out
+    assert "local workers would start" not in out and "writable" in out and not (run / "config.yaml").exists()
+
+
+# -- jobs.json and record.json: one checked loader each (core/records.py) ----------------------------
+GOOD_JOBS = {"round": 3, "submitted_at": 10.5, "sbatch_calls": 2,
+             "workers": {"0": {"attempts": 1, "job_ids": ["12_0"], "base": "global/g.safetensors", "base_digest": "d",
+                               "persistent": False, "submitted_at": 10.5, "failures": []}}}
+
+
+def _jobs(**change):
+    raw = json.loads(json.dumps(GOOD_JOBS))
+    for path, v in change.items():
+        *up, last = path.split("__")
+        node = raw
+        for k in up:
+            node = node[k]
+        node[last] = v
+    return raw
+
+
+def test_a_jobs_file_as_written_loads(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    s.write_bytes(L.round_jobs(3), json.dumps(GOOD_JOBS).encode())
+    jobs = RoundJobs.load(s, 3)
+    assert jobs.latest() == {0: "12_0"} and jobs.submitted_at == 10.5 and jobs.workers[0].base_digest == "d"
+    assert RoundJobs.load(s, 3).to_json() == GOOD_JOBS  # what it writes, it reads back the same
+
+
+@pytest.mark.parametrize("raw, field", [
+    (_jobs(submitted_at=float("nan")), "'submitted_at'"),    # a NaN deadline: the round would never time out
+    (_jobs(sbatch_calls=True), "'sbatch_calls'"),
+    (_jobs(round="3"), "'round'"),
+    (_jobs(workers=[1]), "'workers'"),
+    (_jobs(workers__0__attempts=1.5), "'attempts'"),
+    (_jobs(workers__0__job_ids=["1", 2]), "'job_ids'"),
+    (_jobs(workers__0__job_ids=[]), "at least one job id"),
+    (_jobs(workers__0__submitted_at=float("inf")), "'submitted_at'"),
+    (_jobs(workers__0__failures={"a": 1}), "'failures'"),
+    (_jobs(workers={"-1": GOOD_JOBS["workers"]["0"]}), "not a worker number"),
+    (_jobs(round=4), "round 4's jobs file"),
+    ([1, 2], "a JSON list"),
+])
+def test_a_damaged_jobs_file_is_refused_naming_the_field(tmp_path, raw, field):
+    s = Storage(str(tmp_path / "run"))
+    s.write_bytes(L.round_jobs(3), json.dumps(raw).encode())
+    with pytest.raises(RunError, match="jobs.json") as err:
+        RoundJobs.load(s, 3)
+    assert field in str(err.value) and "orchestrate resume" in str(err.value)
+
+
+def test_a_record_with_a_wrong_field_is_refused_naming_it(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    base = {f.name: None for f in dataclasses.fields(RoundRecord)}
+    s.write_bytes(L.round_record(0), json.dumps({**base, "round": 0}).encode())
+    with pytest.raises(RunError, match=r"record.json is not a record islands wrote: 'merged' is None, not list\[int\]"):
+        RoundRecord.load(s, 0)
+    s.write_bytes(L.round_record(0), json.dumps({"round": 0}).encode())
+    with pytest.raises(RunError, match="no 'merged'"):
+        RoundRecord.load(s, 0)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=12))
+@settings(max_examples=200, deadline=None)
+def test_any_json_in_a_jobs_field_is_loaded_typed_or_refused(value):
+    """Whatever a co-tenant writes into any field: a RunError, or values of exactly the declared types."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        s = Storage(d)
+        for key in ("submitted_at", "sbatch_calls", "workers"):
+            s.write_bytes(L.round_jobs(3), json.dumps(_jobs(**{key: value})).encode())
+            try:
+                jobs = RoundJobs.load(s, 3)
+            except RunError:
+                continue
+            assert jobs.submitted_at is None or math.isfinite(jobs.submitted_at)
+            assert isinstance(jobs.sbatch_calls, int)
+            assert all(isinstance(w, int) and e.job_ids and all(isinstance(j, str) for j in e.job_ids)
+                       for w, e in jobs.workers.items())

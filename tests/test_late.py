@@ -160,27 +160,27 @@ def test_next_bases_fold_and_drop_restart_from_the_global():
     assert next_bases(3, [0, 1], late, "continue", "G")[2] == late[2]
 
 
-def _late_round(s: Storage, base_sha: str | None = None) -> None:
+def _late_round(s: Storage, record, base_sha: str | None = None) -> None:
     """Round 0 merged workers 0 and 1 at G1; worker 2's contribution (from G0) arrived after."""
     write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
     write_checkpoint(s, L.global_weights(1), {k: v - 0.375 for k, v in G0.items()}, manifest={"round": 1})
     sha = read_manifest(s, L.global_weights(0))["digest"]
     s.write_json(L.round_jobs(0), {"round": 0, "workers": {"2": {"base": L.global_weights(0), "base_digest": sha,
                                                                   "job_ids": ["7"], "attempts": 1}}})
-    s.write_json(L.round_record(0), {"round": 0, "merged": [0, 1], "rejected": [], "dropped": [2]})
+    s.write_json(L.round_record(0), record(0, merged=[0, 1], rejected=[], dropped=[2]))
     write_checkpoint(s, L.contribution(0, 2), {k: v - 1.0 for k, v in G0.items()},
                      manifest={"round": 0, "worker": 2, "steps": 25, "tokens": 25 * 16 * 128, "base_digest": base_sha or sha})
 
 
-def test_late_contribution_from_the_wrong_base_is_not_folded(mem):
-    _late_round(mem, base_sha="0" * 64)
+def test_late_contribution_from_the_wrong_base_is_not_folded(mem, round_record):
+    _late_round(mem, round_record, base_sha="0" * 64)
     cfg = load_config(None, {"workers": 3}, ["round.late_policy=fold"])
     folded, refused = prepare_folds(mem, cfg, 1)
     assert folded == [] and refused[0]["worker"] == 2 and "stale late contribution" in refused[0]["reason"]
 
 
-def test_late_contribution_with_nan_is_not_folded_and_nothing_is_published(mem):
-    _late_round(mem)
+def test_late_contribution_with_nan_is_not_folded_and_nothing_is_published(mem, round_record):
+    _late_round(mem, round_record)
     bad = {"w": torch.tensor([1.0, float("nan"), 3.0]), "b": torch.tensor([0.5])}
     write_checkpoint(mem, L.contribution(0, 2), bad, manifest={"round": 0, "worker": 2, "steps": 25, "tokens": 25 * 16 * 128,
                      "base_digest": read_manifest(mem, L.global_weights(0))["digest"]})
@@ -189,15 +189,15 @@ def test_late_contribution_with_nan_is_not_folded_and_nothing_is_published(mem):
     assert read_manifest(mem, L.folded_contribution(1, 2, 0)) is None
 
 
-def test_rebase_is_global_plus_the_late_delta(mem):
-    _late_round(mem)
+def test_rebase_is_global_plus_the_late_delta(mem, round_record):
+    _late_round(mem, round_record)
     rebase(mem, L.global_weights(1), L.contribution(0, 2), L.global_weights(0), "v.safetensors")
     v = load_checkpoint(mem, "v.safetensors")[0]
     assert torch.equal(v["w"], G0["w"] - 0.375 - 1.0) and torch.equal(v["b"], G0["b"] - 1.375)
 
 
-def test_a_late_contribution_whose_reads_stall_is_not_folded(mem, stall_reads):
-    _late_round(mem)
+def test_a_late_contribution_whose_reads_stall_is_not_folded(mem, stall_reads, round_record):
+    _late_round(mem, round_record)
     stall_reads(L.contribution(0, 2))
     folded, refused = prepare_folds(mem, load_config(None, {"workers": 3}, ["round.late_policy=fold"]), 1)
     assert folded == [] and "it stalls" in refused[0]["reason"], refused

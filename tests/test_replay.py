@@ -96,11 +96,11 @@ def _contribution(s: Storage, r: int, w: int, manifest: dict) -> None:
                      manifest={"round": r, "worker": w, **manifest})
 
 
-def test_only_finished_runs_that_merged_every_worker_can_be_replayed(tmp_path):
+def test_only_finished_runs_that_merged_every_worker_can_be_replayed(tmp_path, round_record):
     s = Storage(str(tmp_path))
-    s.write_json("rounds/00000/record.json", {"merged": [0, 1], "merge_order": [1, 0], "folded": []})
-    s.write_json("rounds/00001/record.json", {"merged": [0], "merge_order": [0], "folded": []})
-    s.write_json("rounds/00002/record.json", {"merged": [0, 1], "merge_order": [0, 1], "folded": [{"key": "x"}]})
+    s.write_json("rounds/00000/record.json", round_record(0, merged=[0, 1], merge_order=[1, 0]))
+    s.write_json("rounds/00001/record.json", round_record(1, merged=[0], merge_order=[0]))
+    s.write_json("rounds/00002/record.json", round_record(2, merged=[0, 1], merge_order=[0, 1], folded=[{"key": "x"}]))
     for w in (0, 1):
         _contribution(s, 0, w, {"steps": 4 + w, "threads": 3})
     with pytest.raises(RunError) as exc:
@@ -120,8 +120,9 @@ def test_only_finished_runs_that_merged_every_worker_can_be_replayed(tmp_path):
     _contribution(s, 0, 1, {"steps": 5, "overlap": {"adopted_at_step": 3, "ahead_s": 0.5}})
     with pytest.raises(RunError, match="round 0 worker 1: adopted at step 3, but no worker trains ahead into round 0"):
         replay.from_run(s, workers=2, rounds=1, max_steps=10)  # well-formed, and still checked against the run
-    s.write_json("rounds/00000/record.json", {"merged": [0, 1], "merge_order": ["1", 0], "folded": []})
-    with pytest.raises(RunError, match=r"round 0: merge_order \['1', 0\] in its record is not a list of workers"):
+    s.write_json("rounds/00000/record.json", round_record(0, merged=[0, 1], merge_order=["1", 0]))
+    with pytest.raises(RunError, match=r"00000/record.json is not a record islands wrote: 'merge_order' is \['1', 0\], "
+                                       r"not list\[int\]"):
         replay.from_run(s, workers=2, rounds=1, max_steps=10)
 
 

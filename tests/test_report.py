@@ -301,6 +301,7 @@ def test_status_shows_a_damaged_record_without_a_traceback_or_raw_escapes(tiny_r
         assert "\x1b" not in out and "\x07" not in out and "Traceback" not in out
     st = json.loads(out)
     assert st["failure"]["reason"].startswith("failed.json is not a record") and st["rounds"][1]["merged"] == [0, 1]
+    assert "rounds/00000/record.json is not a record islands wrote" in st["rounds"][0]["damaged"]  # one checked loader
 
 
 @slow

@@ -35,7 +35,7 @@ from core.config import Config
 from core.errors import IslandsError, StorageError
 from core.layout import RunLayout
 from core.storage import PRIVATE_FILE, Storage
-from orchestrator.records import RoundJobs, utilization
+from core.records import RoundJobs, RoundRecord, utilization
 from orchestrator.runstate import RUN_INFO, arrived_workers
 
 log = logging.getLogger(__name__)
@@ -229,10 +229,10 @@ def read_metrics(storage: Storage, cfg: Config) -> list[dict[str, Any]]:
         if key.rsplit("/", 1)[-1] in names:
             out += parse_jsonl(storage.read_bytes(key), storage.display(key))
             continue
-        record = storage.read_json(L.round_record(r))
+        record = RoundRecord.load(storage, r)
         if record is None:
             break
-        out += round_metrics(storage, cfg, record, evaluated_at=None)
+        out += round_metrics(storage, cfg, record.to_json(), evaluated_at=None)
     return out
 
 

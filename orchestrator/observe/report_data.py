@@ -26,7 +26,7 @@ from core.errors import CheckpointError
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.observe.metrics import SCHEMA, read_metrics, step_lines
-from orchestrator.records import RoundJobs
+from core.records import RoundJobs
 from orchestrator.runstate import RUN_INFO, arrived_workers, load_run, read_heartbeat, run_status
 
 L = RunLayout()

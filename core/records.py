@@ -1,16 +1,20 @@
 """What the merge service writes about a round: the jobs it submitted and the record that commits it.
 
 Both are JSON files in the run directory (rounds/r/jobs.json, rounds/r/record.json; their keys in
-docs/observability.md), read back by a resumed service, `status`, `report` and the chaos check.
-Reading one checks its shape: a file that is not what the service wrote is refused with its path.
+docs/observability.md), read back by a resumed service, `status`, `report`, the replay and the chaos
+check, each only through `load` here. Reading one checks every field against its declared type
+(finite numbers, no bool for an int): a file that is not what the service wrote is refused with its
+path and the field, never half-used.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from core.errors import RunError
 from core.layout import RunLayout
@@ -33,6 +37,54 @@ def number(v: Any) -> float | None:
 
 
 LIMIT = 16 << 20
+T = TypeVar("T")
+
+
+def _fits(v: Any, tp: Any) -> bool:
+    """Is JSON value `v` of annotation `tp` (int, float, str, bool, X | None, list[X], dict[str, X], Any)?"""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(v, a) for a in args)
+    if tp is type(None):
+        return v is None
+    if tp is bool:
+        return isinstance(v, bool)
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:
+        return number(v) is not None
+    if tp is str:
+        return isinstance(v, str)
+    if origin is list:
+        return isinstance(v, list) and all(_fits(x, args[0]) for x in v)
+    if origin is dict:
+        return isinstance(v, dict) and all(isinstance(k, str) and _fits(x, args[1]) for k, x in v.items())
+    raise TypeError(f"no check for {tp}")  # a field added with a type this reader does not know yet
+
+
+def _name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def checked(cls: type[T], raw: Any, where: str) -> T:
+    """`cls` (a dataclass) from the JSON object `raw`, every field checked against its type; unknown
+    keys ignored (a newer writer's), missing ones take their defaults. RunError names the field."""
+    if not isinstance(raw, dict):
+        raise RunError(f"{where} is not a record islands wrote: a JSON {type(raw).__name__}, not an object")
+    hints = typing.get_type_hints(cls)
+    got = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RunError(f"{where} is not a record islands wrote: no {f.name!r}")
+            continue
+        if not _fits(raw[f.name], hints[f.name]):
+            raise RunError(f"{where} is not a record islands wrote: {f.name!r} is {text(repr(raw[f.name]), 80)}, "
+                           f"not {_name(hints[f.name])}")
+        got[f.name] = raw[f.name]
+    return cls(**got)
 
 
 @dataclass
@@ -73,26 +125,39 @@ class RoundJobs:
 
     @classmethod
     def load(cls, storage: Storage, r: int) -> RoundJobs:
+        """Round r's jobs file, checked; an empty one when there is none. RunError says how to recover."""
+        where = storage.display(L.round_jobs(r))
         raw = storage.read_json(L.round_jobs(r), limit=LIMIT)
         if raw is None:
             return cls(r)
+        fix = "; move it aside and `orchestrate resume` resubmits the round"
         try:
-            workers = {int(w): _entry(e) for w, e in raw["workers"].items()}
-            return cls(r, workers, raw.get("submitted_at"), int(raw.get("sbatch_calls", 0)))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise RunError(f"{storage.display(L.round_jobs(r))} is not a jobs file this service wrote "
-                           f"({type(exc).__name__}: {exc}); move it aside and `orchestrate resume` resubmits the round") from None
+            top = checked(_JobsFile, raw, where)
+            workers = {}
+            for w, e in top.workers.items():
+                entry = checked(JobEntry, e, f"{where} (worker {text(w, 16)})")
+                if not w.isdigit() or len(w) > 6 or not entry.job_ids:
+                    raise RunError(f"{where} is not a jobs file this service wrote: worker {text(w, 16)!r} "
+                                   "is not a worker number with at least one job id")
+                workers[int(w)] = entry
+        except RunError as exc:
+            raise RunError(f"{exc}{fix}") from None
+        if top.round != r:
+            raise RunError(f"{where} is round {top.round}'s jobs file, not round {r}'s{fix}")
+        return cls(r, workers, top.submitted_at, top.sbatch_calls)
 
     def save(self, storage: Storage) -> None:
         storage.write_json(L.round_jobs(self.round), self.to_json())
 
 
-def _entry(raw: dict[str, Any]) -> JobEntry:
-    known = {f.name for f in dataclasses.fields(JobEntry)}
-    e = JobEntry(**{k: v for k, v in raw.items() if k in known})
-    if not e.job_ids or not all(isinstance(j, str) for j in e.job_ids) or not isinstance(e.attempts, int):
-        raise ValueError("job_ids must be a non-empty list of strings and attempts an int")
-    return e
+@dataclass(frozen=True)
+class _JobsFile:
+    """rounds/r/jobs.json as written by RoundJobs.to_json (its workers checked one by one as JobEntry)."""
+
+    round: int
+    workers: dict[str, Any]
+    submitted_at: float | None = None
+    sbatch_calls: int = 0
 
 
 @dataclass
@@ -138,14 +203,14 @@ class RoundRecord:
 
     @classmethod
     def load(cls, storage: Storage, r: int) -> RoundRecord | None:
+        """Round r's commit, checked; None when the round is not committed."""
         raw = storage.read_json(L.round_record(r), limit=LIMIT)
         if raw is None:
             return None
-        known = {f.name for f in dataclasses.fields(cls)}
-        try:
-            return cls(**{k: v for k, v in raw.items() if k in known})
-        except TypeError as exc:
-            raise RunError(f"{storage.display(L.round_record(r))} is not a round record this service wrote: {exc}") from None
+        rec = checked(cls, raw, storage.display(L.round_record(r)))
+        if rec.round != r:
+            raise RunError(f"{storage.display(L.round_record(r))} is round {rec.round}'s record, not round {r}'s")
+        return rec
 
     def save(self, storage: Storage) -> None:
         storage.write_json(L.round_record(self.round), self.to_json())
