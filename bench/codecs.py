@@ -55,7 +55,7 @@ def run_variant(v: tuple[str, str, float], args: argparse.Namespace, root: Path)
     s = Storage(str(run))
     create_run(s, cfg)
     ev = Evaluator(cfg)
-    losses, sent, t0 = [ev.loss(s, L.global_weights(0))], [], time.perf_counter()
+    losses, sent, t0 = [ev.metrics(s, L.global_weights(0))["loss"]], [], time.perf_counter()
     for r in range(args.rounds):
         contribs = []
         for w in range(args.workers):
@@ -67,7 +67,7 @@ def run_variant(v: tuple[str, str, float], args: argparse.Namespace, root: Path)
                           state_in_key=L.outer_state(r) if r else None, state_out_key=L.outer_state(r + 1),
                           metadata=ev.metadata, manifest={"round": r + 1})
         assert res.merged == list(range(args.workers)), res.rejected
-        losses.append(ev.loss(s, L.global_weights(r + 1)))
+        losses.append(ev.metrics(s, L.global_weights(r + 1))["loss"])
     return {"variant": name_of(v), "losses": losses, "bytes": sum(sent) / len(sent),
             "weights_bytes": s.read_json(manifest_key(L.global_weights(0)))["bytes"], "seconds": time.perf_counter() - t0}
 

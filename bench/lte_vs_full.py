@@ -84,11 +84,11 @@ def memory(cfg) -> dict:
 
 def analytical(n_layer: int, n_head: int, n_embd: int, block_size: int, rank: int) -> tuple[int, int]:
     """(LTE contribution, full model) parameter counts of a bigger built-in model, built on the meta device."""
-    from core.config import ModelConfig
+    from core.config import Config, ModelConfig
     mc = ModelConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size)
     with torch.device("meta"):
         full = sum(p.numel() for p in build_model(mc).parameters())
-    return sum(torch.Size(s).numel() for s in lora.contribution_shapes(mc, rank).values()), full
+    return sum(torch.Size(s).numel() for s in lora.contribution_shapes(Config(model=mc), rank).values()), full
 
 
 def main() -> None:

@@ -301,8 +301,15 @@ class Config:
     run_dir: str | None = None
     """Run directory (any fsspec URL: a path on shared storage, s3://...). Default:
     ./runs/<algorithm>-<timestamp>."""
+    task: str = "lm"
+    """What is trained and how it is scored (docs/tasks.md): `lm`, a causal language model (the
+    built-in GPT, or model.hf's) on data.source; `digits`, the shipped image-classification example
+    (a small Hugging Face ViT on scikit-learn's bundled digits); or your own, `package.module:Class`."""
+    task_path: str | None = None
+    """A directory put first on the import path of `submit` and of every job before `task` is
+    imported: a task module outside any installed package (it must be readable by the jobs)."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The built-in model."""
+    """The built-in model (task lm)."""
     data: DataConfig = field(default_factory=DataConfig)
     """The corpus and how it is split."""
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -325,6 +332,12 @@ class Config:
         if self.algorithm == "lofi":
             return self.inner.batch_size // self.workers
         return self.inner.batch_size
+
+    @property
+    def tokens_per_example(self) -> int:
+        """What one example of a batch counts in a manifest's `tokens` (outer.weighting tokens): a
+        window of block_size tokens for task lm; one example for any other task."""
+        return self.model.block_size if self.task == "lm" else 1
 
     @property
     def total_inner_steps(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ PRESET_KEYS = ("timeout_min", "cpus_per_task", "mem_gb", "gpus_per_node", "tasks
 
 if TYPE_CHECKING:
     from core.config import Config, ModelConfig
+
+BUILTIN_TASKS = ("lm", "digits")  # worker/tasks/: the language model (GPT or model.hf), the vision example
 
 
 MAX_DEPTH, MAX_NODES = 32, 100_000
@@ -264,6 +267,14 @@ def check(cfg: Config) -> list[str]:
             p.append(msg)
 
     p += [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
+    need(cfg.task in BUILTIN_TASKS or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", cfg.task) is not None,
+         f"task: {cfg.task!r} is not a task; valid: {', '.join(BUILTIN_TASKS)}, or your own as package.module:Class "
+         "(docs/tasks.md)")
+    need(cfg.task == "lm" or (cfg.model.hf is None and cfg.data.source is None),
+         f"model.hf and data.source belong to task lm; task {cfg.task} builds its own model and reads its own data: "
+         "drop them")
+    need(cfg.task_path is None or cfg.task not in BUILTIN_TASKS,
+         f"task_path names where your own task is imported from; task {cfg.task} is built in: drop task_path")
     need(cfg.workers >= 1, f"workers must be >= 1, got {cfg.workers}")
     need(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
     need(cfg.workers <= MAX_WORKERS, f"workers must be at most {MAX_WORKERS}, got {cfg.workers}: a typo?")

@@ -195,6 +195,8 @@ class RoundRecord:
     """worker -> its latest job's state, queue wait, run time and attempts."""
     eval_loss: float | None = None
     """Filled in after the commit (the evaluation is off the critical path)."""
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """The task's other eval metrics (e.g. accuracy), filled in with eval_loss."""
     worker_train_s: dict[str, float] = field(default_factory=dict)
     """Seconds each contributing worker spent on the round: loading its base, training, writing its contribution."""
 

@@ -119,8 +119,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
     storage = _storage(cfg.run_dir)
-    from worker.data import dataset_for
-    dataset_for(cfg)  # prepared (text: into the cache once) and its tokenizer the model's, before anything is made
+    if cfg.task_path is not None:  # the jobs import from it wherever they start
+        cfg = replace(cfg, task_path=str(Path(cfg.task_path).expanduser().resolve()))
+    from worker.tasks import task_for
+    task_for(cfg).check()  # built once on the CPU and tried (lm: its data prepared), before anything is made
     from orchestrator.lease import refuse_unsafe
     refuse_unsafe(storage, allow_group=args.allow_group_write)  # a folder made beforehand, open to others
     create_run(storage, cfg, schedule)

@@ -124,8 +124,9 @@ class Service:
         return decision, states
 
     def evaluate(self, record: RoundRecord) -> None:
-        """Add the new global model's eval loss to a committed round record (off the critical path)."""
-        record.eval_loss = self.evaluator.loss(self.storage, L.global_weights(record.round + 1))
+        """Add the new global model's eval metrics to a committed round record (off the critical path)."""
+        metrics = self.evaluator.metrics(self.storage, L.global_weights(record.round + 1))
+        record.eval_loss, record.eval_metrics = metrics.pop("loss"), metrics
         record.save(self.storage)
         write_round_metrics(self.storage, self.cfg, record.to_json())  # metrics/round_r.jsonl (docs/observability.md)
         self.on_round(record)

@@ -109,7 +109,7 @@ def contribution_weight(manifest: Mapping[str, Any], cfg: Config) -> float | str
     """A contribution's weight in its round's merge, or why it cannot have one (a str).
 
     Never taken on the manifest's word: with `outer.weighting: tokens` it is the tokens of the
-    steps the worker trained, steps x the worker's batch x the block size, all but the step count
+    steps the worker trained, steps x the worker's batch x the block size (other tasks: examples), all but the step count
     fixed by the run's config; the step count must lie in [1, inner.steps], and the manifest's own
     `tokens`, when it has one, must be that product (a worker writes exactly that). `uniform`: 1."""
     if cfg.outer.weighting != "tokens":
@@ -117,8 +117,8 @@ def contribution_weight(manifest: Mapping[str, Any], cfg: Config) -> float | str
     steps, claimed = manifest.get("steps"), manifest.get("tokens")
     if not (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= cfg.inner.steps):
         return f"its manifest says it trained {steps!r} steps, not a whole number in [1, inner.steps = {cfg.inner.steps}]"
-    tokens = steps * cfg.worker_batch_size * cfg.model.block_size
+    tokens = steps * cfg.worker_batch_size * cfg.tokens_per_example
     if claimed is not None and not (isinstance(claimed, (int, float)) and math.isfinite(claimed) and claimed == tokens):
         return (f"its manifest claims {claimed!r} tokens, but {steps} steps of {cfg.worker_batch_size} x "
-                f"{cfg.model.block_size} tokens are {tokens}: the figures were not written by its worker")
+                f"{cfg.tokens_per_example} tokens are {tokens}: the figures were not written by its worker")
     return float(tokens)

@@ -64,7 +64,7 @@ class LteMerge:
         lte = self.cfg.lte
         return merge_lte_round(storage, L.global_weights(r), inputs, L.global_weights(r + 1),
                                scale=lte.alpha / lte.rank, rank=lte.rank,
-                               expected=contribution_shapes(self.cfg.model, lte.rank), **common)
+                               expected=contribution_shapes(self.cfg, lte.rank), **common)
 
 
 class RoundMerger:

@@ -14,8 +14,8 @@ from core.layout import RunLayout, manifest_key
 from core.replay import Schedule
 from core.storage import Storage
 from orchestrator.runstate import RUN_INFO
-from worker.data import dataset_for, eval_batches, estimate_loss
-from worker.weights import build_model, load_weights, model_metadata, weights_of
+from worker.tasks import task_for
+from worker.weights import load_weights, weights_of
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -28,12 +28,13 @@ def create_run(storage: Storage, cfg: Config, schedule: Schedule | None = None) 
         raise RunError(f"{storage.display()} already holds a run; `orchestrate resume {storage.display()}` "
                        "continues it, or choose another --run-dir")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
+    task = task_for(cfg)
+    model = task.build_model()
     if cfg.model.init_from:
         root, _, name = cfg.model.init_from.rstrip("/").rpartition("/")
         tensors, _, _ = load_checkpoint(Storage(root or ".", follow_links=True), name, label=f"model.init_from {cfg.model.init_from}")
         load_weights(model, tensors, f"model.init_from {cfg.model.init_from}")
-    write_checkpoint(storage, L.global_weights(0), weights_of(model), metadata=model_metadata(cfg.model),
+    write_checkpoint(storage, L.global_weights(0), weights_of(model), metadata=task.metadata(),
                      manifest={"round": 0, "init_from": cfg.model.init_from})
     storage.write_json(RUN_INFO, {"created_at": time.time(), "host": socket.gethostname(),
                                   "params": sum(p.numel() for p in model.parameters())})
@@ -43,24 +44,26 @@ def create_run(storage: Storage, cfg: Config, schedule: Schedule | None = None) 
 
 
 class Evaluator:
-    """Eval loss of global checkpoints on the held-out documents (same batches every round)."""
+    """The task's eval metrics (loss, and e.g. accuracy) of global checkpoints on its held-out data
+    (the same batches every round)."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.metadata = model_metadata(cfg.model)
+        self.task = task_for(cfg)
+        self.metadata = self.task.metadata()
         self._batches: list | None = None
 
     def batches(self) -> list:
         if self._batches is None:
-            c = self.cfg
-            self._batches = eval_batches(dataset_for(c), c.model.block_size, c.inner.batch_size, c.data.eval_batches, c.seed)
+            self._batches = self.task.eval_batches(self.cfg.data.eval_batches, self.cfg.inner.batch_size)
         return self._batches
 
-    def loss(self, storage: Storage, key: str) -> float:
-        model = build_model(self.cfg.model)
+    def metrics(self, storage: Storage, key: str) -> dict[str, float]:
+        """{"loss": ..., and whatever else the task reports}, rounded to 5 places."""
+        model = self.task.build_model(pretrained=False)
         tensors, _, _ = load_checkpoint(storage, key, label=f"global weights {storage.display(key)}")
         load_weights(model, tensors, storage.display(key))
-        return round(estimate_loss(model, self.batches()), 5)
+        return {k: round(v, 5) for k, v in self.task.evaluate(model, self.batches()).items()}
 
 
 def export_final(storage: Storage, cfg: Config) -> None:
@@ -72,19 +75,24 @@ def export_final(storage: Storage, cfg: Config) -> None:
     if last_m is None or final_m is None or final_m.get("digest") != last_m.get("digest"):  # not exported yet
         storage.copy(last, L.FINAL)
         storage.write_json(manifest_key(L.FINAL), {**(last_m or {}), "file": L.FINAL.rsplit("/", 1)[-1]})
-    if cfg.model.hf is not None and not storage.exists(L.final_hf_file("config.json")):  # written last
+    if (cfg.model.hf is not None or cfg.task != "lm") and not storage.exists(L.final_hf_file("config.json")):  # last
+        model = task_for(cfg).build_model(pretrained=False)
+        hf_model = getattr(model, "hf", model)  # model.hf: the causal LM inside islands' wrapper
+        if not callable(getattr(hf_model, "save_pretrained", None)):
+            return  # a task model that is not a Hugging Face one: final/model.safetensors is its export
         from worker.hf import save_pretrained_dir
-        model = build_model(cfg.model)
         tensors, _, _ = load_checkpoint(storage, L.FINAL, label=f"final model {storage.display(L.FINAL)}")
         load_weights(model, tensors, storage.display(L.FINAL))
-        save_pretrained_dir(model, cfg.model.hf, storage, L.FINAL_HF)
+        save_pretrained_dir(hf_model, cfg.model.hf, storage, L.FINAL_HF)
         log.info("final model exported as a Hugging Face directory: %s", storage.display(L.FINAL_HF))
 
 
 def initial_eval(storage: Storage, evaluator: Evaluator) -> float:
     info = storage.read_json(RUN_INFO) or {}
     if info.get("initial_eval_loss") is None:
-        info["initial_eval_loss"] = evaluator.loss(storage, L.global_weights(0))
+        metrics = evaluator.metrics(storage, L.global_weights(0))
+        info["initial_eval_loss"] = metrics.pop("loss")
+        info["initial_eval_metrics"] = metrics
         storage.write_json(RUN_INFO, info)
     return info["initial_eval_loss"]
 

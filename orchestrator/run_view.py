@@ -110,7 +110,9 @@ def worker_state(w: int, r: int, arrived: set[int], beat: dict[str, Any] | None)
 def round_line(rec: dict[str, Any], total: int, workers: int, wall_s: float | None, eta_s: float | None) -> str:
     r = rec["round"]
     loss = "not evaluated" if rec["eval_loss"] is None else f"{rec['eval_loss']:.4f}"
-    line = f"round {r} ({r + 1}/{total}): eval loss {loss}, merged {len(rec['merged'])}/{workers}"
+    line = f"round {r} ({r + 1}/{total}): eval loss {loss}"
+    line += "".join(f", {k} {v:.4f}" for k, v in (rec.get("eval_metrics") or {}).items())  # the task's, e.g. accuracy
+    line += f", merged {len(rec['merged'])}/{workers}"
     if rec["dropped"]:
         line += f", dropped {rec['dropped']}"
     if rec["rejected"]:

@@ -65,7 +65,7 @@ def round_line(r: int, rec: Any) -> dict[str, Any]:
     line: dict[str, Any] = {"round": r, **{k: _workers(rec.get(k)) for k in ("merged", "dropped", "rejected")}}
     line.update({k: number(rec.get(k)) for k in ("eval_loss", "merge_seconds", "bytes_read", "outer_grad_norm")})
     line.update({k: _by_worker(rec.get(k), text) for k in ("dropped_reasons", "rejected_reasons")})
-    line.update({k: _by_worker(rec.get(k), number) for k in ("worker_train_s", "worker_idle_s")})
+    line.update({k: _by_worker(rec.get(k), number) for k in ("worker_train_s", "worker_idle_s", "eval_metrics")})
     line["jobs"] = _by_worker(rec.get("jobs"), _job)
     line["utilization"] = utilization([{"worker_train_s": line["worker_train_s"], "worker_idle_s": line["worker_idle_s"]}])
     ends = (number(rec.get("submitted_at")), number(rec.get("committed_at")))

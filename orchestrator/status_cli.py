@@ -46,24 +46,27 @@ def status_with_jobs(storage: Storage, jobs_folder: str) -> dict[str, Any]:
 
 def status_table(status: dict[str, Any]) -> Any:
     from rich import box
-    from rich.table import Table
+    from rich.table import Column, Table
 
     # no column rules: nine columns fit an 80-column terminal
-    table = Table("round", "eval loss", "merged", "dropped", "rejected", "merge s", "round s", "busy", "MB read",
+    extra = list(dict.fromkeys(k for r in status["rounds"] for k in r.get("eval_metrics", {})))  # the task's: accuracy
+    table = Table("round", "eval loss", *(Column(k, min_width=len(k)) for k in extra), "merged", "dropped", "rejected", "merge s",
+                  "round s", "busy", "MB read",
                   box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
                         f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
                         f"initial eval loss {status['initial_eval_loss']}")
     for r in status["rounds"]:
         loss = "damaged" if r.get("damaged") else "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
-        table.add_row(str(r["round"]), loss, f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
+        table.add_row(str(r["round"]), loss, *(_num(r.get("eval_metrics", {}).get(k), "{:.4f}") for k in extra),
+                      f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
                       _ids(r["rejected"]), _num(r["merge_seconds"], "{:.2f}"), wall, _busy(r.get("utilization")),
                       _num(None if r["bytes_read"] is None else r["bytes_read"] / 1e6, "{:.1f}"))
     current = status["current_round"]
     if current and status["state"] == "running":
         table.add_section()
         for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
-            table.add_row(f"{current['round']} (w{w})", "", f"job {v['job_id']} {v.get('state', '')}",
+            table.add_row(f"{current['round']} (w{w})", "", *([""] * len(extra)), f"job {v['job_id']} {v.get('state', '')}",
                           _times(v), "", worker_state(int(w), current["round"], set(current["arrived"]), v.get("progress")),
                           "", "", "")
     return table

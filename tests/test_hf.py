@@ -180,7 +180,7 @@ def test_lte_heads_on_every_linear_of_the_hf_model(hf_dir):
     assert headed == [n for n in linears if n != "lm_head"] and len(headed) == 2 * 7  # lm_head is the embedding
     assert isinstance(model.hf.model.layers[0].self_attn.q_proj, lora.LoRALinear)  # in the HF model itself
     published = lora.contribution_tensors(model)
-    assert {k: tuple(v.shape) for k, v in published.items()} == lora.contribution_shapes(cfg.model, 4)
+    assert {k: tuple(v.shape) for k, v in published.items()} == lora.contribution_shapes(cfg, 4)
     assert "model.embed_tokens.weight" in published and "lm_head.weight" not in published
     x = torch.randint(0, model.vocab_size, (2, 8))
     _, loss = model(x, x)

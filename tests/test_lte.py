@@ -155,7 +155,7 @@ def test_every_linear_gets_a_head_and_only_heads_and_small_params_train():
     assert {n for n in trainable if not lora.is_head_param(n)} == {
         n for n, p in build_model(cfg.model).named_parameters() if n not in frozen}  # norms, embeddings, biases
     assert set(lora.contribution_tensors(model)) == trainable
-    shapes = lora.contribution_shapes(cfg.model, 4)
+    shapes = lora.contribution_shapes(cfg, 4)
     assert {k: tuple(v.shape) for k, v in lora.contribution_tensors(model).items()} == shapes
     heads_lr = {g["lr_scale"] for g in opt.param_groups if any(p is model.lm_head.lora_A for p in g["params"])}
     assert heads_lr == {cfg.lte.lr / cfg.inner.lr}
@@ -262,7 +262,7 @@ def _merge(storage: Storage, r: int) -> None:
     cfg = load_run_config(storage)
     merge_lte_round(storage, L.global_weights(r), [Contribution(0, L.contribution(r, 0), 1.0)], L.global_weights(r + 1),
                     scale=cfg.lte.alpha / cfg.lte.rank, rank=cfg.lte.rank,
-                    expected=lora.contribution_shapes(cfg.model, cfg.lte.rank), manifest={"round": r + 1})
+                    expected=lora.contribution_shapes(cfg, cfg.lte.rank), manifest={"round": r + 1})
 
 
 @pytest.mark.parametrize("ablation", ["default", "reset_a", "reset_opt", "keep_b"])
@@ -277,7 +277,7 @@ def test_state_across_rounds(tmp_path, corpus_cache, ablation):
     assert all(trained[k].any() for k in trained if k.endswith("lora_B"))  # B learned something
     state = load_checkpoint(storage, L.worker_state(0, 0))[0]
     contrib = load_checkpoint(storage, L.contribution(0, 0))[0]
-    assert set(contrib) == set(lora.contribution_shapes(t0.cfg.model, 4))  # heads + small params only
+    assert set(contrib) == set(lora.contribution_shapes(t0.cfg, 4))  # heads + small params only
     assert all(torch.equal(state[k], v) for k, v in trained.items())  # A and B travel in the state file
     _merge(storage, 0)
 
@@ -337,7 +337,7 @@ def test_end_to_end_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
     assert losses[2] < losses[1] < losses[0], losses
     s = Storage(str(run))
     cfg = load_run_config(s)
-    shapes = lora.contribution_shapes(cfg.model, 4)
+    shapes = lora.contribution_shapes(cfg, 4)
     g1, g2 = (load_checkpoint(s, L.global_weights(r))[0] for r in (1, 2))
     heads = [load_checkpoint(s, L.contribution(1, w))[0] for w in (0, 1)]
     for h in heads:  # only heads and the small parameters were published

@@ -306,3 +306,24 @@ def test_overlapped_workers_requeued_ahead_and_mid_round_are_replayed_bit_for_bi
     again = tmp_path / "replay"
     assert main(["submit", "--replay", str(run), "--run-dir", str(again), "--executor", "local"]) == 0
     assert _replay_digests(again, rounds) == _replay_digests(run, rounds), (ahead, mid)
+
+
+def test_the_vision_task_and_a_users_task_run_as_slurm_jobs(tmp_path, capsys):
+    """Task digits (a ViT on real images) with lo-fi, and a user's task imported from a directory
+    outside the repository (task_path), each as worker jobs on the real scheduler."""
+    from test_tasks import SMALL, USER_TASK, _write_task
+    slurm = ["--executor", "slurm", "--set", "executor.preset=local", "--workers", "2", *SMALL]
+    vision = tmp_path / "vision"
+    assert main(["submit", "--set", "task=digits", "--algorithm", "lofi", "--rounds", "1", "--inner-steps", "6",
+                 "--run-dir", str(vision), *slurm]) == 0
+    where = _write_task(tmp_path / "mytasks", USER_TASK)
+    own = tmp_path / "own"
+    assert main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--rounds", "2",
+                 "--inner-steps", "5", "--run-dir", str(own), *slurm]) == 0
+    for run in (vision, own):
+        capsys.readouterr()
+        assert main(["status", str(run), "--json"]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert st["state"] == "done" and all(r["merged"] == [0, 1] and "accuracy" in r["eval_metrics"] for r in st["rounds"])
+        job = Storage(str(run)).read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
+        assert len(wait_for_sacct_state(job.split("_")[0], "COMPLETED", array_tasks=range(2))) == 2

@@ -18,6 +18,7 @@ import os
 import posixpath
 import tempfile
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -205,15 +206,16 @@ def load_tokenizer(path: str) -> HFTokenizer:
     return HFTokenizer(tok, path)
 
 
-def save_pretrained_dir(model: HFCausalLM, source: str, storage: Storage, key: str) -> list[str]:
-    """Write `model` into the directory `key` of `storage` as a Hugging Face model directory:
-    save_pretrained (safetensors, tied weights once, as transformers does), plus the tokenizer of
-    the directory `source`. config.json is written last, so a directory with it is complete.
-    Returns the keys written."""
+def save_pretrained_dir(model: Any, source: str | None, storage: Storage, key: str) -> list[str]:
+    """Write `model` (a transformers PreTrainedModel) into the directory `key` of `storage` as a
+    Hugging Face model directory: save_pretrained (safetensors, tied weights once, as transformers
+    does), plus the tokenizer of the directory `source` if given. config.json is written last, so a
+    directory with it is complete. Returns the keys written."""
     tf = transformers_module()
     with tempfile.TemporaryDirectory(prefix="islands-hf-") as tmp:
-        model.hf.save_pretrained(tmp)
-        tf.AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        if source is not None:
+            tf.AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(tmp)
         names = sorted((n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n))),
                        key=lambda n: (n == "config.json", n))
         written = []

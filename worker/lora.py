@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from core.config import Config, LteConfig, ModelConfig
+from core.config import Config, LteConfig
 from core.errors import CheckpointError
-from worker.weights import build_model, tied_aliases
+from worker.weights import tied_aliases
 
 LORA_A, LORA_B = "lora_A", "lora_B"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -170,11 +170,12 @@ def contribution_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: _cpu32(p) for n, p in trainable(model)}
 
 
-def contribution_shapes(model_cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of an LTE contribution for the run's model (built on the meta device: no
-    memory, no weights read); what the merge checks contributions against."""
+def contribution_shapes(cfg: Config, rank: int) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an LTE contribution for the run's model (its task's model built on the meta
+    device: no memory, no weights read); what the merge checks contributions against."""
+    from worker.tasks import task_for
     with torch.device("meta"):
-        model = build_model(model_cfg, pretrained=False)
+        model = task_for(cfg).build_model(pretrained=False)
     headed = {f"{n}.weight" for n, _ in head_layers(model, rank)}
     out: dict[str, tuple[int, ...]] = {}
     for n, p in model.named_parameters():

@@ -30,7 +30,8 @@ from core.errors import CheckpointError
 from core.storage import Storage
 from worker import lora
 from worker.ranks import Ranks
-from worker.weights import HostBuffers, build_model, load_weights, weights_of
+from worker.tasks import Runner, task_for
+from worker.weights import HostBuffers, load_weights, weights_of
 
 SEP = "::"  # optimizer state keys are `param<SEP>slot`
 
@@ -80,13 +81,13 @@ class Params:
     collective = False  # True: gathering weights or AdamW state needs every rank (sharded), so
     # rank 0 cannot save an in-flight checkpoint alone from the preemption handler
 
-    def __init__(self, cfg: Config, worker: int) -> None:
-        self.cfg, self.worker = cfg, worker
+    def __init__(self, cfg: Config, worker: int, runner: Runner) -> None:
+        self.cfg, self.worker, self.runner = cfg, worker, runner
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """The model on `device`, initialised but not loaded: the round's base overwrites every weight."""
         with device:
-            model = build_model(self.cfg.model, pretrained=False)
+            model = self.runner.build_model(pretrained=False)
         self.prepare(model)
         return model
 
@@ -181,13 +182,13 @@ class LoraHeads(Params):
         return lora.contribution_tensors(model)
 
 
-def params_for(cfg: Config, worker: int, ranks: Ranks, device: torch.device) -> Params:
+def params_for(cfg: Config, worker: int, ranks: Ranks, device: torch.device, runner: Runner) -> Params:
     if cfg.algorithm == "lte":
-        return LoraHeads(cfg, worker)
+        return LoraHeads(cfg, worker, runner)
     if ranks.world > 1 and sharded(cfg, device):
         from worker.sharded import ShardedModel
-        return ShardedModel(cfg, worker, ranks)
-    return FullModel(cfg, worker)
+        return ShardedModel(cfg, worker, runner, ranks)
+    return FullModel(cfg, worker, runner)
 
 
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two slots
@@ -202,7 +203,7 @@ def sharded(cfg: Config, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     with torch.device("meta"):  # the parameter count without memory or weights
-        n = sum(p.numel() for p in build_model(cfg.model, pretrained=False).parameters())
+        n = sum(p.numel() for p in task_for(cfg).build_model(pretrained=False).parameters())
     return not fits_half(n, torch.cuda.get_device_properties(device).total_memory)
 
 

@@ -32,7 +32,8 @@ from core.errors import CheckpointError
 from core.storage import Storage
 from worker.params import SEP, FullModel
 from worker.ranks import Ranks
-from worker.weights import HostBuffers, build_model, check_fit, tied_aliases
+from worker.tasks import Runner
+from worker.weights import HostBuffers, check_fit, tied_aliases
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -72,15 +73,15 @@ class ShardedModel(FullModel):
 
     collective = True
 
-    def __init__(self, cfg: Config, worker: int, ranks: Ranks) -> None:
-        super().__init__(cfg, worker)
+    def __init__(self, cfg: Config, worker: int, runner: Runner, ranks: Ranks) -> None:
+        super().__init__(cfg, worker, runner)
         self.ranks = ranks
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """Built on the meta device, sharded, and only then given memory on `device`: each rank holds
         its shard alone, never the whole model (R whole copies in a node's host memory, otherwise)."""
         with weights_on_meta():
-            model = build_model(self.cfg.model, pretrained=False)
+            model = self.runner.build_model(pretrained=False)
         buffers = dict(model.named_buffers())  # to_empty gives the module new tensors; these stay
         shard(model)
         model.to_empty(device=device)

@@ -1,7 +1,8 @@
 """One worker, one round: H inner AdamW steps from a base checkpoint, then publish the result.
 
 Read top to bottom, a round is:
-  1. read the run's config and open the dataset (prepared once; this worker's share is read in place);
+  1. read the run's config and build its task (worker/tasks/): the model, this worker's share of the
+     data and its batches (token data prepared once and read in place), the loss;
   2. load the base weights (the global model, or the worker's own last weights if its previous
      contribution missed the merge) and the worker's own AdamW state from its last round;
   3. train H steps. The learning-rate schedule and the batches are functions of the global step
@@ -21,6 +22,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,10 +39,10 @@ from core.failpoints import failpoint, slowpoint
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from worker.data import BatchSampler, dataset_for
 from worker.params import SEP, params_for
 from worker.publish import Publisher
 from worker.ranks import data_parallel, join, preemption
+from worker.tasks import map_tensors, task_for
 from worker import overlap
 from worker.weights import HostBuffers, load_weights, weights_of
 
@@ -105,13 +107,13 @@ class InnerTrainer(Publisher):
         self.ranks = join(self.device.type)  # the job's other ranks (worker/ranks.py), if it has any
         if task.threads > 0:  # the job's CPUs, shared by its ranks
             torch.set_num_threads(max(1, task.threads // self.ranks.world))
-        dataset = dataset_for(cfg)  # bytes, or the Hugging Face model's tokens (model.hf); memory-mapped
-        self.sampler = BatchSampler(dataset, cfg.model.block_size, cfg.worker_batch_size, cfg.seed, task.worker,
-                                    cfg.workers, cfg.data.sharding)
+        # what is trained and on what (worker/tasks/): the model, this worker's batches, the loss
+        self.runner = runner = task_for(cfg)
+        self.sampler = runner.sampler(task.worker, cfg.workers, cfg.worker_batch_size)
         # Every weight is overwritten by the round's base (_load_base), so the model is built straight
         # on its device and a Hugging Face model's own weights are not read: at 1B parameters a CPU
         # init alone costs seconds per round.
-        self.params = params = params_for(cfg, task.worker, self.ranks, self.device)  # the whole model, LTE's heads, or shards
+        self.params = params = params_for(cfg, task.worker, self.ranks, self.device, runner)  # whole, LTE's heads, or shards
         self.model = params.build(self.device)
         self.opt, self.names = params.optimizer(self.model)
         # what a training step calls: the model, or DDP over it (a sharded model syncs itself)
@@ -264,9 +266,9 @@ class InnerTrainer(Publisher):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # lte: heads peak at lte.lr
             # the worker's batch, this rank's rows of it: DDP's averaged gradient is the whole batch's
-            x, y = (ranks.slice(t).to(self.device, non_blocking=True) for t in self.sampler.batch(step))
+            batch = map_tensors(self.sampler.batch(step), lambda t: ranks.slice(t).to(self.device, non_blocking=True))
             with autocast:
-                _, loss = model(x, y)
+                loss = self.runner.loss(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.inner.grad_clip > 0:
@@ -292,8 +294,10 @@ class InnerTrainer(Publisher):
         self._flush(pending)
         self._heartbeat()
         if not all(math.isfinite(v) for v in self.losses[-5:]):
-            raise IslandsError(f"worker {self.task.worker} round {self.task.round}: the loss became "
-                               f"non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps")
+            job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or "?"
+            raise IslandsError(f"task {cfg.task}, worker {self.task.worker} round {self.task.round} (job {job}): the loss "
+                               f"became non-finite ({self.losses[-5:]}); lower inner.lr or raise inner.warmup_steps, "
+                               "or check the task's loss")
 
     def _stop_for_preemption(self) -> None:
         """Between two steps, every rank here: save the in-flight checkpoint (rank 0 writes; sharded,

@@ -144,6 +144,10 @@ def load_model(url: str, **overrides: Any) -> torch.nn.Module:
     with TensorFile(storage, name, read_manifest(storage, name), label=url) as ck:
         tensors = ck.load_all(verify=ck.manifest is not None)
         meta = ck.metadata
+    if MODEL_META not in meta and "islands.task" in meta:
+        raise CheckpointError(f"{url} is a model of task {meta['islands.task']!r}, which its task builds: name the run "
+                              "(`orchestrate eval CHECKPOINT --run RUN`), or build it with the task's model() and use "
+                              "load_weights()")
     if MODEL_META not in meta:
         raise CheckpointError(f"{url} carries no model description ({MODEL_META} metadata); "
                               "build the model yourself and use load_weights(), or, to evaluate it, name the run "

@@ -28,7 +28,8 @@ from core.layout import SAFETENSORS, RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.runstate import load_run
 from worker.data import dataset_for, eval_batches
-from worker.weights import MODEL_META, build_model, load_model, load_weights
+from worker.tasks import Ensemble, task_for
+from worker.weights import MODEL_META, load_model, load_weights
 
 L = RunLayout()
 
@@ -90,7 +91,7 @@ def load(target: Target, run: str | None = None) -> torch.nn.Module:
             tensors = ck.load_all(verify=ck.manifest is not None)
     if tensors is None:
         return load_model(target.url)
-    model = build_model(load_run(Storage(config_of)).model)
+    model = task_for(load_run(Storage(config_of))).build_model(pretrained=False)
     load_weights(model, tensors, target.label)
     return model
 
@@ -142,6 +143,8 @@ def evaluate_checkpoints(args: Sequence[str], batches: int | None = None, run: s
         raise RunError("give at least one checkpoint or run directory to evaluate")
     targets = [resolve(a) for a in args]
     cfg, source = data_config(targets, run)
+    if cfg.task != "lm":
+        return _task_metrics(targets, cfg, source, batches or cfg.data.eval_batches, run)
     models = [load(t, run) for t in targets]
     if len({m.vocab_size for m in models}) > 1:
         raise CheckpointError("the checkpoints have different vocabularies: "
@@ -154,3 +157,21 @@ def evaluate_checkpoints(args: Sequence[str], batches: int | None = None, run: s
                      "tokens": n * cfg.inner.batch_size * block},
             "models": [row(t.label, v) for t, v in zip(targets, singles)],
             "ensemble": row(f"ensemble of {len(models)} (mean of probabilities)", mixed) if len(models) > 1 else None}
+
+
+def _task_metrics(targets: Sequence[Target], cfg: Config, source: str, n: int, run: str | None) -> dict[str, Any]:
+    """A task's own metrics (loss, and e.g. accuracy) for each model and their ensemble, on its eval batches."""
+    runner = task_for(cfg)
+    models = [load(t, run) for t in targets]
+    data = runner.eval_batches(n, cfg.inner.batch_size)
+    rows = [{"checkpoint": t.label, **_rounded(runner.evaluate(m, data))} for t, m in zip(targets, models)]
+    ensemble = None
+    if len(models) > 1:
+        ensemble = {"checkpoint": f"ensemble of {len(models)} (mean of probabilities)",
+                    **_rounded(runner.evaluate(Ensemble(models), data))}
+    return {"data": {"config": source, "task": cfg.task, "batches": len(data), "batch_size": cfg.inner.batch_size},
+            "models": rows, "ensemble": ensemble}
+
+
+def _rounded(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 5) for k, v in metrics.items()}

@@ -44,6 +44,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_task_rows(rows: list[dict], title: str) -> int:
+    from orchestrator.console import console
+    names = [k for k in rows[0] if k != "checkpoint"]
+    if console.is_terminal:
+        table = Table("checkpoint", *names, title=title)
+        for r in rows:
+            table.add_row(r["checkpoint"], *(f"{r[k]:.4f}" for k in names))
+        console.print(table)
+        return 0
+    print(title)
+    for r in rows:
+        print("\t".join([r["checkpoint"], *(f"{k} {r[k]:.4f}" for k in names)]))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from orchestrator.observe.checkpoint_eval import evaluate_checkpoints
     from orchestrator.console import console
@@ -57,6 +72,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     rows = result["models"] + ([result["ensemble"]] if result["ensemble"] else [])
     d = result["data"]
+    if "task" in d:  # a task's own metrics, one column each
+        return _print_task_rows(rows, f"held-out eval of task {d['task']}: {d['batches']} batches of {d['batch_size']} "
+                                      f"(data from {d['config']})")
     title = (f"held-out eval: {d['batches']} batches x {d['batch_size']} x {d['block_size']} bytes "
              f"({d['tokens']} tokens; data from {d['config']})")
     if console.is_terminal:

@@ -44,8 +44,8 @@ SCHEMA = 1
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "run": ("kind", "schema", "t", "algorithm", "workers", "rounds", "inner_steps", "params", "created_at",
-            "step", "eval_loss"),
-    "round": ("kind", "schema", "t", "round", "step", "eval_loss", "evaluated_at", "merged", "dropped", "rejected",
+            "step", "eval_loss", "eval_metrics"),
+    "round": ("kind", "schema", "t", "round", "step", "eval_loss", "eval_metrics", "evaluated_at", "merged", "dropped", "rejected",
               "late", "dropped_reasons", "rejected_reasons", "weights", "outer_grad_norm", "merge_seconds",
               "round_seconds", "bytes_read", "bytes_contributions", "bytes_global", "bytes_outer_state", "bytes_worker_states",
               "tokens", "train_loss", "utilization", "submitted_at", "merge_started_at", "committed_at"),
@@ -60,7 +60,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
 def run_line(cfg: Config, info: Mapping[str, Any], t: float) -> dict[str, Any]:
     return {"kind": "run", "schema": SCHEMA, "t": t, "algorithm": cfg.algorithm, "workers": cfg.workers,
             "rounds": cfg.rounds, "inner_steps": cfg.inner.steps, "params": info.get("params"),
-            "created_at": info.get("created_at"), "step": 0, "eval_loss": info.get("initial_eval_loss")}
+            "created_at": info.get("created_at"), "step": 0, "eval_loss": info.get("initial_eval_loss"),
+            "eval_metrics": dict(info.get("initial_eval_metrics") or {})}
 
 
 def round_line(record: Mapping[str, Any], manifests: Mapping[int, Mapping[str, Any]], sizes: Mapping[str, Any],
@@ -73,7 +74,8 @@ def round_line(record: Mapping[str, Any], manifests: Mapping[int, Mapping[str, A
     sub, committed = record.get("submitted_at"), record.get("committed_at")
     return {
         "kind": "round", "schema": SCHEMA, "t": t, "round": r, "step": (r + 1) * inner_steps,
-        "eval_loss": record.get("eval_loss"), "evaluated_at": evaluated_at, "merged": merged,
+        "eval_loss": record.get("eval_loss"), "eval_metrics": dict(record.get("eval_metrics") or {}),
+        "evaluated_at": evaluated_at, "merged": merged,
         "dropped": list(record.get("dropped", [])), "rejected": list(record.get("rejected", [])),
         "late": list(record.get("late", [])), "dropped_reasons": dict(record.get("dropped_reasons", {})),
         "rejected_reasons": dict(record.get("rejected_reasons", {})),
@@ -268,6 +270,7 @@ def tensorboard_scalars(line: Mapping[str, Any]) -> list[tuple[str, int, float]]
         pairs = [(f"train_loss/worker_{line['worker']:03d}", line["step"], line["loss"])]
     elif kind in ("run", "round"):
         pairs = [("eval_loss", line["step"], line["eval_loss"])]
+        pairs += [(f"eval_{k}", line["step"], v) for k, v in (line.get("eval_metrics") or {}).items()]  # e.g. accuracy
         if kind == "round":
             r = line["round"] + 1
             pairs += [(f"round/{k}", r, line[k]) for k in ("outer_grad_norm", "merge_seconds", "round_seconds",

@@ -276,10 +276,21 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             ("shape", f"{c.algorithm}: {c.workers} workers x {c.rounds} rounds x {c.inner.steps} inner steps"),
             ("rounds committed", f"{len(rounds)} of {c.rounds}"),
             ("eval loss", " -> ".join(f"{v:.4f}" for v in (losses[:1] + losses[-1:] if len(losses) > 1 else losses))),
+            *((f"eval {k}", " -> ".join(f"{v:.4f}" for v in vs)) for k, vs in _metric_ends(data.lines).items()),
             ("wall time", "" if created is None or not rounds else
              f"{max(r.get('evaluated_at') or r['committed_at'] for r in rounds) - created:.0f} s from the run's "
              "creation to its last committed round"),
             ("parameters", _cell(data.info.get("params")))]
+
+
+def _metric_ends(lines: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """The task's other eval metrics (e.g. accuracy): each one's first and last value over the run."""
+    seen: dict[str, list[float]] = {}
+    for ln in lines:
+        if ln["kind"] in ("run", "round"):
+            for k, v in (ln.get("eval_metrics") or {}).items():
+                seen.setdefault(k, []).append(v)
+    return {k: vs[:1] + vs[-1:] if len(vs) > 1 else vs for k, vs in seen.items()}
 
 
 def round_rows(data: RunData, budget: Sequence[Mapping[str, Any]]) -> list[list[str]]:

@@ -1,0 +1,51 @@
+"""Task `lm`: a causal language model (the built-in GPT, or the Hugging Face model at model.hf) on a
+prepared token dataset (data.source, or text prepared into the cache), scored by next-token loss.
+
+A batch is (x, y): windows of block_size tokens and the same shifted by one (-1: no loss there);
+both models take (x, y) and return (logits, loss). Its metadata is the model's description, so a
+checkpoint alone rebuilds the model (worker/weights.py load_model).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from core.config import Config
+from worker.data import BatchSampler, Dataset, dataset_for, eval_batches
+from worker.tasks import Runner
+from worker.weights import build_model, model_metadata
+
+
+class LanguageModel(Runner):
+    name = "lm"
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self._dataset: Dataset | None = None
+
+    @property
+    def dataset(self) -> Dataset:
+        if self._dataset is None:
+            self._dataset = dataset_for(self.cfg)  # opened once: the index checked, files listed
+        return self._dataset
+
+    def build_model(self, pretrained: bool = True) -> torch.nn.Module:
+        return build_model(self.cfg.model, pretrained=pretrained)
+
+    def sampler(self, worker: int, num_workers: int, batch_size: int) -> BatchSampler:
+        c = self.cfg
+        return BatchSampler(self.dataset, c.model.block_size, batch_size, c.seed, worker, num_workers, c.data.sharding)
+
+    def eval_batches(self, n: int, batch_size: int) -> list[Any]:
+        return eval_batches(self.dataset, self.cfg.model.block_size, batch_size, n, self.cfg.seed)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return model(x, y)[1]
+
+    def check(self) -> None:
+        self.dataset  # prepared (text: into the cache once), its tokenizer the model's
+
+    def metadata(self) -> dict[str, str]:
+        return model_metadata(self.cfg.model)
