@@ -239,3 +239,21 @@ def test_a_loss_that_turns_non_finite_in_the_worker_names_task_worker_and_job(tm
     failure = json.dumps(jobs["workers"]["0"]["failures"])
     job = jobs["workers"]["0"]["job_ids"][0]
     assert "task blobs:Blobs, worker 0 round 0 (job " + job + "): the loss became non-finite" in failure
+
+
+@pytest.mark.slow
+def test_a_users_task_under_a_time_budget_is_replayed_bit_for_bit(tmp_path):
+    """A time budget makes how many steps each worker trains a matter of timing; `submit --replay`
+    repeats the run exactly for a task of examples too (its batches are a function of seed, worker, step)."""
+    where = _write_task(tmp_path / "mytasks", USER_TASK)
+    src, again = tmp_path / "src", tmp_path / "again"
+    assert main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--workers", "2", "--rounds", "2",
+                 "--inner-steps", "5000", "--set", "round.budget=seconds", "--set", "round.budget_seconds=0.3",
+                 "--executor", "local", "--run-dir", str(src), *SMALL]) == 0
+    assert main(["submit", "--replay", str(src), "--run-dir", str(again), "--executor", "local"]) == 0
+    a, b = Storage(str(src)), Storage(str(again))
+    for r in range(2):
+        assert a.read_json(f"rounds/{r:05d}/record.json")["global_digest"] == b.read_json(f"rounds/{r:05d}/record.json")["global_digest"]
+        steps = [a.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["steps"] for w in range(2)]
+        assert all(0 < n < 5000 for n in steps)  # the budget, not the step count, ended the round
+        assert steps == [b.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["steps"] for w in range(2)]

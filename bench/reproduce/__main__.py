@@ -23,10 +23,12 @@ from bench.reproduce import report
 from bench.reproduce.context import SIZES, Context
 from bench.reproduce.diloco_exps import EXPERIMENTS as DILOCO
 from bench.reproduce.lofi_exp import lofi
+from bench.reproduce.lofi_vision import lofi_vision
 from bench.reproduce.lte_exp import lte
 
 EXPERIMENTS = {**DILOCO,
                "lofi": ("lo-fi: fine-tuning without communication", "lo-fi Table 2", lofi),
+               "lofi-vision": ("lo-fi on images: a ViT fine-tuned without communication", "lo-fi Table 1", lofi_vision),
                "lte": ("LTE vs full-model training", "LTE Table 1", lte)}
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -93,6 +93,8 @@ class Outcome:
     setup: str  # what was run, in one paragraph
     seconds: float = 0.0
     xlabel: str = "inner steps per worker"
+    metric: str = "final eval loss"
+    """What a row's finals are (lofi_vision: accuracy, where higher is better)."""
 
 
 def check(claim: str, per_seed: Sequence[bool], on_means: bool, detail: str) -> Check:

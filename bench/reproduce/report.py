@@ -31,7 +31,7 @@ def save(out: Path, name: str, meta: dict[str, Any], outcome: Outcome) -> dict[s
     """Write IMG/name.json and IMG/name.png under `out`; returns the JSON record."""
     (out / IMG).mkdir(parents=True, exist_ok=True)
     record = {**meta, "name": name, "seconds": round(outcome.seconds, 1), "setup": outcome.setup,
-              "xlabel": outcome.xlabel, "rows": [dataclasses.asdict(r) for r in outcome.rows],
+              "xlabel": outcome.xlabel, "metric": outcome.metric, "rows": [dataclasses.asdict(r) for r in outcome.rows],
               "curves": [dataclasses.asdict(c) for c in outcome.curves],
               "checks": [dataclasses.asdict(c) for c in outcome.checks]}
     (out / IMG / f"{name}.json").write_text(json.dumps(record, indent=1))
@@ -71,7 +71,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel(f"final eval loss minus '{rows[0]['label'][:30]}' (bar: mean, dots: seeds)", fontsize=8)
+    ax.set_xlabel(f"{record.get('metric', 'final eval loss')} minus '{rows[0]['label'][:30]}' (bar: mean, dots: seeds)",
+                  fontsize=8)
     fig.suptitle(f"{record['title']} ({record['paper']}), size {record['size']}, seeds {record['seeds']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -88,7 +89,7 @@ def verdict(checks: list[dict[str, Any]]) -> str:
 def _section(rec: dict[str, Any], notes: str) -> list[str]:
     out = [f"## {rec['title']} ({rec['paper']})", "",
            f"`{rec['command']}`: {rec['seconds']:.0f} s, size `{rec['size']}`, seeds {rec['seeds']}, {rec['device']}.", "",
-           rec["setup"], "", "| method | final eval loss (mean ± half range) | per seed | communication | note |",
+           rec["setup"], "", f"| method | {rec.get('metric', 'final eval loss')} (mean ± half range) | per seed | communication | note |",
            "|---|---|---|---|---|"]
     for r in rec["rows"]:
         spread = (max(r["finals"]) - min(r["finals"])) / 2
