@@ -32,8 +32,8 @@ MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
 
 
 def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp", steps: int = 4,
-         model: dict | None = None, data: dict | None = None) -> Storage:
-    c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": model or MODEL,
+         model: dict | None = None, data: dict | None = None, task: str = "lm") -> Storage:
+    c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": model or MODEL, "task": task,
                           "inner": {"steps": steps, "batch_size": 4, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
                           "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache, **(data or {})},
                           "run_dir": str(tmp_path / name)})
@@ -53,19 +53,21 @@ def _two_ranks(tmp_path, task: WorkerTask) -> list[dict]:
     return job.results()
 
 
-def _assert_close(a: Storage, b: Storage, key: str) -> None:
+def _assert_close(a: Storage, b: Storage, key: str, atol: float = 1e-5) -> None:
     ta, _, _ = load_checkpoint(a, key)
     tb, _, _ = load_checkpoint(b, key)
     assert ta.keys() == tb.keys()
     for k in ta:
-        torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} {k}: {m}")
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=atol, msg=lambda m: f"{key} {k}: {m}")
 
 
-@pytest.mark.parametrize("algorithm,parallel", [("diloco", "ddp"), ("lte", "ddp"), ("diloco", "fsdp")])
-def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorithm, parallel):
-    """DDP, and FSDP2 (gloo on CPUs: torch 2.13 shards on the CPU too; NCCL on a GPU node)."""
-    one = _run(tmp_path, corpus_cache, "one", algorithm, parallel)
-    two = _run(tmp_path, corpus_cache, "two", algorithm, parallel)
+@pytest.mark.parametrize("algorithm,parallel,task", [("diloco", "ddp", "lm"), ("lte", "ddp", "lm"), ("diloco", "fsdp", "lm"),
+                                                     ("diloco", "ddp", "digits"), ("lte", "ddp", "digits")])
+def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorithm, parallel, task):
+    """DDP, and FSDP2 (gloo on CPUs: torch 2.13 shards on the CPU too; NCCL on a GPU node); for the
+    built-in language model and for a task of examples (the ViT of task digits: each rank its rows)."""
+    one = _run(tmp_path, corpus_cache, "one", algorithm, parallel, task=task)
+    two = _run(tmp_path, corpus_cache, "two", algorithm, parallel, task=task)
     train.run_worker(_task(one, 0))
     results = _two_ranks(tmp_path, _task(two, 0, threads=2))
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -74,8 +76,11 @@ def test_two_rank_round_equals_one_process_round(tmp_path, corpus_cache, algorit
     assert m1["ranks"] == 1 and m2["ranks"] == 2
     assert m2["tokens"] == m1["tokens"]  # the worker's batch, not a rank's
     assert m2["losses"] == pytest.approx(m1["losses"], rel=1e-5)  # the mean over ranks is the whole batch's loss
-    _assert_close(one, two, L.contribution(0, 0))
-    _assert_close(one, two, L.worker_state(0, 0))  # AdamW state (and, for lte, the heads)
+    # the ViT's key biases get gradients of rounding size only (softmax ignores a constant per query),
+    # which AdamW's m / sqrt(v) turns into updates of either sign: those differ by ~1e-5 between sums
+    atol = 1e-4 if task == "digits" else 1e-5
+    _assert_close(one, two, L.contribution(0, 0), atol)
+    _assert_close(one, two, L.worker_state(0, 0), atol)  # AdamW state (and, for lte, the heads)
 
 
 def test_a_sharded_hugging_face_model_with_tied_weights_and_buffers(tmp_path, corpus_cache):

@@ -159,6 +159,13 @@ def test_the_vision_task_trains_with_each_algorithm(tmp_path, capsys, algorithm,
         assert got["data"]["task"] == "digits" and len(got["models"]) == 3
         assert all(0 <= m["accuracy"] <= 1 for m in [*got["models"], got["ensemble"]])
         assert got["models"][0]["accuracy"] == st["rounds"][0]["eval_metrics"]["accuracy"]  # the same eval set
+        # `orchestrate merge` of a task's checkpoints: the soup carries its task, and scores as lo-fi's average
+        soup = str(tmp_path / "soup.safetensors")
+        assert main(["merge", *contribs, "--out", soup]) == 0
+        capsys.readouterr()
+        assert main(["eval", soup, "--run", str(run), "--json"]) == 0
+        soup_acc = json.loads(capsys.readouterr().out)["models"][0]["accuracy"]
+        assert soup_acc == pytest.approx(st["rounds"][0]["eval_metrics"]["accuracy"], abs=1 / 64)
 
 
 # -- a user's own task, from outside the package --------------------------------------------------

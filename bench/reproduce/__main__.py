@@ -24,12 +24,14 @@ from bench.reproduce.context import SIZES, Context
 from bench.reproduce.diloco_exps import EXPERIMENTS as DILOCO
 from bench.reproduce.lofi_exp import lofi
 from bench.reproduce.lofi_vision import lofi_vision
+from bench.reproduce.lte_vision import lte_vision
 from bench.reproduce.lte_exp import lte
 
 EXPERIMENTS = {**DILOCO,
                "lofi": ("lo-fi: fine-tuning without communication", "lo-fi Table 2", lofi),
                "lofi-vision": ("lo-fi on images: a ViT fine-tuned without communication", "lo-fi Table 1", lofi_vision),
-               "lte": ("LTE vs full-model training", "LTE Table 1", lte)}
+               "lte": ("LTE vs full-model training", "LTE Table 1", lte),
+               "lte-vision": ("LTE on images: a ViT's heads vs full-model training", "LTE Table 1", lte_vision)}
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 

@@ -55,7 +55,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
         if means:  # the starting model's loss would flatten the part worth seeing
             ax.set_ylim(min(means) - 0.02, max(means) + 0.02)
         ax.set_xlabel(record["xlabel"])
-        ax.set_ylabel("held-out eval loss (nats/byte)")
+        ax.set_ylabel(record.get("metric", "held-out eval loss (nats/byte)"))
         lows = [min(min(s[1:]) for s in c["per_seed"]) for c in curves if len(c["steps"]) > 1]
         if lows:  # the first point (the starting model) would flatten the interesting part
             top = max(max(s[1] for s in c["per_seed"]) for c in curves if len(c["steps"]) > 1)

@@ -29,6 +29,7 @@ import importlib
 import math
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,6 +119,7 @@ class ExampleSampler:
             raise TaskError(f"task {type(task).__name__}: {n} train examples cannot be shared by {num_workers} "
                             "workers; use fewer workers or more examples")
         self.task, self.n, self.seed, self.worker, self.batch_size = task, n, seed, worker, batch_size
+        self.train = task.examples("train") if task is not None else None  # asked once: a task may build it
         self.a, self.b = _affine(n, seed)
         self.count, self.stride = len(range(worker % num_workers, n, num_workers)), num_workers
         self.tokens_per_batch = batch_size  # examples: what weighs a contribution
@@ -128,8 +130,7 @@ class ExampleSampler:
         return [(self.a * (self.worker % self.stride + p * self.stride) + self.b) % self.n for p in picks]
 
     def batch(self, step: int) -> Any:
-        train = self.task.examples("train")
-        return self.task.collate([train[i] for i in self.indices(step)])
+        return self.task.collate([self.train[i] for i in self.indices(step)])
 
 
 class Examples(Runner):
@@ -213,7 +214,7 @@ def _import(name: str, path: str | None) -> type:
         if path not in sys.path:
             sys.path.insert(0, path)
         top = sys.modules.get(module_name.split(".")[0])
-        if top is not None and not str(getattr(top, "__file__", "") or "").startswith(path):
+        if top is not None and not Path(getattr(top, "__file__", None) or "/").resolve().is_relative_to(Path(path).resolve()):
             for loaded in [m for m in sys.modules if m == top.__name__ or m.startswith(top.__name__ + ".")]:
                 del sys.modules[loaded]  # a module of that name from elsewhere, imported before in this process
     try:
