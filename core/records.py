@@ -37,6 +37,7 @@ def number(v: Any) -> float | None:
 
 
 LIMIT = 16 << 20
+RUN_INFO = "run.json"
 T = TypeVar("T")
 
 
@@ -216,6 +217,26 @@ class RoundRecord:
 
     def save(self, storage: Storage) -> None:
         storage.write_json(L.round_record(self.round), self.to_json())
+
+
+@dataclass
+class RunInfo:
+    """run.json: written when the run is made, and once more with the initial model's eval."""
+
+    created_at: float | None = None
+    host: str | None = None
+    params: int | None = None
+    initial_eval_loss: float | None = None
+    initial_eval_metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, storage: Storage) -> RunInfo:
+        """The run's info, checked; empty when there is none. RunError for one that is not as written."""
+        raw = storage.read_json(RUN_INFO, limit=LIMIT)
+        return cls() if raw is None else checked(cls, raw, storage.display(RUN_INFO))
+
+    def save(self, storage: Storage) -> None:
+        storage.write_json(RUN_INFO, dataclasses.asdict(self))
 
 
 def utilization(records: Iterable[Mapping[str, Any]]) -> float | None:

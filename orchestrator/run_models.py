@@ -13,7 +13,7 @@ from core.errors import RunError
 from core.layout import RunLayout, manifest_key
 from core.replay import Schedule
 from core.storage import Storage
-from orchestrator.runstate import RUN_INFO
+from core.records import RunInfo
 from worker.tasks import task_for
 from worker.weights import load_weights, weights_of
 
@@ -36,8 +36,7 @@ def create_run(storage: Storage, cfg: Config, schedule: Schedule | None = None) 
         load_weights(model, tensors, f"model.init_from {cfg.model.init_from}")
     write_checkpoint(storage, L.global_weights(0), weights_of(model), metadata=task.metadata(),
                      manifest={"round": 0, "init_from": cfg.model.init_from})
-    storage.write_json(RUN_INFO, {"created_at": time.time(), "host": socket.gethostname(),
-                                  "params": sum(p.numel() for p in model.parameters())})
+    RunInfo(created_at=time.time(), host=socket.gethostname(), params=sum(p.numel() for p in model.parameters())).save(storage)
     if schedule is not None:
         schedule.save(storage)
     storage.write_bytes(L.CONFIG, to_yaml(cfg).encode())  # last: a run exists once its config does
@@ -88,11 +87,10 @@ def export_final(storage: Storage, cfg: Config) -> None:
 
 
 def initial_eval(storage: Storage, evaluator: Evaluator) -> float:
-    info = storage.read_json(RUN_INFO) or {}
-    if info.get("initial_eval_loss") is None:
+    info = RunInfo.load(storage)
+    if info.initial_eval_loss is None:
         metrics = evaluator.metrics(storage, L.global_weights(0))
-        info["initial_eval_loss"] = metrics.pop("loss")
-        info["initial_eval_metrics"] = metrics
-        storage.write_json(RUN_INFO, info)
-    return info["initial_eval_loss"]
+        info.initial_eval_loss, info.initial_eval_metrics = metrics.pop("loss"), metrics
+        info.save(storage)
+    return info.initial_eval_loss
 

@@ -2,6 +2,7 @@
 Light on purpose (no torch): `status` and `cancel` use it; the models are orchestrator/run_models.py."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,9 @@ from core.config_parse import load_yaml
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from core.records import RoundJobs, RoundRecord, number, text, utilization
+from core.records import RUN_INFO, RoundJobs, RoundRecord, RunInfo, number, text, utilization  # noqa: F401  RUN_INFO: re-exported
 
 L = RunLayout()
-RUN_INFO = "run.json"
 HEARTBEAT_LIMIT = 4096
 
 
@@ -102,7 +102,10 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
         r += 1
     failed = _failure(storage.read_json(L.FAILED))
     state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
-    info = storage.read_json(RUN_INFO) or {}
+    try:
+        info = dataclasses.asdict(RunInfo.load(storage))
+    except RunError:  # damaged: its figures shown as absent, as a damaged round's
+        info = dataclasses.asdict(RunInfo())
     current = RoundJobs.load(storage, r) if r < cfg.rounds else None
     return {
         "run_dir": storage.display(), "state": state, "algorithm": cfg.algorithm, "workers": cfg.workers,

@@ -294,6 +294,7 @@ def test_status_shows_a_damaged_record_without_a_traceback_or_raw_escapes(tiny_r
     rec = json.loads((run / "rounds/00000/record.json").read_text())
     (run / "rounds/00000/record.json").write_text(json.dumps({**rec, **damage} if isinstance(damage, dict) else damage))
     (run / "failed.json").write_text(json.dumps("\x1b[2J a string"))
+    (run / "run.json").write_text(json.dumps({"initial_eval_loss": "\x1b]0;pwned\x07", "params": [1]}))
     capsys.readouterr()
     for args in (["status", str(run)], ["status", str(run), "--json"]):
         assert main(args) == 0
@@ -302,6 +303,7 @@ def test_status_shows_a_damaged_record_without_a_traceback_or_raw_escapes(tiny_r
     st = json.loads(out)
     assert st["failure"]["reason"].startswith("failed.json is not a record") and st["rounds"][1]["merged"] == [0, 1]
     assert "rounds/00000/record.json is not a record islands wrote" in st["rounds"][0]["damaged"]  # one checked loader
+    assert st["initial_eval_loss"] is None  # run.json too: core/records.py RunInfo
 
 
 @slow

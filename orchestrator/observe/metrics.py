@@ -22,6 +22,7 @@ also go to TensorBoard event files under `tensorboard/` (skipped silently otherw
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -35,8 +36,8 @@ from core.config import Config
 from core.errors import IslandsError, StorageError
 from core.layout import RunLayout
 from core.storage import PRIVATE_FILE, Storage
-from core.records import RoundJobs, RoundRecord, utilization
-from orchestrator.runstate import RUN_INFO, arrived_workers
+from core.records import RoundJobs, RoundRecord, RunInfo, utilization
+from orchestrator.runstate import arrived_workers
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -202,7 +203,7 @@ def round_metrics(storage: Storage, cfg: Config, record: Mapping[str, Any], eval
     t = time.time() if t is None else t
     r = record["round"]
     jobs, manifests, sizes = gather_round(storage, r)
-    head = [run_line(cfg, storage.read_json(RUN_INFO) or {}, t)] if r == 0 else []
+    head = [run_line(cfg, dataclasses.asdict(RunInfo.load(storage)), t)] if r == 0 else []
     return [*head, round_line(record, manifests, sizes, cfg.inner.steps, t, evaluated_at),
             *worker_lines(record, jobs, manifests, t), *step_lines(r, manifests, cfg.inner.steps)]
 

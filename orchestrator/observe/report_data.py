@@ -8,6 +8,7 @@ stays about one model whatever K is (the DiLoCo paper's Figures 10-11: norm and 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,8 +27,8 @@ from core.errors import CheckpointError
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.observe.metrics import SCHEMA, read_metrics, step_lines
-from core.records import RoundJobs
-from orchestrator.runstate import RUN_INFO, arrived_workers, load_run, read_heartbeat, run_status
+from core.records import RoundJobs, RunInfo
+from orchestrator.runstate import arrived_workers, load_run, read_heartbeat, run_status
 
 L = RunLayout()
 
@@ -73,7 +74,7 @@ def collect(storage: Storage, now: float | None = None) -> RunData:
         manifests = {w: m for w in arrived_workers(storage, r) if (m := read_manifest(storage, L.contribution(r, w)))}
         progress = {int(w): read_heartbeat(storage, int(w)) for w in jobs["workers"]}
         current = {"round": r, "jobs": jobs, "manifests": manifests, "progress": progress}
-    return RunData(storage.display(), cfg, status["state"], storage.read_json(RUN_INFO) or {}, lines, current,
+    return RunData(storage.display(), cfg, status["state"], dataclasses.asdict(RunInfo.load(storage)), lines, current,
                    time.time() if now is None else now)
 
 
