@@ -220,6 +220,23 @@ class RoundRecord:
 
 
 @dataclass
+class Failure:
+    """failed.json: why the run stopped for good (orchestrator/loop.py writes it)."""
+
+    round: int | None = None
+    reason: str = "(no reason recorded)"
+    at: float | None = None
+
+    @classmethod
+    def load(cls, storage: Storage) -> Failure | None:
+        raw = storage.read_json(L.FAILED, limit=LIMIT)
+        return None if raw is None else checked(cls, raw, storage.display(L.FAILED))
+
+    def save(self, storage: Storage) -> None:
+        storage.write_json(L.FAILED, dataclasses.asdict(self))
+
+
+@dataclass
 class RunInfo:
     """run.json: written when the run is made, and once more with the initial model's eval."""
 

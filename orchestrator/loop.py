@@ -32,7 +32,7 @@ from orchestrator.lease import Lease
 from orchestrator.observe.metrics import write_round_metrics
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
-from core.records import RoundJobs, RoundRecord
+from core.records import Failure, RoundJobs, RoundRecord
 from orchestrator.round_merge import RoundMerger
 from orchestrator.runstate import arrived_workers
 from orchestrator.run_models import Evaluator, export_final
@@ -139,6 +139,6 @@ class Service:
     def _fail(self, jobs: RoundJobs, decision: Decision, states: dict[str, JobStatus]) -> None:
         self.submitter.record_losses(jobs, list(jobs.workers), states)
         jobs.save(self.storage)
-        self.storage.write_json(L.FAILED, {"round": jobs.round, "reason": decision.reason, "at": time.time()})
+        Failure(jobs.round, decision.reason, time.time()).save(self.storage)
         raise RunError(f"round {jobs.round} cannot be merged: {decision.reason}. Fix the cause (see the job logs in "
                        f"{self.executor.folder}), then `orchestrate resume {self.storage.display()}`")

@@ -13,7 +13,7 @@ from core.config_parse import load_yaml
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from core.records import RUN_INFO, RoundJobs, RoundRecord, RunInfo, number, text, utilization  # noqa: F401  RUN_INFO: re-exported
+from core.records import RUN_INFO, Failure, RoundJobs, RoundRecord, RunInfo, number, text, utilization  # noqa: F401  RUN_INFO: re-exported
 
 L = RunLayout()
 HEARTBEAT_LIMIT = 4096
@@ -73,15 +73,13 @@ def round_line(r: int, rec: Any) -> dict[str, Any]:
     return line
 
 
-def _failure(v: Any) -> dict[str, Any] | None:
-    """failed.json (written by orchestrator/loop.py: round, reason, at), checked like a round record."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
+def _failure(storage: Storage) -> dict[str, Any] | None:
+    """failed.json as status shows it: its reason fit for a terminal; a damaged one said to be so."""
+    try:
+        failed = Failure.load(storage)
+    except RunError:
         return {"round": None, "reason": "failed.json is not a record islands wrote (damaged or planted)", "at": None}
-    r = v.get("round")
-    return {"round": r if isinstance(r, int) and not isinstance(r, bool) else None,
-            "reason": text(v.get("reason")) or "(no reason recorded)", "at": number(v.get("at"))}
+    return None if failed is None else {**dataclasses.asdict(failed), "reason": text(failed.reason)}
 
 
 def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
@@ -100,7 +98,7 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
             break
         rounds.append(round_line(r, rec.to_json()))
         r += 1
-    failed = _failure(storage.read_json(L.FAILED))
+    failed = _failure(storage)
     state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
     try:
         info = dataclasses.asdict(RunInfo.load(storage))
