@@ -309,21 +309,24 @@ def test_overlapped_workers_requeued_ahead_and_mid_round_are_replayed_bit_for_bi
 
 
 def test_the_vision_task_and_a_users_task_run_as_slurm_jobs(tmp_path, capsys):
-    """Task digits (a ViT on real images) with lo-fi, and a user's task imported from a directory
-    outside the repository (task_path), each as worker jobs on the real scheduler."""
+    """Task digits (a ViT on real images) with diloco and lte (heads on its attention and MLP), and a
+    user's task imported from a directory outside the repository (task_path) with lofi: each as
+    worker jobs on the real scheduler."""
     from test_tasks import SMALL, USER_TASK, _write_task
     slurm = ["--executor", "slurm", "--set", "executor.preset=local", "--workers", "2", *SMALL]
-    vision = tmp_path / "vision"
-    assert main(["submit", "--set", "task=digits", "--algorithm", "lofi", "--rounds", "1", "--inner-steps", "6",
-                 "--run-dir", str(vision), *slurm]) == 0
     where = _write_task(tmp_path / "mytasks", USER_TASK)
-    own = tmp_path / "own"
-    assert main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--rounds", "2",
-                 "--inner-steps", "5", "--run-dir", str(own), *slurm]) == 0
-    for run in (vision, own):
+    runs = {tmp_path / "diloco": ["--set", "task=digits", "--algorithm", "diloco", "--rounds", "2", "--inner-steps", "4"],
+            tmp_path / "lte": ["--set", "task=digits", "--algorithm", "lte", "--rounds", "2", "--inner-steps", "4",
+                               "--set", "lte.rank=4"],
+            tmp_path / "own": ["--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--algorithm", "lofi",
+                               "--rounds", "1", "--inner-steps", "10"]}
+    for run, args in runs.items():
+        assert main(["submit", *args, "--run-dir", str(run), *slurm]) == 0
         capsys.readouterr()
         assert main(["status", str(run), "--json"]) == 0
         st = json.loads(capsys.readouterr().out)
         assert st["state"] == "done" and all(r["merged"] == [0, 1] and "accuracy" in r["eval_metrics"] for r in st["rounds"])
         job = Storage(str(run)).read_json("rounds/00000/jobs.json")["workers"]["0"]["job_ids"][0]
         assert len(wait_for_sacct_state(job.split("_")[0], "COMPLETED", array_tasks=range(2))) == 2
+    heads = Storage(str(tmp_path / "lte")).read_json("rounds/00001/contrib/worker_000.json")
+    assert heads["lte"]["rank"] == 4
