@@ -51,13 +51,14 @@ def plot(record: dict[str, Any], path: Path) -> None:
         for c in curves:  # the mean over seeds; seeds differ mostly by their held-out split (a vertical shift)
             cols = list(zip(*c["per_seed"]))
             ax.plot(c["steps"], [_mean(list(v)) for v in cols], label=c["label"], marker=".")
+        loss = "loss" in record.get("metric", "loss")  # the limits below suit a falling loss, not an accuracy
         means = [_mean(list(v)) for c in curves for v in list(zip(*c["per_seed"]))[1:]]
-        if means:  # the starting model's loss would flatten the part worth seeing
+        if means and loss:  # the starting model's loss would flatten the part worth seeing
             ax.set_ylim(min(means) - 0.02, max(means) + 0.02)
         ax.set_xlabel(record["xlabel"])
         ax.set_ylabel(record.get("metric", "held-out eval loss (nats/byte)"))
         lows = [min(min(s[1:]) for s in c["per_seed"]) for c in curves if len(c["steps"]) > 1]
-        if lows:  # the first point (the starting model) would flatten the interesting part
+        if lows and loss:  # the first point (the starting model) would flatten the interesting part
             top = max(max(s[1] for s in c["per_seed"]) for c in curves if len(c["steps"]) > 1)
             ax.set_ylim(min(lows) - 0.02, top + 0.05)
         ax.legend(fontsize=7)
