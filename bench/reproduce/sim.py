@@ -27,6 +27,7 @@ from worker.overlap import adopt
 from worker.data import BatchSampler, Dataset, dataset_for, eval_batches, estimate_loss
 from worker.params import make_optimizer
 from worker.ranks import SOLO
+from worker.tasks.lm import LanguageModel
 from worker.train import InnerTrainer, pick_device
 from worker.weights import build_model, load_weights, weights_of
 
@@ -74,6 +75,7 @@ class SimWorker(InnerTrainer):
         self.task = SimpleNamespace(worker=worker, round=0)  # train() names them in its errors
         self.sampler = data.sampler(cfg, worker, share)  # `worker`'s share of the train split among `share`
         self.model = build_model(cfg.model).to(self.device)
+        self.runner = LanguageModel(cfg)  # the loss of task lm; its dataset is never opened here
         optimizer = make_optimizer
         if model_hook is not None:  # LTE: attach heads, and use their optimizer
             optimizer = model_hook(self.model, worker) or make_optimizer
