@@ -240,7 +240,7 @@ def _list_files(source: str | None, include_tests: bool) -> tuple[Path, list[tup
 # ----------------------------------------------------------------------------- a worker's share and its batches
 
 
-def _affine(n: int, seed: int) -> tuple[int, int]:
+def affine(n: int, seed: int) -> tuple[int, int]:
     """(a, b) with gcd(a, n) = 1: i -> (a * i + b) mod n is a seeded permutation of range(n)."""
     a = 1 + int(unit_hash(seed, "deal-a") * n) % n if n > 1 else 1
     while math.gcd(a, n) != 1:
@@ -290,7 +290,7 @@ class BatchSampler:
                 raise DatasetError(f"Cannot shard the train split of {ds.url} ({total} segments of {self.segment} "
                                    f"tokens) over {num_workers} workers (iid); use fewer workers, a smaller "
                                    "model.block_size or more data.")
-            self.a, self.b = _affine(total, seed)
+            self.a, self.b = affine(total, seed)
             self.count, self.stride, self.offset = len(range(worker, total, num_workers)), num_workers, worker
         else:
             self.a, self.b, self.count, self.stride, self.offset = 1, 0, total, 1, 0

@@ -64,8 +64,6 @@ class Runner:
     indexable examples (Examples, below)."""
 
     name: str
-    unit = "tokens"
-    """What a manifest's `tokens` count, the weight of a contribution under outer.weighting tokens."""
 
     def build_model(self, pretrained: bool = True) -> torch.nn.Module:
         raise NotImplementedError
@@ -114,13 +112,13 @@ class ExampleSampler:
     generator seeded by (seed, worker, step), so a requeued or replayed worker sees the same batches."""
 
     def __init__(self, task: Any, n: int, seed: int, worker: int, num_workers: int, batch_size: int) -> None:
-        from worker.data import _affine  # the permutation the token data deals its segments with
+        from worker.data import affine  # the permutation the token data deals its segments with
         if n < num_workers:
             raise TaskError(f"task {type(task).__name__}: {n} train examples cannot be shared by {num_workers} "
                             "workers; use fewer workers or more examples")
         self.task, self.n, self.seed, self.worker, self.batch_size = task, n, seed, worker, batch_size
         self.train = task.examples("train") if task is not None else None  # asked once: a task may build it
-        self.a, self.b = _affine(n, seed)
+        self.a, self.b = affine(n, seed)
         self.count, self.stride = len(range(worker % num_workers, n, num_workers)), num_workers
         self.tokens_per_batch = batch_size  # examples: what weighs a contribution
 
@@ -135,8 +133,6 @@ class ExampleSampler:
 
 class Examples(Runner):
     """A task of indexable examples (the interface above), checked as it is used."""
-
-    unit = "examples"
 
     def __init__(self, task: Any, name: str, cfg: Config) -> None:
         self.task, self.name, self.cfg = task, name, cfg
@@ -237,14 +233,14 @@ def _import(name: str, path: str | None) -> type:
 def task_for(cfg: Config) -> Runner:
     """The run's task, built for this process."""
     cls = _import(cfg.task, cfg.task_path)
-    if issubclass(cls, Runner):
+    if isinstance(cls, type) and issubclass(cls, Runner):
         return cls(cfg)
     try:
         task = cls(cfg)
     except IslandsError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise TaskError(f"task {cfg.task}: {cls.__name__}(cfg) failed: {type(exc).__name__}: {exc}") from None
+        raise TaskError(f"task {cfg.task}: {getattr(cls, '__name__', cls)!s:.80}(cfg) failed: {type(exc).__name__}: {exc}") from None
     return Examples(task, cfg.task, cfg)
 
 
