@@ -111,14 +111,15 @@ def test_numbers_that_would_exhaust_the_machine_are_refused_before_anything_is_m
     assert says in out and "Traceback" not in out and not (tmp_path / "run").exists()
 
 
-def test_oversubscribe_lets_more_local_workers_through_that_check(tmp_path, capsys):
+def test_oversubscribe_lets_more_local_workers_through_that_check(tmp_path, capsys, corpus_cache):
     """--oversubscribe lifts the local process bound (and only it): the submission goes on to the next
     check, here a run directory others can write, so that no 400 processes are started by the test."""
     from orchestrator.cli import main
     run = tmp_path / "run"
     run.mkdir()
     run.chmod(0o777)
-    assert main(["submit", "--workers", "400", "--executor", "local", "--oversubscribe", "--run-dir", str(run)]) == 2
+    assert main(["submit", "--workers", "400", "--executor", "local", "--oversubscribe", "--run-dir", str(run),
+                 "--set", f"data.cache_dir={corpus_cache}"]) == 2
     out = capsys.readouterr().out
     assert "local workers would start" not in out and "writable" in out and not (run / "config.yaml").exists()
 
