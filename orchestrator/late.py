@@ -49,21 +49,16 @@ class Folded:
         return asdict(self)
 
 
-def _record(storage: Storage, q: int) -> dict[str, Any]:
-    rec = RoundRecord.load(storage, q)
-    return rec.to_json() if rec else {}
-
-
 def late_window(storage: Storage, r: int, max_staleness: int) -> tuple[dict[int, list[int]], set[tuple[int, int]]]:
     """(round -> workers published there but not merged or rejected, (round, worker) already
     folded or refused a fold) over the rounds a merge of round r may still fold from."""
     unmerged: dict[int, list[int]] = {}
     done: set[tuple[int, int]] = set()
     for q in range(max(0, r - max_staleness), r):
-        rec = _record(storage, q)
-        for f in [*rec.get("folded", []), *rec.get("fold_rejected", [])]:
+        rec = RoundRecord.load(storage, q)
+        for f in [*rec.folded, *rec.fold_rejected] if rec else []:
             done.add((int(f["from_round"]), int(f["worker"])))
-        taken = {int(w) for w in [*rec.get("merged", []), *rec.get("rejected", [])]}
+        taken = set(rec.merged + rec.rejected) if rec else set()
         unmerged[q] = [w for w in arrived_workers(storage, q) if w not in taken]
     return unmerged, done
 
@@ -115,10 +110,11 @@ def unfinished_late_jobs(storage: Storage, r: int, max_staleness: int) -> list[s
     unmerged, _ = late_window(storage, r, max_staleness)
     ids = []
     for q in range(max(0, r - max_staleness), r):
-        rec = _record(storage, q)
-        for w in rec.get("dropped", []):
-            if w not in unmerged.get(q, []):
-                ids.append(RoundJobs.load(storage, q).workers[w].latest)
+        rec = RoundRecord.load(storage, q)
+        owing = [w for w in (rec.dropped if rec else []) if w not in unmerged.get(q, [])]
+        if owing:
+            jobs = RoundJobs.load(storage, q).workers
+            ids += [jobs[w].latest for w in owing]
     return ids
 
 

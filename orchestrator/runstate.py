@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -13,7 +14,7 @@ from core.config_parse import load_yaml
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from core.records import RUN_INFO, Failure, RoundJobs, RoundRecord, RunInfo, number, text, utilization  # noqa: F401  RUN_INFO: re-exported
+from core.records import Failure, RoundJobs, RoundRecord, RunInfo, number, text, utilization
 
 L = RunLayout()
 HEARTBEAT_LIMIT = 4096
@@ -42,13 +43,9 @@ def arrived_workers(storage: Storage, r: int) -> list[int]:
                   and manifest_key(L.contribution(r, w)).rsplit("/", 1)[-1] in names)
 
 
-def _workers(v: Any) -> list[int]:
-    return [w for w in v if isinstance(w, int) and not isinstance(w, bool)] if isinstance(v, list) else []
-
-
-def _by_worker(v: Any, value: Any) -> dict[str, Any]:
-    items = v.items() if isinstance(v, dict) else ()
-    return {str(text(k, 16)): got for k, x in items if (got := value(x)) is not None}
+def _by_worker(v: Mapping[str, Any], value: Any = lambda x: x) -> dict[str, Any]:
+    """A map keyed by worker (or metric), keys fit for a terminal; entries `value` makes None dropped."""
+    return {str(text(k, 16)): got for k, x in v.items() if (got := value(x)) is not None}
 
 
 def _job(v: Any) -> dict[str, Any] | None:
@@ -58,17 +55,17 @@ def _job(v: Any) -> dict[str, Any] | None:
     return {**out, **{k: text(v.get(k), 200) for k in ("job_id", "state") if text(v.get(k), 200) is not None}}
 
 
-def round_line(r: int, rec: Any) -> dict[str, Any]:
-    """A round record as status shows it, checked field by field: a record someone damaged or planted
-    shows its wrong fields as absent, never a traceback, and nothing in it reaches a terminal raw."""
-    rec = rec if isinstance(rec, dict) else {}
-    line: dict[str, Any] = {"round": r, **{k: _workers(rec.get(k)) for k in ("merged", "dropped", "rejected")}}
-    line.update({k: number(rec.get(k)) for k in ("eval_loss", "merge_seconds", "bytes_read", "outer_grad_norm")})
-    line.update({k: _by_worker(rec.get(k), text) for k in ("dropped_reasons", "rejected_reasons")})
-    line.update({k: _by_worker(rec.get(k), number) for k in ("worker_train_s", "worker_idle_s", "eval_metrics")})
-    line["jobs"] = _by_worker(rec.get("jobs"), _job)
+def round_line(r: int, rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A round record as status shows it. `rec` is one RoundRecord.load checked (every field of its
+    type), or {} for a damaged one, whose fields then show as absent; no string in it reaches a
+    terminal raw (the jobs' entries, free-form, are checked here)."""
+    line: dict[str, Any] = {"round": r, **{k: list(rec.get(k, [])) for k in ("merged", "dropped", "rejected")}}
+    line.update({k: rec.get(k) for k in ("eval_loss", "merge_seconds", "bytes_read", "outer_grad_norm")})
+    line.update({k: _by_worker(rec.get(k, {}), text) for k in ("dropped_reasons", "rejected_reasons")})
+    line.update({k: _by_worker(rec.get(k, {})) for k in ("worker_train_s", "worker_idle_s", "eval_metrics")})
+    line["jobs"] = _by_worker(rec.get("jobs", {}), _job)
     line["utilization"] = utilization([{"worker_train_s": line["worker_train_s"], "worker_idle_s": line["worker_idle_s"]}])
-    ends = (number(rec.get("submitted_at")), number(rec.get("committed_at")))
+    ends = (rec.get("submitted_at"), rec.get("committed_at"))
     line["wall_s"] = round(ends[1] - ends[0], 1) if None not in ends else None
     return line
 

@@ -15,7 +15,8 @@ import torch
 from core.config import Config, config_from_dict
 from core.dataset import DatasetError
 from worker import data
-from worker.data import BatchSampler, Dataset, dataset_for, eval_batches, estimate_loss
+from worker.data import BatchSampler, Dataset, dataset_for, eval_batches
+from worker.tasks.lm import LanguageModel
 from worker.model import GPT
 
 
@@ -152,7 +153,7 @@ def test_eval_batches_and_estimate_loss(stdlib):
     assert rows(batches) == rows(reshuffled) and not torch.equal(batches[0][0], reshuffled[0][0])
     model = GPT(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=16)
     model.train()
-    loss = estimate_loss(model, batches)
+    loss = LanguageModel(Config()).evaluate(model, batches)["loss"]  # the service's eval of task lm
     assert 4.0 < loss < 7.0 and model.training  # ~ln(256) for an untrained model; mode restored
 
 

@@ -20,9 +20,9 @@ import worker.train as train
 from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
 from core.config import config_from_dict
 from core.layout import RunLayout
+from core.records import RUN_INFO
 from core.storage import Storage
 from core.task import WorkerTask
-from orchestrator.runstate import RUN_INFO
 from orchestrator.run_models import create_run
 from orchestrator.slurm import rank_problems, service_parameters, slurm_parameters, worker_tasks
 

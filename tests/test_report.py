@@ -247,7 +247,7 @@ def test_eval_of_different_models_and_the_ensemble_of_one(tiny_run, capsys):
     batches = [(x, torch.roll(x, -1, 1))]
     singles, mixed = ensemble_losses(models[:1], batches)
     assert mixed == singles[0]
-    assert singles[0] == pytest.approx(models[0](*batches[0])[1].item(), rel=1e-5)  # as estimate_loss computes it
+    assert singles[0] == pytest.approx(models[0](*batches[0])[1].item(), rel=1e-5)  # as the service's eval computes it
     singles, mixed = ensemble_losses(models, batches)
     assert mixed <= sum(singles) / 2 + 1e-9  # Jensen: mixing probabilities never hurts on average
     assert mixed <= min(singles) + math.log(2) + 1e-9  # and costs at most log K against the best model

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from core.records import RUN_INFO
 from core.storage import Storage
 from orchestrator.cli import main
-from orchestrator.runstate import RUN_INFO
 from slurm_support import slurm_test, wait_for_sacct_state
 
 pytestmark = [*slurm_test, pytest.mark.slow]

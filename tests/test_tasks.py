@@ -71,18 +71,18 @@ def _status(run, capsys) -> dict:
 def test_workers_shares_of_examples_are_disjoint_covering_and_balanced(n, k, seed):
     if n < k:
         with pytest.raises(TaskError, match="cannot be shared"):
-            ExampleSampler(None, n, seed, 0, k, 1)
+            ExampleSampler(range(n), list, seed, 0, k, 1)
         return
     shares = []
     for w in range(k):
-        s = ExampleSampler(None, n, seed, w, k, 1)
+        s = ExampleSampler(range(n), list, seed, w, k, 1)
         shares.append({(s.a * (w + p * k) + s.b) % n for p in range(s.count)})
     assert sorted(i for share in shares for i in share) == list(range(n))  # each example once
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
 def test_a_workers_batches_are_a_pure_function_of_seed_worker_and_step():
-    a, b = ExampleSampler(None, 100, 7, 2, 4, 16), ExampleSampler(None, 100, 7, 2, 4, 16)
+    a, b = ExampleSampler(range(100), list, 7, 2, 4, 16), ExampleSampler(range(100), list, 7, 2, 4, 16)
     assert a.indices(5) == b.indices(5) and a.indices(5) != a.indices(6)
     share = {(a.a * (2 + p * 4) + a.b) % 100 for p in range(a.count)}
     assert set(a.indices(5)) <= share
@@ -170,13 +170,15 @@ def test_the_vision_task_trains_with_each_algorithm(tmp_path, capsys, algorithm,
 
 # -- a user's own task, from outside the package --------------------------------------------------
 @pytest.mark.slow
-def test_a_users_task_from_a_temporary_directory_trains_on_the_local_executor(tmp_path, capsys):
-    where = _write_task(tmp_path / "mytasks", USER_TASK)
+def test_a_users_task_from_a_temporary_directory_trains_on_the_local_executor(tmp_path, capsys, monkeypatch):
+    _write_task(tmp_path / "mytasks", USER_TASK)
+    monkeypatch.chdir(tmp_path)  # task_path given relative to where submit runs
     run = tmp_path / "run"
-    assert main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--workers", "2",
+    assert main(["submit", "--set", "task=blobs:Blobs", "--set", "task_path=mytasks", "--workers", "2",
                  "--rounds", "3", "--inner-steps", "10", "--executor", "local", "--run-dir", str(run), *SMALL]) == 0
     st = _status(run, capsys)
     assert st["state"] == "done" and st["rounds"][-1]["eval_metrics"]["accuracy"] > 0.8  # an easy problem, learnt
+    assert f"task_path: {tmp_path / 'mytasks'}" in (run / "config.yaml").read_text()  # absolute: jobs start anywhere
     m = Storage(str(run)).read_json("rounds/00000/contrib/worker_000.json")
     assert m["tokens"] == 10 * 8  # steps x examples: the weight of a contribution counts examples
     alone = tmp_path / "model.safetensors"  # copied out of its run: nothing says which task built it
@@ -207,6 +209,12 @@ BAD = {
                "Blobs", "Blobs(cfg) failed: RuntimeError: no data here"),
     "bad_metrics": (USER_TASK.replace('return {"accuracy"', 'return [1]\n        return {"accuracy"'), "Blobs",
                     "metrics() must return {name: number}"),
+    "nan_metric": (USER_TASK.replace('.float().mean().item()}', '.float().mean().item() * float("nan")}'), "Blobs",
+                   "metrics ['accuracy'] are not finite on the eval"),
+    "not_a_module": (USER_TASK.replace("return torch.nn.Sequential(", "return dict(a=1) or torch.nn.Sequential("),
+                     "Blobs", "model() returned dict, not a torch.nn.Module"),
+    "empty_eval": (USER_TASK.replace("else self.data[400:]", "else []"), "Blobs", "examples('eval') is empty"),
+    "instance": (USER_TASK + "\n\nINSTANCE = Blobs.__new__(Blobs)\n", "INSTANCE", "(cfg) failed: TypeError"),
 }
 
 
@@ -220,6 +228,20 @@ def test_a_bad_task_is_one_clear_error_before_anything_is_made(tmp_path, capsys,
     out = capsys.readouterr().out
     assert code == 2 and says in out and "task blobs:" in out and "Traceback" not in out, out
     assert not run.exists()
+
+
+def test_the_built_in_tasks_are_the_ones_the_config_accepts():
+    from core.config_parse import BUILTIN_TASKS
+    from worker.tasks import BUILTIN
+    assert set(BUILTIN) == set(BUILTIN_TASKS)
+
+
+def test_a_batch_of_nested_containers_has_each_tensor_mapped():
+    from worker.tasks import map_tensors
+    batch = {"x": torch.ones(4, 2), "parts": [torch.zeros(4), (torch.arange(4), "label")], "n": 3}
+    got = map_tensors(batch, lambda t: t[:2])
+    assert got["x"].shape == (2, 2) and got["parts"][0].shape == (2,) and got["parts"][1][0].tolist() == [0, 1]
+    assert got["parts"][1][1] == "label" and got["n"] == 3 and isinstance(got["parts"][1], tuple)
 
 
 def test_task_keys_are_checked_with_the_rest_of_the_config(capsys):

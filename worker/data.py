@@ -353,18 +353,3 @@ def eval_batches(ds: Dataset, block_size: int, batch_size: int, num_batches: int
     random.Random(seed).shuffle(order)
     picks = [picks[j] for j in order]
     return [ds.windows(picks[b * batch_size:(b + 1) * batch_size], block_size) for b in range(num_batches)]
-
-
-def estimate_loss(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean loss over batches in eval mode without gradients; the caller's mode is restored."""
-    if not batches:
-        raise ValueError("estimate_loss got no batches; build them with eval_batches (num_batches >= 1).")
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
-    finally:
-        model.train(was_training)
-    return sum(losses) / len(losses)

@@ -17,6 +17,7 @@ import json
 import os
 import posixpath
 import tempfile
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -102,7 +103,7 @@ _CONFIG_LIMIT = 1 << 20  # bytes of a config.json
 def _config(tf: ModuleType, path: str) -> object:
     """The model's config, checked before anything is allocated: readable JSON of sane depth and size,
     a model type transformers knows, whole sizes that divide, and weights that fit this machine's memory."""
-    where = os.path.join(path, "config.json")
+    where = str(Path(path) / "config.json")
     try:
         with open(where, "rb") as f:
             data = f.read(_CONFIG_LIMIT + 1)

@@ -46,20 +46,26 @@ def _one_seed(ctx: Context, seed: int) -> dict[str, float]:
             "best individual": min(singles), "average": avg_loss, "ensemble": ensemble}
 
 
-def lofi(ctx: Context) -> Outcome:
-    s, k = ctx.size, ctx.size.workers
-    per = [_one_seed(ctx, seed) for seed in ctx.seeds]
+def lofi_rows(per: list[dict[str, float]], pre: str, k: int, size: int, steps: int) -> list[Row]:
+    """lo-fi's table from each seed's figures (`per`): the starting model (labelled `pre`), the
+    communicating baseline, an individual worker (mean and best), the weight average, the ensemble;
+    with the bytes each sends (`size`: the model's, `steps` steps, `k` workers)."""
     col = lambda key: [p[key] for p in per]  # noqa: E731
-    size = 4 * sum(p.numel() for p in build_model(ctx.cfg(0).model).parameters())
-    rows = [Row("pre-trained model, not fine-tuned", col("pre"), 0),
+    return [Row(pre, col("pre"), 0),
             Row(f"baseline: 1 worker, batch B, all data (= {k}-way data parallel)", col("baseline"),
-                s.total_steps * k * 2 * size, "all-reduce every step"),
+                steps * k * 2 * size, "all-reduce every step"),
             Row(f"lo-fi individual worker (batch B/{k}), mean of {k}", col("individual"), 0),
             Row("lo-fi best individual worker", col("best individual"), 0),
             Row(f"lo-fi: weight average of the {k}", col("average"), k * size, "one upload per worker, at the end"),
             Row(f"lo-fi: output ensemble of the {k}", col("ensemble"), k * size, f"{k} models at inference")]
+
+
+def lofi(ctx: Context) -> Outcome:
+    s, k = ctx.size, ctx.size.workers
+    per = [_one_seed(ctx, seed) for seed in ctx.seeds]
+    size = 4 * sum(p.numel() for p in build_model(ctx.cfg(0).model).parameters())
+    rows = lofi_rows(per, "pre-trained model, not fine-tuned", k, size, s.total_steps)
     base, ind, avg, ens = rows[1], rows[2], rows[4], rows[5]
-    mean = statistics.fmean
     checks = [check("the weight average matches the baseline (within 1% of loss, or better)",
                     [a <= 1.01 * b for a, b in zip(avg.finals, base.finals)], avg.mean <= 1.01 * base.mean,
                     f"average {avg.mean:.4f} vs baseline {base.mean:.4f} ({100 * (avg.mean / base.mean - 1):+.2f}%)"),
@@ -69,8 +75,8 @@ def lofi(ctx: Context) -> Outcome:
               check("the output ensemble beats an individual worker",
                     [e < i for e, i in zip(ens.finals, ind.finals)], ens.mean < ind.mean,
                     f"{ens.mean:.4f} vs {ind.mean:.4f}"),
-              check("fine-tuning helps on the new domain", [b < p for b, p in zip(base.finals, col("pre"))],
-                    base.mean < mean(col("pre")), f"{mean(col('pre')):.4f} -> {base.mean:.4f}")]
+              check("fine-tuning helps on the new domain", [b < p for b, p in zip(base.finals, rows[0].finals)],
+                    base.mean < rows[0].mean, f"{rows[0].mean:.4f} -> {base.mean:.4f}")]
     setup = (f"Pre-trained {s.pretrain_steps} steps on stdlib modules (data.include_tests: false), then fine-tuned "
              f"{s.total_steps} steps on the stdlib test suite only; eval on held-out test files. lo-fi: {k} workers, "
              f"batch {s.batch_size}/{k} each, iid shards, one round (algorithm: lofi); the average is "

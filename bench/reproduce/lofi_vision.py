@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from bench.reproduce.context import Context, Outcome, Row, check
+from bench.reproduce.context import Context, Outcome, check
+from bench.reproduce.lofi_exp import lofi_rows
 from core.config import Config, load_config
 from merge.methods import average
 from worker.params import make_optimizer
@@ -96,16 +97,9 @@ def _one_seed(ctx: Context, seed: int) -> dict[str, float]:
 def lofi_vision(ctx: Context) -> Outcome:
     s, k = ctx.size, ctx.size.workers
     per = [_one_seed(ctx, seed) for seed in ctx.seeds]
-    col = lambda key: [p[key] for p in per]  # noqa: E731
     cfg = _cfg(ctx, 0)
     size = 4 * sum(p.numel() for p in Examples(Digits(cfg), "digits", cfg).build_model().parameters())
-    rows = [Row("pre-trained on digits 0-4, not fine-tuned", col("pre"), 0),
-            Row(f"baseline: 1 worker, batch B, all data (= {k}-way data parallel)", col("baseline"),
-                s.total_steps * k * 2 * size, "all-reduce every step"),
-            Row(f"lo-fi individual worker (batch B/{k}), mean of {k}", col("individual"), 0),
-            Row("lo-fi best individual worker", col("best individual"), 0),
-            Row(f"lo-fi: weight average of the {k}", col("average"), k * size, "one upload per worker, at the end"),
-            Row(f"lo-fi: output ensemble of the {k}", col("ensemble"), k * size, f"{k} models at inference")]
+    rows = lofi_rows(per, "pre-trained on digits 0-4, not fine-tuned", k, size, s.total_steps)
     base, ind, avg, ens = rows[1], rows[2], rows[4], rows[5]
     checks = [check("the weight average matches the baseline (within 1 point of accuracy, or better)",
                     [a >= b - 0.01 for a, b in zip(avg.finals, base.finals)], avg.mean >= base.mean - 0.01,
@@ -114,8 +108,8 @@ def lofi_vision(ctx: Context) -> Outcome:
                     [a > i for a, i in zip(avg.finals, ind.finals)], avg.mean > ind.mean, f"{avg.mean:.4f} vs {ind.mean:.4f}"),
               check("the output ensemble beats an individual worker",
                     [e > i for e, i in zip(ens.finals, ind.finals)], ens.mean > ind.mean, f"{ens.mean:.4f} vs {ind.mean:.4f}"),
-              check("fine-tuning helps on the new domain", [b > p for b, p in zip(base.finals, col("pre"))],
-                    base.mean > statistics.fmean(col("pre")), f"{statistics.fmean(col('pre')):.4f} -> {base.mean:.4f}")]
+              check("fine-tuning helps on the new domain", [b > p for b, p in zip(base.finals, rows[0].finals)],
+                    base.mean > rows[0].mean, f"{rows[0].mean:.4f} -> {base.mean:.4f}")]
     setup = (f"Task digits (a 137k-parameter ViT, worker/tasks/digits.py). Pre-trained {4 * s.pretrain_steps} steps on "
              f"the digits 0-4 only, then fine-tuned {s.total_steps} steps on all ten; accuracy on all {360} held-out "
              f"images. lo-fi: {k} workers, batch {s.batch_size}/{k} each, disjoint shares of the examples, one round; "

@@ -24,7 +24,7 @@ from core.config import Config, DataConfig
 from merge.methods import get_method
 from orchestrator.plan import next_bases
 from worker.overlap import adopt
-from worker.data import BatchSampler, Dataset, dataset_for, eval_batches, estimate_loss
+from worker.data import BatchSampler, Dataset, dataset_for, eval_batches
 from worker.params import make_optimizer
 from worker.ranks import SOLO
 from worker.tasks.lm import LanguageModel
@@ -126,10 +126,11 @@ class Evaluator:
     def __init__(self, cfg: Config, data: Data) -> None:
         self.model = build_model(cfg.model).to(pick_device(cfg))
         self.batches = data.eval_set(cfg)
+        self.task = LanguageModel(cfg)  # the service's eval: task lm's loss, averaged over the batches
 
     def __call__(self, weights: Weights) -> float:
         load_weights(self.model, weights, "evaluated weights")
-        return estimate_loss(self.model, self.batches)
+        return self.task.evaluate(self.model, self.batches)["loss"]
 
 
 def outer_merge(global_w: Weights, contribs: Sequence[Weights], weights: Sequence[float],

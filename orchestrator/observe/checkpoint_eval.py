@@ -108,7 +108,7 @@ def nll(log_probs: Sequence[torch.Tensor], targets: torch.Tensor) -> float:
 def ensemble_losses(models: Sequence[torch.nn.Module], batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
                     ) -> tuple[list[float], float]:
     """Each model's mean loss over the batches and the ensemble's (mean of per-batch means,
-    as worker.data.estimate_loss computes it)."""
+    as the service's eval, worker.tasks.Runner.evaluate, computes it)."""
     singles = [0.0] * len(models)
     mixed = 0.0
     for m in models:

@@ -35,12 +35,10 @@ from typing import Any
 import torch
 
 from core.config import Config
-from core.config_parse import BUILTIN_TASKS
 from core.errors import IslandsError
 from worker.prepare import unit_hash
 
-BUILTIN = {"lm": "worker.tasks.lm:LanguageModel", "digits": "worker.tasks.digits:Digits"}
-assert set(BUILTIN) == set(BUILTIN_TASKS)
+BUILTIN = {"lm": "worker.tasks.lm:LanguageModel", "digits": "worker.tasks.digits:Digits"}  # core.config_parse.BUILTIN_TASKS
 REQUIRED = ("model", "examples", "collate", "loss")
 
 
@@ -111,13 +109,14 @@ class ExampleSampler:
     permutation (disjoint, covering, balanced to one example); batch(step) draws from the share with a
     generator seeded by (seed, worker, step), so a requeued or replayed worker sees the same batches."""
 
-    def __init__(self, task: Any, n: int, seed: int, worker: int, num_workers: int, batch_size: int) -> None:
+    def __init__(self, train: Sequence[Any], collate: Callable[[list[Any]], Any], seed: int, worker: int,
+                 num_workers: int, batch_size: int) -> None:
         from worker.data import affine  # the permutation the token data deals its segments with
+        n = len(train)
         if n < num_workers:
-            raise TaskError(f"task {type(task).__name__}: {n} train examples cannot be shared by {num_workers} "
-                            "workers; use fewer workers or more examples")
-        self.task, self.n, self.seed, self.worker, self.batch_size = task, n, seed, worker, batch_size
-        self.train = task.examples("train") if task is not None else None  # asked once: a task may build it
+            raise TaskError(f"{n} train examples cannot be shared by {num_workers} workers; use fewer workers or "
+                            "more examples")
+        self.train, self.collate, self.n, self.seed, self.worker, self.batch_size = train, collate, n, seed, worker, batch_size
         self.a, self.b = affine(n, seed)
         self.count, self.stride = len(range(worker % num_workers, n, num_workers)), num_workers
         self.tokens_per_batch = batch_size  # examples: what weighs a contribution
@@ -128,7 +127,7 @@ class ExampleSampler:
         return [(self.a * (self.worker % self.stride + p * self.stride) + self.b) % self.n for p in picks]
 
     def batch(self, step: int) -> Any:
-        return self.task.collate([self.train[i] for i in self.indices(step)])
+        return self.collate([self.train[i] for i in self.indices(step)])
 
 
 class Examples(Runner):
@@ -150,7 +149,11 @@ class Examples(Runner):
         if self.cfg.data.sharding != "iid":
             raise TaskError(f"task {self.name}: data.sharding {self.cfg.data.sharding} needs groups, which a task of "
                             "examples does not have; use data.sharding iid")
-        return ExampleSampler(self.task, len(self.task.examples("train")), self.cfg.seed, worker, num_workers, batch_size)
+        try:
+            return ExampleSampler(self.task.examples("train"), self.task.collate, self.cfg.seed, worker, num_workers,
+                                  batch_size)
+        except TaskError as exc:
+            raise TaskError(f"task {self.name}: {exc}") from None
 
     def eval_batches(self, n: int, batch_size: int) -> list[Any]:
         """n batches of evenly spaced eval examples (every one of them when there are fewer)."""
