@@ -8,7 +8,8 @@ published weights must equal, byte for byte, those of the same run without fault
 driver, watching the run directory only:
 
 - cancels 25% of the worker jobs (--cancel-fraction) at random moments, each while it still owes
-  its contribution (scancel; on the local executor SIGINT to the job, as `orchestrate cancel` does);
+  its contribution (scancel; on the local executor SIGKILL to the job, as `orchestrate cancel`
+  does); when none has landed by the last two rounds, one job is SIGKILLed at once;
 - kills the merge service --kills times and starts `orchestrate resume RUN` again each time: a
   SIGKILL of its process group (local jobs die with it) at a random moment of a round, alternating
   with a failpoint (core/failpoints.py) that ends it at a given step of its next merge;
@@ -89,7 +90,7 @@ class Chaos:
         kinds = (("poison",) if args.poison else ()) + PLANTED
         self.plant = {q: kinds[i] for i, q in enumerate(self.rng.sample(range(r), min(len(kinds), r)))} if self.on else {}
         self.cancel_budget = math.ceil(args.cancel_fraction * args.workers * r) if self.on else 0
-        self.timers: list[tuple[float, int, int]] = []  # (when, round, worker) random cancellations
+        self.timers: list[tuple[float, int, int, bool]] = []  # (when, round, worker, hard) cancellations
         self.planned_rounds: set[int] = set()
         self.planted: dict[int, int] = {}  # round -> worker whose file we planted
         self.plant_cancelled: set[int] = set()
@@ -180,28 +181,33 @@ class Chaos:
         if r not in self.planned_rounds and jobs:
             self.planned_rounds.add(r)
             left = self.a.rounds - r
-            n = min(self.cancel_budget - sum(f.kind == "job_cancelled" for f in self.faults) - len(self.timers),
+            # a cancel the job outran (it published first) cost nothing: it leaves the budget
+            landed = [f for f in self.faults if f.kind == "job_cancelled"
+                      and not check.delivered_before(self.s, f.round, f.worker, f.data)]
+            n = min(self.cancel_budget - len(landed) - len(self.timers),
                     math.ceil(self.cancel_budget / self.a.rounds) + (1 if left <= 2 else 0))
             pool = [w for w in range(self.a.workers) if w not in (self.planted.get(r), self.slow)]
-            # a round of a few steps can deliver before any timer: when none has landed by the last
-            # two rounds, cancel at once, so that a run with a budget always has one (pending or starting)
-            landed = any(f.kind == "job_cancelled" for f in self.faults)
+            # a round of a few steps can publish within scancel's grace (SIGTERM, then SIGKILL KillWait
+            # later): when none has landed by the last two rounds, SIGKILL at once, as a dying node
+            # would, so that a run with a budget always has one
+            hard = left <= 2 and not landed
             for w in self.rng.sample(pool, max(0, min(n, len(pool)))):
-                delay = 0.0 if left <= 2 and not landed else self.rng.uniform(0.5, 3.0)
-                self.timers.append((time.time() + delay, r, w))
+                self.timers.append((time.time() + (0.0 if hard else self.rng.uniform(0.5, 3.0)), r, w, hard))
         for t in [t for t in self.timers if t[0] <= time.time()]:
             self.timers.remove(t)
-            _, tr, w = t
+            _, tr, w, hard = t
             entry = jobs.get(str(w)) if tr == r else None
             if entry is None or self.s.exists(manifest_key(L.contribution(tr, w))):
                 continue  # its round closed or it delivered first: the budget moves to a later round
             job = entry["job_ids"][-1]
-            if self._cancel_job(job):
-                self.faults.append(Fault("job_cancelled", tr, w, detail=f"job {job}", data={"job": job, "at": time.time()}))
+            if self._cancel_job(job, hard):
+                how = "SIGKILL at once" if hard else "cancelled"
+                self.faults.append(Fault("job_cancelled", tr, w, detail=f"job {job} {how}", data={"job": job, "at": time.time()}))
 
-    def _cancel_job(self, job: str) -> bool:
+    def _cancel_job(self, job: str, hard: bool = False) -> bool:
         if self.a.executor == "slurm":
-            return subprocess.run(["scancel", job], capture_output=True, timeout=30).returncode == 0
+            cmd = ["scancel", *(["--signal=KILL", "--full"] if hard else []), job]
+            return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
         if not Path(f"/proc/{job}").exists():
             return False
         kill_local_job(job)  # what the local executor's cancel does: its tasks and controller SIGKILLed
