@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from bench import chaos_checks as check
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.executor import kill_local_job

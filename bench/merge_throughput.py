@@ -77,7 +77,7 @@ def llama_config(hidden: int, inter: int, vocab: int, layers: int) -> dict:
 def make_checkpoints(folder: Path, n: int, dims: tuple[int, int, int, int], dtype: str) -> list[Path]:
     import torch
 
-    from core.checkpoint import write_checkpoint
+    from core.checkpoint_writer import write_checkpoint
     from core.storage import Storage
 
     shapes = llama_shapes(*dims)

@@ -37,7 +37,7 @@ import torch
 
 from bench.merge_throughput import READ_WRITE, evict, llama_shapes
 from bench.merge_throughput import raw_read as read_and_write
-from core.checkpoint import write_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
 from merge.rounds import Contribution, RunningSum, merge_round

@@ -1,34 +1,28 @@
 """Checkpoints: safetensors files plus a JSON manifest written last. Never pickles.
 
-Writing streams tensor by tensor: the safetensors header is computed from shapes and dtypes before
-any data, so a merge can write its output while it reads its inputs, and the digest is computed on
-the way. The data file is published atomically, then the manifest (round, worker, steps, tokens,
-digest, bytes, base hash, ...). Readers trust only a checkpoint whose manifest exists and whose
-bytes hash to the manifest's digest: a half-written or damaged file is never taken for a whole one.
+The format, and its one reader: a file is trusted only once its manifest exists and its bytes hash
+to the manifest's digest, so a half-written or damaged file is never taken for a whole one. The one
+writer is core.checkpoint_writer.
 
-Reading is lazy: the header is parsed first, then each tensor is read when asked for (by seek on
-any fsspec file), so memory does not grow with the number of checkpoints open at once.
+Reading is lazy: the header is parsed and checked first, then each tensor is read when asked for
+(by offset, on any fsspec file), so memory does not grow with the number of checkpoints open at once.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import struct
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import torch
 import xxhash
 
 from core.errors import CheckpointError
-from core.layout import manifest_key
-from core.manifest import KNOWN_HASHES, UNNAMED_HASH, read_manifest
-from core.storage import Staged, Storage
+from core.manifest import read_manifest
+from core.storage import Storage
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -79,104 +73,9 @@ def build_header(specs: Iterable[tuple[str, str, tuple[int, ...], int]], metadat
     return struct.pack("<Q", len(raw)) + raw, out
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-
-
-HASH = "xxh3_128"
-"""The digest of every checkpoint islands writes (manifest fields `hash` and `digest`). The digest
-guards against accidents (a truncated copy, a flipped bit, a half-written file), not against an
-attacker: whoever can write a checkpoint into the run can write its manifest too, so a
-cryptographic hash would protect nothing more. XXH3-128 hashes at ~22 GB/s a core where BLAKE3
-manages ~4.5 and sha256 ~0.3 without SHA extensions: a verified 8-way merge of 8.7 GB took 5.2
-CPU-s instead of 6.7 on 2 cores (docs/benchmarks.md). It hashes on one core (BLAKE3 could spread
-one file over several). Manifests from before (`blake3`, `sha256`) are still read."""
-_HASHERS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "blake3": blake3.blake3,
-                                          "sha256": hashlib.sha256}
-assert tuple(_HASHERS) == KNOWN_HASHES and HASH == KNOWN_HASHES[0]
-
-
-def new_hasher(manifest: Mapping[str, Any] | None = None) -> Any:
-    """A hasher for checking `manifest`'s digest, or for a checkpoint being written (HASH)."""
-    name = HASH if manifest is None else manifest.get("hash", UNNAMED_HASH)
-    if name not in _HASHERS:
-        raise CheckpointError(f"manifest names hash {str(name)[:40]!r}, not one of {', '.join(sorted(_HASHERS))}: "
-                              "it was not written by islands; delete the checkpoint and its .json")
-    return _HASHERS[name]()
-
-
-class HashingWriter:
-    """Wraps a file being written (a core.storage.Staged): counts and hashes every byte written."""
-
-    def __init__(self, f: Staged) -> None:
-        self.f, self.sha, self.nbytes = f, new_hasher(), 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.f.write(data)
-        self.sha.update(data)
-        self.nbytes += len(data)
-
-    def manifest(self, key: str, fields: Mapping[str, Any] | None, tensors: int) -> dict[str, Any]:
-        """The manifest of the checkpoint written through this writer at `key`: the caller's
-        `fields`, then what makes it whole (its name, hash, digest, size and tensor count)."""
-        return {**(fields or {}), "file": key.rsplit("/", 1)[-1], "hash": HASH, "digest": self.sha.hexdigest(),
-                "bytes": self.nbytes, "tensors": tensors}
-
-
-def publish_manifest(storage: Storage, key: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """Write checkpoint `key`'s manifest (after its data is published): from now on it is whole."""
-    entry["written_at"] = time.time()
-    storage.write_json(manifest_key(key), entry)
-    return entry
-
-
-def write_checkpoint(
-    storage: Storage,
-    key: str,
-    tensors: Mapping[str, torch.Tensor] | None = None,
-    *,
-    specs: list[tuple[str, str, tuple[int, ...], int]] | None = None,
-    stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None,
-    metadata: Mapping[str, str] | None = None,
-    manifest: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write a checkpoint and then its manifest; return the manifest.
-
-    Either `tensors` (a mapping, written in sorted-name order) or `specs` + `stream` (a generator
-    yielding the tensors in the order of `specs`, e.g. a merge computing them one at a time).
-    """
-    if tensors is not None:
-        names = sorted(tensors)
-        specs = [spec_of(n, tensors[n]) for n in names]
-        stream = lambda: ((n, tensors[n]) for n in names)  # noqa: E731
-    assert specs is not None and stream is not None
-    header, layout = build_header(specs, metadata)
-    try:
-        with storage.open_atomic(key) as f:
-            w = HashingWriter(f)
-            w.write(header)
-            _write_stream(w, layout, stream())
-    except OSError as exc:
-        raise storage.error(f"write checkpoint {key}", exc) from exc
-    return publish_manifest(storage, key, w.manifest(key, manifest, len(layout)))
-
-
-def _write_stream(w: HashingWriter, layout: list[TensorSpec], items: Iterator[tuple[str, torch.Tensor]]) -> None:
-    # Drive the generator to its end (not zip, which stops before it): code after its last yield,
-    # such as a merge's checksum verification, must run before the file is published.
-    count = 0
-    for name, t in items:
-        if count >= len(layout):
-            raise CheckpointError(f"the stream yielded more than the {len(layout)} tensors of the header (extra: {name})")
-        spec = layout[count]
-        if name != spec.name or DTYPES.get(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
-            raise CheckpointError(f"tensor {name} {t.dtype} {tuple(t.shape)} does not match the header entry "
-                                  f"{spec.name} {spec.dtype} {spec.shape}: the writer's specs and stream disagree")
-        w.write(tensor_bytes(t))
-        count += 1
-    if count != len(layout):
-        raise CheckpointError(f"the stream ended after {count} of {len(layout)} tensors")
+def new_hasher() -> Any:
+    """A hasher of the digest every manifest names (core.manifest.HASH)."""
+    return xxhash.xxh3_128()
 
 
 def parse_header(raw: bytes, label: str) -> tuple[dict[str, str], dict[str, TensorSpec]]:
@@ -245,7 +144,7 @@ class TensorFile:
     def __init__(self, storage: Storage, key: str, manifest: Mapping[str, Any] | None = None, label: str = "") -> None:
         self.storage, self.key, self.label = storage, key, label or storage.display(key)
         self.manifest = dict(manifest) if manifest is not None else None
-        self._sha = new_hasher(self.manifest) if self.manifest is not None else None
+        self._sha = new_hasher() if self.manifest is not None else None
         self._pos = 0  # bytes hashed so far, always a prefix of the file
         self._fd: int | None = None
         self._f: Any = None

@@ -20,13 +20,13 @@ from core.storage import Storage
 
 log = logging.getLogger(__name__)
 
-DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
-"""The hashes a manifest may name, with the length of their hex digests (core.checkpoint hashes
-with the first; the others are read so that checkpoints written before stay loadable)."""
-KNOWN_HASHES = tuple(DIGEST_HEX)
-UNNAMED_HASH = "blake3"
-"""The hash of a manifest that names none: manifests name theirs since BLAKE3 replaced sha256
-(whose manifests _upgrade renames), so only a hand-written one lacks it."""
+HASH = "xxh3_128"
+"""The digest of every checkpoint islands writes (manifest fields `hash` and `digest`): it guards
+against accidents (a truncated copy, a flipped bit, a half-written file), not against an attacker,
+who could rewrite the manifest too (docs/benchmarks.md, Merge, for why XXH3)."""
+DIGEST_HEX = 32
+OLD_HASHES = ("blake3", "sha256")
+"""What islands 0.1 hashed with before 2026-11-24: such a run directory is refused, naming it."""
 
 
 def read_manifest(storage: Storage, key: str, label: str = "", *, plain: bool = False) -> dict[str, Any] | None:
@@ -44,7 +44,7 @@ def read_manifest(storage: Storage, key: str, label: str = "", *, plain: bool = 
     except CheckpointError as exc:  # too big, or not a regular file
         raise CheckpointError(f"manifest of {label}: {exc}") from None
     m = parse_manifest(raw, label)
-    if plain and not (isinstance(m, dict) and ("digest" in m or "sha256" in m)):
+    if plain and not (isinstance(m, dict) and ("digest" in m or "sha256" in m)):  # sha256: refused below, named
         log.warning("%s: ignoring %s, which is not a manifest (no digest)", label, manifest_key(key))
         return None
     return check_manifest(m, label, key)
@@ -71,33 +71,26 @@ def check_manifest(m: Any, label: str, key: str | None = None) -> dict[str, Any]
     if not isinstance(m, dict):
         raise CheckpointError(f"manifest of {label} is not a JSON object ({type(m).__name__}); delete it so the "
                               "checkpoint is rewritten")
-    m = _upgrade(m)
+    old = m.get("hash") if m.get("hash") in OLD_HASHES else "sha256" if "sha256" in m and "digest" not in m else None
+    if old:
+        raise CheckpointError(
+            f"manifest of {label} names hash {old}: it was written "
+            f"by islands 0.1 before 2026-11-24, and islands 0.2 reads only {HASH} manifests; finish that run with the "
+            "islands that began it, or start it again")
     if "digest" not in m:
         raise CheckpointError(f"manifest of {label} lacks a digest; delete it so the checkpoint is rewritten")
     problems = []
     for name, check in _MANIFEST_FIELDS.items():
         if m.get(name) is not None and (why := check(m[name])):
             problems.append(f"{name} {str(m[name])[:80]!r} {why}")
-    named = m.get("hash", UNNAMED_HASH)
-    if not _hash_name(named) and not _digest(m["digest"]) and len(m["digest"]) != DIGEST_HEX[named]:
-        problems.append(f"digest has {len(m['digest'])} hex digits where {named} has {DIGEST_HEX[named]}")
+    if not _hash_name(m.get("hash", HASH)) and not _digest(m["digest"]) and len(m["digest"]) != DIGEST_HEX:
+        problems.append(f"digest has {len(m['digest'])} hex digits where {HASH} has {DIGEST_HEX}")
     if key is not None and isinstance(m.get("file"), str) and m["file"] != posixpath.basename(key):
         problems.append(f"file {m['file'][:80]!r} is not this checkpoint's name {posixpath.basename(key)!r}")
     if problems:
         raise CheckpointError(f"manifest of {label} is invalid: " + "; ".join(problems) + "; it was not written by "
                               "islands or was damaged: delete it and its checkpoint so the worker writes them again")
     return m
-
-
-def _upgrade(m: dict[str, Any]) -> dict[str, Any]:
-    """A manifest written before checkpoints were hashed with BLAKE3 names its sha256 digests
-    `sha256`, `base_sha256`, `source_sha256`: read as `digest`, ... with `hash: sha256`."""
-    if "digest" in m or "sha256" not in m:
-        return m
-    out = {k: v for k, v in m.items() if not k.endswith("sha256")}
-    out.update(hash="sha256", digest=m["sha256"])
-    out.update({f"{k}_digest": m[f"{k}_sha256"] for k in ("base", "source") if f"{k}_sha256" in m})
-    return out
 
 
 def _int_in(lo: int, hi: int) -> Callable[[Any], str]:
@@ -116,7 +109,7 @@ def _digest(v: Any) -> str:
 
 
 def _hash_name(v: Any) -> str:
-    return "" if v in KNOWN_HASHES else f"is not a known hash (one of {', '.join(sorted(KNOWN_HASHES))})"
+    return "" if v == HASH else f"is not {HASH}, the only hash islands writes"
 
 
 def _file_name(v: Any) -> str:

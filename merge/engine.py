@@ -10,7 +10,7 @@ How the bytes move (memory does not grow with K, nor with the size of the model)
 - Every input has a reader thread (Prefetch) filling `depth` reusable buffers with its next
   segments: the digest fed on the way (core.checkpoint.TensorFile), bf16/f16 widened to float32.
   File I/O, hashing and torch's kernels release the GIL, so the readers, the maths and the writer
-  thread (merge.writer) run side by side.
+  thread (core.checkpoint_writer) run side by side.
 - At the end every input's digest is checked against its manifest (every byte has streamed past),
   and only then are the outputs published. Any error deletes them: nothing half-merged is seen.
 
@@ -38,7 +38,7 @@ from merge.methods import check_method_args, method_spec
 from merge.task_vectors import row_length
 from merge.outer import state_in_specs, state_key, state_slots
 from merge import DEFAULT_BUFFER_BYTES
-from merge.writer import OutputFile, StreamWriter
+from core.checkpoint_writer import OutputFile, StreamWriter
 
 DEPTH = 4
 """Segments read ahead per input: the maths take segment i of every input at once, so an input

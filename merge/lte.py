@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import TensorFile, TensorSpec, open_checkpoint, write_checkpoint
+from core.checkpoint import TensorFile, TensorSpec, open_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
 from merge.engine import read_tensors

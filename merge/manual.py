@@ -40,7 +40,7 @@ from merge.engine import DEFAULT_BUFFER_BYTES, finite, nonfinite, read_tensors, 
 from merge.inputs import INDEX, InputError, Model, compare_specs, open_file_model, open_model, split_url
 from merge.methods import check_method_args, method_spec, with_defaults
 from merge.outer import state_out_specs
-from merge.writer import OutputFile, StreamWriter
+from core.checkpoint_writer import OutputFile, StreamWriter
 
 MERGE_KEY = "islands.merge"
 """safetensors metadata key of every output file: the method, inputs, weights and parameters as JSON."""

@@ -43,7 +43,7 @@ from merge.inputs import compare_specs
 from merge.robust import Values
 from merge.robust import aggregate as robust_aggregate
 from merge.outer import outer_step_from_grad, state_in_specs, state_key, state_out_specs, state_slots
-from merge.writer import OutputFile, StreamWriter
+from core.checkpoint_writer import OutputFile, StreamWriter
 
 log = logging.getLogger(__name__)
 

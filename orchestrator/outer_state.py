@@ -15,7 +15,7 @@ import posixpath
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from core.checkpoint import TensorFile, read_manifest
+from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import RunLayout, manifest_key
@@ -97,7 +97,7 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
                                  aggregate=cfg.round.aggregate, trim=cfg.round.trim)
         except (RunError, CheckpointError) as exc:
             raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
-        if result.rejected or not _is_published(storage, scratch, result.manifest, published, L.global_weights(r + 1)):
+        if result.rejected or result.manifest["digest"] != published:
             raise RunError(f"cannot rebuild {target}: round {r}'s merge done again does not give the published "
                            f"{storage.display(L.global_weights(r + 1))} (digest {result.manifest['digest'][:12]}, "
                            f"recorded {published[:12]}; refused {result.rejected or 'none'}); {fix}")
@@ -108,22 +108,3 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
     finally:
         storage.remove(L.rebuild_dir(r), recursive=True)
     log.info("outer optimizer state %s rebuilt from round %d's inputs", target, r)
-
-
-def _is_published(storage: Storage, redone: str, redone_manifest: Mapping[str, Any], published: str,
-                  published_key: str) -> bool:
-    """Whether the redone global (at `redone`) has the bytes whose digest the round recorded. The
-    digests compare directly when both were taken with the same hash; a global published before
-    checkpoints were hashed with core.checkpoint.HASH (a run resumed by a newer islands) is
-    compared by hashing the redone file with the hash its manifest names."""
-    if redone_manifest["digest"] == published:
-        return True
-    try:
-        named = (read_manifest(storage, published_key) or {}).get("hash")
-        if named is None or named == redone_manifest.get("hash"):
-            return False
-        with TensorFile(storage, redone, {"hash": named, "digest": published}) as ck:
-            ck.verify()
-        return True
-    except CheckpointError:
-        return False

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import Config, to_yaml
 from core.errors import RunError
 from core.layout import RunLayout, manifest_key

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from core import codec
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.rounds import Contribution, merge_round

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from core.checkpoint import write_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.errors import IslandsError, NotARegularFile
 from core.storage import Storage
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from core.checkpoint import build_header, load_checkpoint, open_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import build_header, load_checkpoint, open_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
 from core.errors import CheckpointError, RunError, StorageError
 from core.layout import RunLayout, manifest_key
@@ -430,7 +431,7 @@ def test_sweep_deletes_old_temporaries_only(tmp_path):
 # -- a worker killed while writing its checkpoint --------------------------------------------------
 _WRITER = """
 import sys, time, torch
-from core.checkpoint import write_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.storage import Storage
 url, key, phase = sys.argv[1:4]
 s = Storage(url)

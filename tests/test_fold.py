@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.checkpoint import read_manifest, write_checkpoint
+from core.checkpoint import read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.storage import Storage
 from merge import rounds
 from merge.rounds import Contribution, RunningSum

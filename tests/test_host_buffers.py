@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.checkpoint import load_checkpoint, write_checkpoint
+from core.checkpoint import load_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from worker.weights import HostBuffers, weights_of
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 import xxhash
 
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import load_config
 from core.errors import RunError
 from core.layout import RunLayout, manifest_key

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import yaml
 
-from core.checkpoint import load_checkpoint, write_checkpoint
+from core.checkpoint import load_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.config import LteConfig, config_from_dict, to_yaml
 from core.errors import ConfigError
 from core.layout import RunLayout

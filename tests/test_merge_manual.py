@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 
 import merge.engine as engine
-from core.checkpoint import write_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
 from merge.manual import MergeError, manual_merge

@@ -17,7 +17,8 @@ import submitit
 import torch
 
 import worker.train as train
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import config_from_dict
 from core.layout import RunLayout
 from core.records import RUN_INFO

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import replay
-from core.checkpoint import write_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.config import load_config
 from core.errors import ConfigError, RunError
 from core.layout import RunLayout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.checkpoint import write_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.errors import RunError, StorageError
 from core.layout import RunLayout
 from core.storage import Storage

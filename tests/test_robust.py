@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import codec
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import ConfigError
 from merge.robust import aggregate, trimmed_mean

@@ -19,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.checkpoint import TensorFile, open_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import TensorFile, open_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import Config, config_from_dict, load_config
 from core.errors import CheckpointError, ConfigError
 from core.layout import manifest_key

@@ -4,13 +4,13 @@ from __future__ import annotations
 import errno
 import hashlib
 
-import blake3
 import pytest
 import torch
 import xxhash
 from safetensors.torch import load as st_load
 
-from core.checkpoint import TensorFile, load_checkpoint, open_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import TensorFile, load_checkpoint, open_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError, StorageError
 from core.storage import Storage
 
@@ -103,40 +103,30 @@ class TestCheckpointContract:
         assert m["hash"] == "xxh3_128" and m["digest"] == xxhash.xxh3_128(storage.read_bytes("w.safetensors")).hexdigest()
         assert len(m["digest"]) == 32
 
-    def test_manifest_from_before_xxh3_is_checked_with_blake3(self, storage):
-        """Checkpoints whose manifests name `blake3` (written before XXH3) still load, and are still checked."""
-        write_checkpoint(storage, "w.safetensors", TENSORS, manifest={"round": 1})
-        raw = storage.read_bytes("w.safetensors")
-        m = storage.read_json("w.json")
-        storage.write_json("w.json", {**m, "hash": "blake3", "digest": blake3.blake3(raw).hexdigest()})
-        assert torch.equal(load_checkpoint(storage, "w.safetensors")[0]["a"], TENSORS["a"])
-        storage.write_json("w.json", {**m, "hash": "blake3", "digest": blake3.blake3(raw + b"x").hexdigest()})
-        with pytest.raises(CheckpointError, match="checksum does not match"):
-            load_checkpoint(storage, "w.safetensors")
-
     def test_digest_of_the_wrong_length_for_its_hash_is_refused(self, storage):
         m = write_checkpoint(storage, "w.safetensors", TENSORS)
         storage.write_json("w.json", {**m, "digest": m["digest"] * 2})  # 64 digits, but xxh3_128 has 32
         with pytest.raises(CheckpointError, match="digest has 64 hex digits where xxh3_128 has 32"):
             read_manifest(storage, "w.safetensors")
-        storage.write_json("w.json", {**m, "hash": "blake3"})  # 32 digits, but blake3 has 64
-        with pytest.raises(CheckpointError, match="digest has 32 hex digits where blake3 has 64"):
-            read_manifest(storage, "w.safetensors")
 
-    def test_manifest_from_before_blake3_is_checked_with_sha256(self, storage):
-        """Checkpoints whose manifests name a `sha256` (written before BLAKE3) still load, and are still checked."""
+    @pytest.mark.parametrize("old", ["blake3", "sha256", "sha256 field"])
+    def test_a_manifest_of_islands_0_1_is_refused_naming_the_version(self, storage, old):
+        """Manifests hashed with BLAKE3 or sha256 (islands 0.1 before XXH3) are refused, not read:
+        the message names the version and what to do."""
         write_checkpoint(storage, "w.safetensors", TENSORS, manifest={"round": 1})
         raw = storage.read_bytes("w.safetensors")
-        old = {k: v for k, v in storage.read_json("w.json").items() if k not in ("hash", "digest")}
-        storage.write_json("w.json", {**old, "sha256": hashlib.sha256(raw).hexdigest(), "base_sha256": "a" * 64})
-        m = read_manifest(storage, "w.safetensors")
-        assert m["hash"] == "sha256" and m["digest"] == hashlib.sha256(raw).hexdigest() and m["base_digest"] == "a" * 64
-        assert torch.equal(load_checkpoint(storage, "w.safetensors")[0]["a"], TENSORS["a"])
-        storage.write_json("w.json", {**old, "sha256": hashlib.sha256(raw + b"x").hexdigest()})
-        with pytest.raises(CheckpointError, match="checksum does not match"):
+        m = {k: v for k, v in storage.read_json("w.json").items() if k not in ("hash", "digest")}
+        storage.write_json("w.json", {**m, "sha256": hashlib.sha256(raw).hexdigest()} if old == "sha256 field" else
+                           {**m, "hash": old, "digest": hashlib.sha256(raw).hexdigest()})
+        with pytest.raises(CheckpointError, match=r"names hash (blake3|sha256): it was written by islands 0\.1 before "
+                                                  r"2026-11-24, and islands 0\.2 reads only xxh3_128 manifests; finish"):
             load_checkpoint(storage, "w.safetensors")
+
+    def test_an_unknown_hash_is_refused(self, storage):
+        write_checkpoint(storage, "w.safetensors", TENSORS, manifest={"round": 1})
+        old = {k: v for k, v in storage.read_json("w.json").items() if k not in ("hash", "digest")}
         storage.write_json("w.json", {**old, "hash": "md5", "digest": "a" * 64})
-        with pytest.raises(CheckpointError, match="hash 'md5' is not a known hash"):
+        with pytest.raises(CheckpointError, match="hash 'md5' is not xxh3_128"):
             read_manifest(storage, "w.safetensors")
 
     def test_garbage_is_not_a_checkpoint(self, storage):

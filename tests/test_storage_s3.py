@@ -13,7 +13,8 @@ import threading
 import pytest
 import torch
 
-from core.checkpoint import load_checkpoint, write_checkpoint
+from core.checkpoint import load_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.storage import Storage
 
 # Every test here takes the `s3_server` fixture (tests/conftest.py), which skips with the reason

@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from core.checkpoint import load_checkpoint, read_manifest, write_checkpoint
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
 from core.config import load_config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from core import codec
-from core.checkpoint import write_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.errors import IslandsError
 from core.layout import RunLayout, manifest_key
 
