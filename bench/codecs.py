@@ -33,6 +33,7 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.rounds import Contribution, merge_round
+from merge.round_spec import RoundSpec
 from orchestrator.run_models import Evaluator, create_run
 from worker.train import run_worker
 from worker.weights import build_model
@@ -63,9 +64,10 @@ def run_variant(v: tuple[str, str, float], args: argparse.Namespace, root: Path)
             m = s.read_json(manifest_key(L.contribution(r, w)))
             sent.append(m["bytes"])
             contribs.append(Contribution(w, L.contribution(r, w), float(m["tokens"])))
-        res = merge_round(s, L.global_weights(r), contribs, L.global_weights(r + 1), cfg.outer,
-                          state_in_key=L.outer_state(r) if r else None, state_out_key=L.outer_state(r + 1),
-                          metadata=ev.metadata, manifest={"round": r + 1})
+        spec = RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), outer=cfg.outer,
+                         state_in=L.outer_state(r) if r else None, state_out=L.outer_state(r + 1), metadata=ev.metadata,
+                         manifest={"round": r + 1})
+        res = merge_round(s, spec, contribs)
         assert res.merged == list(range(args.workers)), res.rejected
         losses.append(ev.metrics(s, L.global_weights(r + 1))["loss"])
     return {"variant": name_of(v), "losses": losses, "bytes": sum(sent) / len(sent),

@@ -238,12 +238,12 @@ def child(argv: list[str]) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from merge.manual import manual_merge
+    from merge.manual import ManualMerge, manual_merge
     t0 = time.perf_counter()
     if kind == "ours":
-        manual_merge(inputs, out)
+        manual_merge(ManualMerge(inputs, out))
     elif kind == "ties":
-        manual_merge(inputs, out, method="ties", base=inputs[0], params={"density": 0.2})
+        manual_merge(ManualMerge(inputs, out, method="ties", base=inputs[0], params={"density": 0.2}))
     elif kind == "naive":
         models = [load_file(str(Path(p) / "model.safetensors")) for p in inputs]
         merged = {}

@@ -41,6 +41,7 @@ from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
 from merge.rounds import Contribution, RunningSum, merge_round
+from merge.round_spec import RoundSpec
 
 OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
 
@@ -57,8 +58,8 @@ def setup(root: Path, k: int, dims: tuple[int, int, int, int]) -> tuple[Storage,
                                                   for n, t in base.items()}, manifest={"round": 0, "worker": i})
         contribs.append(Contribution(i, f"w{i}.safetensors", 1000.0 + i))
     del base
-    merge_round(s, "g0.safetensors", contribs, "g1.safetensors", OUTER, state_in_key=None,
-                state_out_key="s1.safetensors")  # round 0 makes the outer state that round 1 reads
+    merge_round(s, RoundSpec(base="g0.safetensors", out="g1.safetensors", outer=OUTER, state_out="s1.safetensors"),
+                contribs)  # round 0 makes the outer state that round 1 reads
     return s, contribs
 
 
@@ -76,8 +77,9 @@ def raw_read(p: Path) -> float:
 
 
 def merged(s: Storage, contribs: list[Contribution], out: str, acc: RunningSum | None = None) -> None:
-    res = merge_round(s, "g1.safetensors", contribs, out, OUTER, state_in_key="s1.safetensors",
-                      state_out_key="s2.safetensors", accumulator=acc)
+    res = merge_round(s,
+                      RoundSpec(base="g1.safetensors", out=out, outer=OUTER, state_in="s1.safetensors",
+                                state_out="s2.safetensors"), contribs, acc)
     assert res.merged == [c.worker for c in contribs], res.rejected
 
 

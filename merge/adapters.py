@@ -38,7 +38,7 @@ import torch
 from core.checkpoint import FLOATS, TensorFile
 from core.errors import CheckpointError, StorageError
 from core.storage import Storage
-from merge.engine import finite, nonfinite
+from merge.inputs import finite, nonfinite
 from merge.inputs import Model, open_file_model
 from merge.methods import average
 

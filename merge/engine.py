@@ -25,20 +25,20 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TORCH_DTYPES, TensorFile
+from core.checkpoint_writer import OutputFile, StreamWriter
 from core.errors import CheckpointError
 from core.progress import track
-from merge.inputs import InputError, Model
-from merge.methods import check_method_args, method_spec
-from merge.task_vectors import row_length
-from merge.outer import state_in_specs, state_key, state_slots
 from merge import DEFAULT_BUFFER_BYTES
-from core.checkpoint_writer import OutputFile, StreamWriter
+from merge.inputs import InputError, Model, finite, nonfinite, overflowed
+from merge.methods import check_method_args, method_spec
+from merge.outer import OuterStep, state_in_specs, state_key, state_slots
+from merge.task_vectors import row_length
 
 DEPTH = 4
 """Segments read ahead per input: the maths take segment i of every input at once, so an input
@@ -154,16 +154,6 @@ def _reason(label: str, exc: BaseException) -> str:
     return str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
 
 
-def finite(t: torch.Tensor) -> bool:
-    """All values finite? One sum first (cheap; NaN and Inf propagate), the exact test only if it is not."""
-    return not t.numel() or math.isfinite(float(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
-
-
-def nonfinite(label: str, name: str) -> str:
-    return (f"{label}: tensor {name} has NaN or Inf values: the model diverged or the file is damaged; "
-            "leave it out of the merge")
-
-
 @contextlib.contextmanager
 def merging() -> Iterator[None]:
     """While a merge runs, torch uses one thread: the maths are memory-bound, the cores are the
@@ -195,31 +185,51 @@ class MergeStats:
     seconds: float
 
 
-def run_merge(inputs: Sequence[Model], weights: Sequence[float], method: str, outputs: Sequence[OutputFile], *,
-              params: Mapping[str, Any] | None = None, base: Model | None = None, state_in: Model | None = None,
-              state_out: OutputFile | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> MergeStats:
-    """Merge `inputs` (headers already checked against each other) into `outputs`, whose specs give
-    the tensors' order, dtypes and shapes; publish them (and `state_out`) only if all went well.
+@dataclass(frozen=True)
+class MergeJob:
+    """One streaming merge: opened inputs (headers already checked against each other) into outputs."""
+
+    inputs: Sequence[Model]
+    weights: Sequence[float]
+    """One per input."""
+    method: str
+    """A name of merge.methods.METHODS."""
+    outputs: Sequence[OutputFile]
+    """The files written; their specs give the tensors' order, dtypes and shapes."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """The method's parameters (defaults filled in); `outer`: optimizer (an OuterConfig), inner."""
+    base: Model | None = None
+    """The inputs' common starting point, for methods that need it (task vectors, outer)."""
+    state_in: Model | None = None
+    """`outer`: the optimizer state the step starts from; None: zero state."""
+    state_out: OutputFile | None = None
+    """`outer`: where the new optimizer state goes."""
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    """Read buffers of all inputs together: the merge's working set."""
+
+    @property
+    def models(self) -> list[Model]:
+        return [*self.inputs, *([self.base] if self.base else []), *([self.state_in] if self.state_in else [])]
+
+
+def run_merge(job: MergeJob) -> MergeStats:
+    """Do `job`: publish its outputs (and its new state) only if all went well.
 
     Takes ownership of the models: they are closed on return. An unusable input raises InputError
     naming it (`ident`); the merged result's problems raise CheckpointError.
     """
-    models = [*inputs, *([base] if base else []), *([state_in] if state_in else [])]
     try:
-        spec = method_spec(method)
-        params = dict(params or {})
-        problems = check_method_args(method, list(weights), params, base is not None)
+        problems = check_method_args(job.method, list(job.weights), job.params, job.base is not None)
         if problems:
             raise ValueError("; ".join(problems))
         with merging():
-            return _run_merge(inputs, list(weights), spec, method, list(outputs), params, base, state_in, state_out,
-                              buffer_bytes)
+            return _Run(job).run()
     finally:
-        for m in models:
+        for m in job.models:
             m.close()
 
 
-def _plan(outputs: list[OutputFile], n_lanes: int, buffer_bytes: int, rows: bool = False) -> list[_Segment]:
+def _plan(outputs: Sequence[OutputFile], n_lanes: int, buffer_bytes: int, rows: bool = False) -> list[_Segment]:
     # slices of at most `chunk` elements (n_lanes * DEPTH float32 slices fill the buffer budget);
     # with `rows`, of whole rows (one row when a row is longer than a chunk)
     chunk = max(_MIN_CHUNK, min(_MAX_CHUNK, buffer_bytes // max(1, n_lanes * DEPTH * 4)))
@@ -256,63 +266,113 @@ def _state_reads(m: Model, segments: list[_Segment], have: dict[str, list[tuple[
     return out
 
 
-def _run_merge(inputs, weights, spec, method, outputs, params, base, state_in, state_out, buffer_bytes) -> MergeStats:
-    t0 = time.perf_counter()
-    lanes: list[Prefetch] = []
-    writers: list[StreamWriter] = []
-    try:
-        n_lanes = len(inputs) + (base is not None) + (state_in is not None)
-        segments = _plan(outputs, n_lanes, buffer_bytes, spec.rows)
-        order = [(n, d, s) for out in outputs for n, d, s, _ in out.specs]
-        slots = state_slots(params["optimizer"]) if spec.stateful else []
-        have = {}
-        if state_in is not None:
-            try:
-                have = state_in_specs({k: (sp.dtype, sp.shape) for k, sp in state_in.specs.items()}, order, slots,
-                                      state_in.label)
-            except CheckpointError as exc:
-                raise InputError(state_in.ident, str(exc)) from None
-        if spec.prepare is not None:  # before any reader starts: it reads whole tensors, one input at a time
-            params["aux"] = spec.prepare(inputs, base, params)
-        writers.append(StreamWriter(list(outputs)))
-        if state_out is not None:
-            writers.append(StreamWriter([state_out]))
-        lanes = [Prefetch(m.label, m.ident, _reads(m, segments)) for m in [*inputs, *([base] if base else [])]]
-        if state_in is not None:
-            lanes.append(Prefetch(state_in.label, state_in.ident, _state_reads(state_in, segments, have)))
-        # Methods that propagate NaN/Inf (sums) get the cheap check on their result only; the inputs
-        # are then checked one by one only to name the culprit.
-        inner = params.get("inner", "average") if spec.stateful else method
-        check_each = not (spec.propagates_nonfinite and method_spec(inner).propagates_nonfinite)
-        dtypes = {n: TORCH_DTYPES[d] for n, d, _ in order}
-        pending: dict[str, torch.Tensor] = {}  # state slots of the current tensor, when they cannot stream
-        label = f"merge into {outputs[0].storage.display(outputs[0].key)}"  # progress: core/progress.py
-        for seg in track(segments, label, unit="values", size=lambda g: g.stop - g.start):
-            taken = [lane.take() for lane in lanes]
-            parts = [p[None] for _, p in taken[: len(inputs)]]
-            base_part = taken[len(inputs)][1][None] if base is not None else None
-            state = dict(taken[-1][1]) if state_in is not None else {}
-            out_t = _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state,
-                                   check_each)
-            for lane, (buf, _) in zip(lanes, taken):
-                lane.give_back(buf)
-            writers[0].put(seg.name, out_t.to(dtypes[seg.name]))
-            if state_out is not None and seg.floating:
-                _put_state(writers[1], seg, state, slots, pending)
-        for w in writers:
-            w.finish()
-        for m in [*inputs, *([base] if base else []), *([state_in] if state_in else [])]:
-            _verify(m)  # every byte has streamed past: compare the digests before publishing anything
-        for w in writers:
-            w.commit()
-        return MergeStats(sum(m.bytes for m in inputs), time.perf_counter() - t0)
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
-    finally:
-        for lane in lanes:
-            lane.close()
+class _Run:
+    """One run of a MergeJob: every input's segments streamed through the method into the writers.
+    A stateful method (outer) merges with its `inner` method, then steps through merge.outer.OuterStep."""
+
+    def __init__(self, job: MergeJob) -> None:
+        self.job = job
+        self.stateful = method_spec(job.method).stateful
+        self.method = job.params.get("inner", "average") if self.stateful else job.method
+        self.spec = method_spec(self.method)
+        self.params = {k: v for k, v in job.params.items() if k not in ("inner", "optimizer")} if self.stateful \
+            else dict(job.params)
+        # methods that propagate NaN/Inf (sums) get the cheap check on their result only; the inputs
+        # are then checked one by one only to name the culprit
+        self.check_each = not self.spec.propagates_nonfinite
+        self.dtypes = {n: TORCH_DTYPES[d] for out in job.outputs for n, d, _, _ in out.specs}
+
+    def run(self) -> MergeStats:
+        job, t0 = self.job, time.perf_counter()
+        n_lanes = len(job.inputs) + (job.base is not None) + (job.state_in is not None)
+        segments = _plan(job.outputs, n_lanes, job.buffer_bytes, self.spec.rows)
+        have = self._state_slots()
+        if self.spec.prepare is not None:  # before any reader starts: it reads whole tensors, one input at a time
+            self.params["aux"] = self.spec.prepare(job.inputs, job.base, self.params)
+        lanes = [Prefetch(m.label, m.ident, _reads(m, segments)) for m in [*job.inputs, *([job.base] if job.base else [])]]
+        if job.state_in is not None:
+            lanes.append(Prefetch(job.state_in.label, job.state_in.ident, _state_reads(job.state_in, segments, have)))
+        out = OuterStep(list(job.outputs), job.state_out, job.params["optimizer"]) if self.stateful else \
+            StreamWriter(list(job.outputs))
+        try:
+            label = f"merge into {job.outputs[0].storage.display(job.outputs[0].key)}"  # progress: core/progress.py
+            for seg in track(segments, label, unit="values", size=lambda g: g.stop - g.start):
+                taken = [lane.take() for lane in lanes]
+                self._segment(seg, [got for _, got in taken], out)
+                for lane, (buf, _) in zip(lanes, taken):
+                    lane.give_back(buf)
+            out.finish()
+            for m in job.models:
+                _verify(m)  # every byte has streamed past: compare the digests before publishing anything
+            out.commit()
+            return MergeStats(sum(m.bytes for m in job.inputs), time.perf_counter() - t0)
+        except BaseException:
+            out.abort()
+            raise
+        finally:
+            for lane in lanes:
+                lane.close()
+
+    def _state_slots(self) -> dict[str, list[tuple[str, bool]]]:
+        state_in = self.job.state_in
+        if state_in is None:
+            return {}
+        layout = [(n, d, s) for out in self.job.outputs for n, d, s, _ in out.specs]
+        try:
+            return state_in_specs({k: (sp.dtype, sp.shape) for k, sp in state_in.specs.items()}, layout,
+                                  state_slots(self.job.params["optimizer"]), state_in.label)
+        except CheckpointError as exc:
+            raise InputError(state_in.ident, str(exc)) from None
+
+    def _segment(self, seg: _Segment, got: list[dict[str | None, torch.Tensor]], out: OuterStep | StreamWriter) -> None:
+        """One segment merged and handed to the output: the method over float slices (then the outer
+        step, for outer), or the inputs' common value of a non-float tensor."""
+        job, k = self.job, len(self.job.inputs)
+        parts = [g[None] for g in got[:k]]
+        base = got[k][None] if job.base is not None else None
+        merged = self._merge(seg, parts, base)
+        if not self.stateful:
+            out.put(seg.name, merged.to(self.dtypes[seg.name]))
+        elif not seg.floating:
+            out.keep(seg.name, merged)
+        else:
+            assert base is not None and job.base is not None
+            if not finite(base):
+                raise InputError(job.base.ident, nonfinite(job.base.tensors[seg.name][0].label, seg.name))
+            out.step(seg.name, base, base.to(torch.float32) - merged, dict(got[-1]) if job.state_in else {},
+                     (seg.start, seg.stop, seg.numel))
+
+    def _merge(self, seg: _Segment, parts: list[torch.Tensor], base: torch.Tensor | None) -> torch.Tensor:
+        """The method over one segment of every input, checked finite; a non-float tensor's common value
+        (such tensors are not merged: every input must hold the same)."""
+        job = self.job
+        if not seg.floating:
+            ref, ref_label = (base, job.base.label) if base is not None else (parts[0], job.inputs[0].label)
+            for m, p in zip(job.inputs, parts):
+                if not torch.equal(p, ref):
+                    raise InputError(m.ident, f"{m.label}: tensor {seg.name} is {DTYPES[p.dtype]} (not floating point) "
+                                              f"and differs from {ref_label}'s: such tensors are not merged, they must be "
+                                              "identical in every input")
+            return ref.clone()
+        named = [*zip(job.inputs, parts), *([(job.base, base)] if base is not None else [])]
+        if self.check_each:
+            _check_finite(seg, named)
+        kwargs: dict[str, Any] = {k: v for k, v in self.params.items() if k != "aux"}
+        if self.spec.needs_base:
+            kwargs["base"] = base
+        if "aux" in self.params:
+            kwargs["aux"] = self.params["aux"][seg.name]
+        result = self.spec.fn(parts, list(job.weights), start=seg.start, **kwargs)
+        if not finite(result):
+            _check_finite(seg, named)
+            raise CheckpointError(overflowed(seg.name, f"{self.method} merge", "check the weights and the scale"))
+        return result
+
+
+def _check_finite(seg: _Segment, named: list[tuple[Model, torch.Tensor]]) -> None:
+    for m, p in named:
+        if not finite(p):
+            raise InputError(m.ident, nonfinite(m.tensors[seg.name][0].label, seg.name))
 
 
 def _verify(m: Model) -> None:
@@ -322,57 +382,3 @@ def _verify(m: Model) -> None:
         raise
     except CheckpointError as exc:
         raise InputError(m.ident, str(exc)) from None
-
-
-def _merge_segment(seg, inputs, parts, base, base_part, weights, spec, method, params, state,
-                   check_each) -> torch.Tensor:
-    """One segment merged: the method over float slices, or the inputs' common value of a
-    non-float tensor (such tensors are not merged: every input must hold the same)."""
-    if not seg.floating:
-        ref, ref_label = (base_part, base.label) if base_part is not None else (parts[0], inputs[0].label)
-        for m, p in zip(inputs, parts):
-            if not torch.equal(p, ref):
-                raise InputError(m.ident, f"{m.label}: tensor {seg.name} is {DTYPES[p.dtype]} (not floating point) and "
-                                          f"differs from {ref_label}'s: such tensors are not merged, they must be "
-                                          "identical in every input")
-        return ref[0].clone()
-    named = [*zip(inputs, parts), *([(base, base_part)] if base is not None else [])]
-    if check_each:
-        for m, p in named:
-            if not finite(p):
-                raise InputError(m.ident, nonfinite(m.tensors[seg.name][0].label, seg.name))
-    kwargs: dict[str, Any] = {k: v for k, v in params.items() if k != "aux"}
-    if spec.needs_base:
-        kwargs["base"] = base_part
-    if spec.stateful:
-        kwargs["state"] = state
-    if "aux" in params:
-        kwargs["aux"] = params["aux"][seg.name]
-    result = spec.fn(parts, weights, start=seg.start, **kwargs)
-    if not finite(result):
-        for m, p in named:
-            if not finite(p):
-                raise InputError(m.ident, nonfinite(m.tensors[seg.name][0].label, seg.name))
-        raise CheckpointError(f"merged tensor {seg.name} has NaN or Inf values although every input is finite: the "
-                              f"{method} merge overflowed; check the weights and the scale (for outer: the outer "
-                              "learning rate)")
-    return result
-
-
-def _put_state(writer: StreamWriter, seg: _Segment, state: dict[str, torch.Tensor], slots: list[tuple[str, bool]],
-               pending: dict[str, torch.Tensor]) -> None:
-    """Queue the new optimizer state of a segment. One full-size slot (momentum) streams as it
-    comes; otherwise the slots of one tensor are gathered, then written slot after slot."""
-    if len(slots) == 1 and slots[0][1]:
-        writer.put(state_key(seg.name, slots[0][0]), state[slots[0][0]].reshape(-1))
-        return
-    for slot, full in slots:
-        new = state[slot].detach()
-        if full:
-            buf = pending.setdefault(slot, torch.empty(seg.numel, dtype=torch.float32))
-            buf[seg.start: seg.stop] = new.reshape(-1)
-        else:
-            pending[slot] = new.to(torch.float32).reshape(())
-    if seg.stop == seg.numel:
-        for slot, _ in slots:
-            writer.put(state_key(seg.name, slot), pending.pop(slot))

@@ -9,6 +9,8 @@ digest is checked as the merge streams it; plain files from elsewhere have nothi
 """
 from __future__ import annotations
 
+import logging
+import math
 import posixpath
 import re
 from collections.abc import Mapping
@@ -16,11 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import torch
 
 from core.checkpoint import TensorFile, TensorSpec
 from core.errors import CheckpointError, StorageError
 from core.manifest import read_manifest
 from core.storage import Storage
+
+log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -35,6 +40,33 @@ class InputError(CheckpointError):
         super().__init__(message)
         self.ident = ident
         self.reason = message
+
+
+def finite(t: torch.Tensor) -> bool:
+    """All values finite? One sum first (cheap; NaN and Inf propagate), the exact test only if it is not."""
+    return not t.numel() or math.isfinite(float(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
+NONFINITE = "tensor {name} has NaN or Inf values: the model diverged or the file is damaged; leave it out of the merge"
+"""Why an input holding a NaN or Inf is refused: the one message for it."""
+
+
+def nonfinite(label: str, name: str) -> str:
+    return f"{label}: {NONFINITE.format(name=name)}"
+
+
+def overflowed(name: str, how: str, fix: str) -> str:
+    """Why a merge whose result is not finite, from finite inputs, fails: `how` it merged, what to `fix`."""
+    return f"merged tensor {name} has NaN or Inf values although every input is finite: the {how} overflowed; {fix}"
+
+
+def refusal(worker: int, label: str, exc: BaseException) -> str:
+    """The reason a contribution is refused, logged once: a CheckpointError's own message (it names
+    the file and tensor), anything else named with `label`. Whatever one contribution does, it is
+    one rejection, never the round's failure."""
+    why = str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
+    log.warning("merge: rejected worker %d: %s", worker, why)
+    return why
 
 
 @dataclass

@@ -19,7 +19,7 @@ from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
 from merge.engine import read_tensors
-from merge.inputs import compare_specs
+from merge.inputs import compare_specs, finite, nonfinite
 
 
 def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, out_key: str,
@@ -48,9 +48,8 @@ def _rebased(g: TensorFile, w: TensorFile, b: TensorFile) -> Iterator[tuple[str,
                 yield name, gt
                 continue
             v = gt.float() + (wt.float() - b.get(name).float())
-            if not bool(torch.isfinite(v).all()):
-                raise CheckpointError(f"{w.label}: tensor {name} has NaN or Inf values (or overflows when re-based); "
-                                      "it is not folded")
+            if not finite(v):  # a NaN in the contribution, or an overflow of the re-basing
+                raise CheckpointError(nonfinite(w.label, name))
             yield name, v.to(gt.dtype)
     for ck in (g, w, b):  # every byte has been read: check all three against their manifests
         ck.verify()

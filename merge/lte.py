@@ -16,7 +16,7 @@ first: manifest and digest, names (the set the service expects, or the first one
 the base and the rank, floating point, finite. A bad one is rejected with the reason, the rest are
 merged; fewer than `min_inputs` left raises QuorumError, as merge.rounds.merge_round does. The base
 streams tensor by tensor into the new global checkpoint (written atomically, manifest last, by
-core.checkpoint.write_checkpoint); its digest is checked before anything is published.
+core.checkpoint_writer.write_checkpoint); its digest is checked before anything is published.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
 from merge.engine import read_tensors
-from merge.rounds import Contribution, MergeResult, QuorumError
+from merge.inputs import NONFINITE, finite, overflowed, refusal
+from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, RoundSpec
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,8 @@ def check_contribution(tensors: Mapping[str, torch.Tensor], base: Mapping[str, T
             return f"tensor {name} is a headed layer's frozen weight: a contribution carries its head, not the weight"
         if t.dtype not in _FLOATS:
             return f"tensor {name} is {t.dtype}, not floating point"
-        if not bool(torch.isfinite(t).all()):
-            return f"tensor {name} has NaN or Inf values: the worker diverged or the file is damaged"
+        if not finite(t):
+            return NONFINITE.format(name=name)
     if expected is not None:
         missing = sorted(set(expected) - set(tensors))
         extra = sorted(set(tensors) - set(expected))
@@ -109,56 +110,20 @@ def check_contribution(tensors: Mapping[str, torch.Tensor], base: Mapping[str, T
     return None
 
 
-def merge_lte_round(
-    storage: Storage,
-    base_key: str,
-    contributions: Sequence[Contribution],
-    out_key: str,
-    *,
-    scale: float,
-    rank: int | None = None,
-    expected: Mapping[str, tuple[int, ...]] | None = None,
-    min_inputs: int = 1,
-    metadata: Mapping[str, str] | None = None,
-    manifest: Mapping[str, Any] | None = None,
-) -> MergeResult:
-    """Merge the LTE `contributions` into the weights at `base_key`; write `out_key`.
+def merge_lte_round(storage: Storage, spec: RoundSpec, contributions: Sequence[Contribution]) -> MergeResult:
+    """Merge the LTE `contributions` into spec.base by spec.lte; write spec.out.
 
-    Rejected contributions are reported in the result (QuorumError if fewer than `min_inputs`
+    Rejected contributions are reported in the result (QuorumError if fewer than spec.min_inputs
     valid ones remain). `outer_grad_norm` is the norm of the whole update (new - old global).
     """
-    t0 = time.perf_counter()
-    base_label = f"global weights {storage.display(base_key)}"
-    with open_checkpoint(storage, base_key, label=base_label) as base:
+    t0, rule = time.perf_counter(), spec.lte
+    assert rule is not None
+    base_label = f"global weights {storage.display(spec.base)}"
+    with open_checkpoint(storage, spec.base, label=base_label) as base:
         base_specs, base_manifest = dict(base.specs), base.manifest
-    rejected: dict[int, str] = {}
-    live: list[tuple[Contribution, dict[str, torch.Tensor]]] = []
-    bytes_read = 0
-    for c in contributions:
-        label = f"worker {c.worker} ({storage.display(c.key)})"
-        try:
-            with open_checkpoint(storage, c.key, label) as f:
-                tensors = dict(read_tensors(f, c.worker))  # a reader thread: a stalled read fails it
-                f.verify()
-                m = f.manifest or {}
-        except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
-            rejected[c.worker] = str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
-            continue
-        bytes_read += int(m.get("bytes", 0))
-        ref, ref_name = expected, "those of an LTE contribution for this model and lte.rank"
-        if ref is None and live:  # no model to say which: the first valid contribution does
-            ref, ref_name = {n: tuple(t.shape) for n, t in live[0][1].items()}, f"worker {live[0][0].worker}'s"
-        why = check_contribution(tensors, base_specs, rank, ref, ref_name)
-        if why is None and not (math.isfinite(c.weight) and c.weight > 0):
-            why = f"its weight {c.weight} is not a positive finite number"
-        if why is not None:
-            rejected[c.worker] = f"{label}: {why}"
-            continue
-        live.append((c, tensors))
-    for w, why in rejected.items():
-        log.warning("lte merge: rejected worker %d: %s", w, why)
-    if len(live) < min_inputs:
-        raise QuorumError(f"only {len(live)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
+    live, rejected, bytes_read = _valid(storage, contributions, base_specs, rule)
+    if len(live) < spec.min_inputs:
+        raise QuorumError(f"only {len(live)} valid contribution(s) for {spec.out}, the quorum is {spec.min_inputs}; "
                           f"rejected: {rejected or 'none'}", rejected)
     total = sum(c.weight for c, _ in live)
     coeffs = [c.weight / total for c, _ in live]
@@ -168,27 +133,54 @@ def merge_lte_round(
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal update_sq
-        with TensorFile(storage, base_key, base_manifest, base_label) as ck:
-            for name, spec in ck.specs.items():  # file order: hashed on the way
+        with TensorFile(storage, spec.base, base_manifest, base_label) as ck:
+            for name in ck.specs:  # file order: hashed on the way
                 w = ck.get(name)
                 layer = name[: -len(".weight")] if name.endswith(".weight") else None
                 if layer in layers:
-                    new = lte_update(w, [(t[layer + LORA_A], t[layer + LORA_B]) for t in contribs], coeffs, scale)
+                    new = lte_update(w, [(t[layer + LORA_A], t[layer + LORA_B]) for t in contribs], coeffs, rule.scale)
                 elif name in contribs[0]:
                     new = weighted_mean([t[name] for t in contribs], coeffs)
                 else:
                     yield name, w
                     continue
-                if not bool(torch.isfinite(new).all()):
-                    raise CheckpointError(f"merged tensor {name} has NaN or Inf values although every input is finite: "
-                                          f"the LTE merge overflowed (scale s = {scale:g}); lower lte.alpha or lte.lr")
+                if not finite(new):
+                    raise CheckpointError(overflowed(name, f"LTE merge (scale s = {rule.scale:g})",
+                                                     "lower lte.alpha or lte.lr"))
                 update_sq += float((new - w.to(torch.float32)).double().square().sum())
                 yield name, new.to(w.dtype)
             ck.verify()  # every byte of the base streamed past: check it before the output is published
 
     specs = [(n, s.dtype, s.shape, s.nbytes) for n, s in base_specs.items()]
-    info = {**dict(manifest or {}), "algorithm": "lte", "lte_scale": scale, "merged": [c.worker for c, _ in live]}
-    out = write_checkpoint(storage, out_key, specs=specs, stream=stream, metadata=metadata, manifest=info)
+    info = {**spec.manifest, "algorithm": "lte", "lte_scale": rule.scale, "merged": [c.worker for c, _ in live]}
+    out = write_checkpoint(storage, spec.out, specs=specs, stream=stream, metadata=spec.metadata, manifest=info)
     return MergeResult(merged=[c.worker for c, _ in live], rejected=rejected, bytes_read=bytes_read,
                        seconds=time.perf_counter() - t0, outer_grad_norm=math.sqrt(update_sq), manifest=out)
 
+
+def _valid(storage: Storage, contributions: Sequence[Contribution], base: Mapping[str, TensorSpec], rule: LteRule
+           ) -> tuple[list[tuple[Contribution, dict[str, torch.Tensor]]], dict[int, str], int]:
+    """(the valid contributions with their tensors, the refused ones with why, bytes read)."""
+    live: list[tuple[Contribution, dict[str, torch.Tensor]]] = []
+    rejected: dict[int, str] = {}
+    bytes_read = 0
+    for c in contributions:
+        label = f"worker {c.worker} ({storage.display(c.key)})"
+        try:
+            if not (math.isfinite(c.weight) and c.weight > 0):
+                raise CheckpointError(f"{label}: its weight {c.weight} is not a positive finite number")
+            with open_checkpoint(storage, c.key, label) as f:
+                tensors = dict(read_tensors(f, c.worker))  # a reader thread: a stalled read fails it
+                f.verify()
+                bytes_read += f.size
+            ref, ref_name = rule.expected, "those of an LTE contribution for this model and lte.rank"
+            if ref is None and live:  # no model to say which: the first valid contribution does
+                ref, ref_name = {n: tuple(t.shape) for n, t in live[0][1].items()}, f"worker {live[0][0].worker}'s"
+            why = check_contribution(tensors, base, rule.rank, ref, ref_name)
+            if why is not None:
+                raise CheckpointError(f"{label}: {why}")
+        except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
+            rejected[c.worker] = refusal(c.worker, label, exc)
+            continue
+        live.append((c, tensors))
+    return live, rejected, bytes_read

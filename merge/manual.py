@@ -18,6 +18,7 @@ file, by inode, whatever its name) is refused.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,22 +26,23 @@ import posixpath
 import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 import torch
 
 from core.checkpoint import DTYPES, ITEMSIZE, TORCH_DTYPES
+from core.checkpoint_writer import OutputFile, StreamWriter
 from core.config import OuterConfig
 from core.errors import CheckpointError, IslandsError, StorageError
 from core.storage import Storage
+from merge import DEFAULT_BUFFER_BYTES
 from merge import adapters as lora
-from merge.engine import DEFAULT_BUFFER_BYTES, finite, nonfinite, read_tensors, run_merge
-from merge.inputs import INDEX, InputError, Model, compare_specs, open_file_model, open_model, split_url
+from merge.engine import MergeJob, read_tensors, run_merge
+from merge.inputs import INDEX, InputError, Model, compare_specs, finite, nonfinite, open_file_model, open_model, split_url
 from merge.methods import check_method_args, method_spec, with_defaults
 from merge.outer import state_out_specs
-from core.checkpoint_writer import OutputFile, StreamWriter
 
 MERGE_KEY = "islands.merge"
 """safetensors metadata key of every output file: the method, inputs, weights and parameters as JSON."""
@@ -72,79 +74,97 @@ def _norm(url: str) -> str:
     return f"{proto or 'file'}://{path.rstrip('/')}"
 
 
-def manual_merge(
-    inputs: Sequence[str],
-    out: str,
-    *,
-    method: str = "average",
-    weights: Sequence[float] | None = None,
-    base: str | None = None,
-    params: Mapping[str, Any] | None = None,
-    outer: OuterConfig | None = None,
-    state: str | None = None,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-) -> ManualResult:
-    """Merge the models at `inputs` into `out` (see the module docstring); return what was done."""
-    params = dict(params or {})
-    weights = [1.0] * len(inputs) if weights is None else [float(w) for w in weights]
+@dataclass(frozen=True)
+class ManualMerge:
+    """What `orchestrate merge` is asked to do."""
+
+    inputs: Sequence[str]
+    """`.safetensors` files, Hugging Face model directories or PEFT adapter directories, any fsspec URL."""
+    out: str
+    """A `.safetensors` file (with a manifest), or a model (or adapter) directory."""
+    method: str = "average"
+    """A name of merge.methods.METHODS."""
+    weights: Sequence[float] | None = None
+    """One per input; None: all 1."""
+    base: str | None = None
+    """The inputs' common starting point (task vectors, outer), or the model LoRA adapters are folded into."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """The method's parameters (density, scale, ...)."""
+    outer: OuterConfig | None = None
+    """`outer`: the outer optimizer (default: Nesterov, merge.outer)."""
+    state: str | None = None
+    """`outer`: the optimizer state file, read if it exists and written with the merge."""
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    """Read buffers of all inputs together: the merge's working set."""
+
+
+def manual_merge(req: ManualMerge) -> ManualResult:
+    """Merge the models at req.inputs into req.out (see the module docstring); return what was done."""
+    params = dict(req.params)
+    weights = [1.0] * len(req.inputs) if req.weights is None else [float(w) for w in req.weights]
     problems: list[str] = []
-    if len(weights) != len(inputs):
-        problems.append(f"{len(weights)} weights for {len(inputs)} inputs: give one weight per input")
-    if any(lora.is_adapter(u) for u in inputs):
-        return _adapter_merge(inputs, out, method, weights, base, params, problems + _no_outer(outer, state))
-    if method == "outer":
-        params.setdefault("optimizer", outer or OuterConfig())
+    if len(weights) != len(req.inputs):
+        problems.append(f"{len(weights)} weights for {len(req.inputs)} inputs: give one weight per input")
+    if any(lora.is_adapter(u) for u in req.inputs):
+        return _adapter_merge(req, weights, problems + _no_outer(req.outer, req.state))
+    if req.method == "outer":
+        params.setdefault("optimizer", req.outer or OuterConfig())
     else:
-        problems += _no_outer(outer, state, method)
-    problems += check_method_args(method, weights if len(weights) == len(inputs) else [1.0] * len(inputs), params,
-                                  base is not None)
-    params = with_defaults(method, params)  # recorded with the output: a DARE merge's seed
-    sources = {_norm(u): u for u in [*inputs, *([base] if base else [])]}
-    for target in [out, *([state] if state else [])]:
+        problems += _no_outer(req.outer, req.state, req.method)
+    problems += check_method_args(req.method, weights if len(weights) == len(req.inputs) else [1.0] * len(req.inputs),
+                                  params, req.base is not None)
+    params = with_defaults(req.method, params)  # recorded with the output: a DARE merge's seed
+    sources = {_norm(u): u for u in [*req.inputs, *([req.base] if req.base else [])]}
+    for target in [req.out, *([req.state] if req.state else [])]:
         if _norm(target) in sources:
             problems.append(f"{target} is also an input: write the merge somewhere else")
     if problems:
         raise MergeError(problems)
-
     models: list[Model] = []
     base_model = None
     try:
-        base_model = _open_inputs(open_model, inputs, base, problems, models)
-        ref = models[0]
-        for m in [*models[1:], *([base_model] if base_model else [])]:
-            problems += [f"{m.label}: {p}" for p in compare_specs(ref.specs, m.specs, ref.label)]
-        if problems:
-            raise MergeError(problems + ["merge models of the same architecture and dtype (convert them first)"])
-
-        outputs, index_key, out_storage = _output_layout(ref, out, _note(method, inputs, weights, params))
-        if clash := _clashes([(o.storage, o.key) for o in outputs], [*models, *([base_model] if base_model else [])]):
-            raise MergeError(clash)
-        order = [(n, d, s) for o in outputs for n, d, s, _ in o.specs]
-        state_in = state_out = None
-        if method == "outer" and state:
-            state_dir, state_name = split_url(state)
-            sst = Storage(state_dir, follow_links=True)
-            if sst.exists(state_name):
-                try:
-                    state_in = open_file_model(sst, state_name, f"{state} (outer state)", "state", require_manifest=False)
-                except CheckpointError as exc:
-                    raise MergeError([str(exc)]) from None
-                models.append(state_in)
-            state_out = OutputFile(sst, state_name, state_out_specs(order, params["optimizer"]), None,
-                                   {"optimizer": params["optimizer"].optimizer})
+        base_model = _open_inputs(open_model, req.inputs, req.base, problems, models)
+        job = _job(req, MergeJob(models[: len(req.inputs)], weights, req.method, [], params, base_model), models)
         try:
-            stats = run_merge(models[: len(inputs)], weights, method, outputs, params=params, base=base_model,
-                              state_in=state_in, state_out=state_out, buffer_bytes=buffer_bytes)
+            stats = run_merge(job)
         except InputError as exc:
             raise MergeError([exc.reason]) from None
         except (CheckpointError, StorageError, ValueError) as exc:
             raise MergeError([str(exc)]) from None
-        _finish_dir(ref, out, outputs, index_key, out_storage)
-        return ManualResult(method, len(inputs), stats.bytes_read, stats.seconds,
-                            [o.storage.display(o.key) for o in outputs], state)
+        _finish_dir(job.inputs[0], req.out, list(job.outputs))
+        return ManualResult(req.method, len(req.inputs), stats.bytes_read, stats.seconds,
+                            [o.storage.display(o.key) for o in job.outputs], req.state)
     finally:
         for m in [*models, *([base_model] if base_model else [])]:
             m.close()
+
+
+def _job(req: ManualMerge, job: MergeJob, opened: list[Model]) -> MergeJob:
+    """`job` (its inputs open) given its outputs and, for outer, its optimizer state, after checking
+    the inputs against each other and the outputs against the inputs; MergeError lists every problem."""
+    ref, problems = job.inputs[0], []
+    for m in [*job.inputs[1:], *([job.base] if job.base else [])]:
+        problems += [f"{m.label}: {p}" for p in compare_specs(ref.specs, m.specs, ref.label)]
+    if problems:
+        raise MergeError(problems + ["merge models of the same architecture and dtype (convert them first)"])
+    outputs = _output_layout(ref, req.out, _note(req.method, req.inputs, job.weights, job.params))
+    if clash := _clashes([(o.storage, o.key) for o in outputs], [*job.inputs, *([job.base] if job.base else [])]):
+        raise MergeError(clash)
+    state_in = state_out = None
+    if req.method == "outer" and req.state:
+        layout = [(n, d, s) for o in outputs for n, d, s, _ in o.specs]
+        state_dir, state_name = split_url(req.state)
+        sst = Storage(state_dir, follow_links=True)
+        if sst.exists(state_name):
+            try:
+                state_in = open_file_model(sst, state_name, f"{req.state} (outer state)", "state", require_manifest=False)
+            except CheckpointError as exc:
+                raise MergeError([str(exc)]) from None
+            opened.append(state_in)
+        optimizer = job.params["optimizer"]
+        state_out = OutputFile(sst, state_name, state_out_specs(layout, optimizer), None, {"optimizer": optimizer.optimizer})
+    return dataclasses.replace(job, outputs=outputs, state_in=state_in, state_out=state_out,
+                               buffer_bytes=req.buffer_bytes)
 
 
 def _open_inputs(open_one: Callable[[str, int], Any], inputs: Sequence[str], base: str | None,
@@ -169,29 +189,29 @@ def _open_inputs(open_one: Callable[[str, int], Any], inputs: Sequence[str], bas
     return base_model
 
 
-def _finish_dir(ref: Model, out: str, outputs: list[OutputFile], index_key: str | None, st: Storage) -> None:
+def _finish_dir(ref: Model, out: str, outputs: list[OutputFile]) -> None:
     """A model directory's other files (config, tokenizer), then its index: last, the directory is
     whole from then on."""
+    st = outputs[0].storage
     if ref.directory and not out.endswith(".safetensors"):
         _copy_other_files(ref, st)
-    if index_key is not None:
-        index = dict(ref.index or {})
+    if ref.directory and ref.index is not None and not out.endswith(".safetensors"):
+        index = dict(ref.index)
         index["metadata"] = {**dict(index.get("metadata") or {}),
                              "total_size": sum(nb for o in outputs for *_, nb in o.specs)}
         index["weight_map"] = {n: o.key for o in outputs for n, *_ in o.specs}
-        st.write_json(index_key, index)
+        st.write_json(INDEX, index)
 
 
-def _adapter_merge(inputs: Sequence[str], out: str, method: str, weights: list[float], base: str | None,
-                   params: dict[str, Any], problems: list[str]) -> ManualResult:
-    """PEFT LoRA adapters (merge.adapters): merged into one adapter directory, or with `base`, folded
-    into that model."""
+def _adapter_problems(req: ManualMerge, weights: list[float]) -> list[str]:
+    """What stops req (whose inputs include an adapter) from being an adapter merge or fold."""
+    inputs, out, method, base, problems = req.inputs, req.out, req.method, req.base, []
     if method not in ("average", "task-arithmetic"):
         problems.append(f"LoRA adapters merge with --method average or task-arithmetic (their updates summed, ranks "
                         f"concatenated), not {method}: fold each adapter into its base first (orchestrate merge "
                         f"ADAPTER --base MODEL --out DIR) and merge those models with {method}")
     elif len(weights) == len(inputs):  # --base names the model to fold into, not a task-vector base
-        problems += check_method_args(method, weights, params, method_spec(method).needs_base)
+        problems += check_method_args(method, weights, req.params, method_spec(method).needs_base)
     plain = [u for u in inputs if not lora.is_adapter(u)]
     if plain:
         problems.append(f"{plain} are not LoRA adapter directories (no {lora.CONFIG}): merge adapters with adapters, "
@@ -202,9 +222,17 @@ def _adapter_merge(inputs: Sequence[str], out: str, method: str, weights: list[f
         problems.append(f"merging adapters writes a PEFT adapter directory: give --out a directory, not {out}")
     if _norm(out) in {_norm(u) for u in [*inputs, *([base] if base else [])]}:
         problems.append(f"{out} is also an input: write the merge somewhere else")
+    return problems
+
+
+def _adapter_merge(req: ManualMerge, weights: list[float], problems: list[str]) -> ManualResult:
+    """PEFT LoRA adapters (merge.adapters): merged into one adapter directory, or with req.base, folded
+    into that model."""
+    problems += _adapter_problems(req, weights)
     if problems:
         raise MergeError(problems)
-    params = with_defaults(method, params)
+    inputs, out, method, base = req.inputs, req.out, req.method, req.base
+    params = with_defaults(method, req.params)
     total = sum(weights)
     coeffs = [w / total for w in weights] if method == "average" else [params["scale"] * w for w in weights]
     ads: list[lora.Adapter] = []
@@ -241,7 +269,7 @@ def _adapter_merge(inputs: Sequence[str], out: str, method: str, weights: list[f
 def _fold(ads: list[lora.Adapter], coeffs: list[float], weights: list[float], base: Model, out: str,
           note: dict[str, Any]) -> list[str]:
     """base + sum_i c_i delta_i, tensor by tensor in the base's layout; whole tensors replaced."""
-    outputs, index_key, st = _output_layout(base, out, note)
+    outputs = _output_layout(base, out, note)
     if clash := _clashes([(o.storage, o.key) for o in outputs], [base, *(a.model for a in ads)]):
         raise MergeError(clash)
     targets = {f"{m}.weight": m for m in lora.modules(ads)}
@@ -264,7 +292,7 @@ def _fold(ads: list[lora.Adapter], coeffs: list[float], weights: list[float], ba
     except BaseException:
         writer.abort()
         raise
-    _finish_dir(base, out, outputs, index_key, st)
+    _finish_dir(base, out, outputs)
     return [o.storage.display(o.key) for o in outputs]
 
 
@@ -315,9 +343,9 @@ def _note(method: str, inputs: Sequence[str], weights: Sequence[float], params: 
             **{k: v for k, v in params.items() if isinstance(v, (int, float, str))}}
 
 
-def _output_layout(ref: Model, out: str, note: Mapping[str, Any]) -> tuple[list[OutputFile], str | None, Storage]:
-    """The output files (`ref`'s layout), the index key if sharded, and the output storage; every
-    file's metadata and a single file's manifest record `note`."""
+def _output_layout(ref: Model, out: str, note: Mapping[str, Any]) -> list[OutputFile]:
+    """The output files, in `ref`'s layout; every file's metadata and a single file's manifest
+    record `note`."""
     def specs(names: list[str]) -> list[tuple[str, str, tuple[int, ...], int]]:
         return [(n, sp.dtype, sp.shape, math.prod(sp.shape) * ITEMSIZE[sp.dtype])
                 for n in names for sp in [ref.tensors[n][1]]]
@@ -332,12 +360,11 @@ def _output_layout(ref: Model, out: str, note: Mapping[str, Any]) -> tuple[list[
         parent, name = split_url(out)
         st = Storage(parent)
         names = [n for _, ns in layout for n in ns]
-        return [OutputFile(st, name, specs(names), meta(layout[0][0].metadata), note)], None, st
+        return [OutputFile(st, name, specs(names), meta(layout[0][0].metadata), note)]
     st = Storage(out)
     if not ref.directory:
-        return [OutputFile(st, "model.safetensors", specs(layout[0][1]), meta(layout[0][0].metadata))], None, st
-    files = [OutputFile(st, f.key, specs(names), meta(f.metadata)) for f, names in layout]
-    return files, (INDEX if ref.index is not None else None), st
+        return [OutputFile(st, "model.safetensors", specs(layout[0][1]), meta(layout[0][0].metadata))]
+    return [OutputFile(st, f.key, specs(names), meta(f.metadata)) for f, names in layout]
 
 
 def _clashes(outputs: list[tuple[Storage, str]], models: list[Model]) -> list[str]:

@@ -26,57 +26,31 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from core import codec
 from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, read_manifest
-from core.config import OuterConfig
-from core.errors import CheckpointError, RunError
+from core.checkpoint_writer import OutputFile
+from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.storage import Storage
-from merge.engine import DEPTH, Buffer, Prefetch, Read, finite, merging
-from merge.inputs import compare_specs
+from merge.engine import DEPTH, Buffer, Prefetch, Read, merging
+from merge.inputs import compare_specs, finite, nonfinite, refusal
+from merge.lte import merge_lte_round
+from merge.outer import OuterStep, state_in_specs, state_key, state_out_specs, state_slots
 from merge.robust import Values
 from merge.robust import aggregate as robust_aggregate
-from merge.outer import outer_step_from_grad, state_in_specs, state_key, state_out_specs, state_slots
-from core.checkpoint_writer import OutputFile, StreamWriter
+from merge.round_spec import Contribution, MergeResult, QuorumError, RoundSpec
 
 log = logging.getLogger(__name__)
 
 FOLD_CHUNK = 1 << 22
 """Elements per read of a large tensor stored plain: read buffers of 16 MiB whatever the model (a
 coded tensor is read whole: its rows need their scales and indices)."""
-
-
-@dataclass(frozen=True)
-class Contribution:
-    worker: int
-    key: str
-    weight: float
-
-
-@dataclass
-class MergeResult:
-    merged: list[int]
-    rejected: dict[int, str]
-    bytes_read: int
-    seconds: float
-    outer_grad_norm: float
-    manifest: dict[str, Any] = field(default_factory=dict)
-    order: list[int] = field(default_factory=list)
-    """The order the inputs were summed in, which the bytes depend on."""
-
-
-class QuorumError(RunError):
-    """Too few valid contributions remain; `rejected` says which were refused and why."""
-
-    def __init__(self, message: str, rejected: dict[int, str]) -> None:
-        super().__init__(message)
-        self.rejected = rejected
 
 
 @dataclass(frozen=True)
@@ -141,10 +115,7 @@ class RunningSum:
                     raise bad or CheckpointError(f"{label}: no manifest, so the checkpoint is incomplete or absent")
                 digest, nbytes = self._fold(c, label, m)
         except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
-            why = str(exc) if isinstance(exc, CheckpointError) else \
-                f"worker {c.worker} ({self.storage.display(c.key)}): {type(exc).__name__}: {exc}"
-            log.warning("merge: rejected worker %d: %s", c.worker, why)
-            self.rejected[c.worker] = (ident, why)
+            self.rejected[c.worker] = (ident, refusal(c.worker, label, exc))
             if self._dirty:  # part of it was added: rebuild S from the accepted ones, in order
                 self._rebuild(list(self.folded))
             return False
@@ -231,8 +202,7 @@ class RunningSum:
                                       "identical in every input")
             return
         if not finite(x):
-            raise CheckpointError(f"{label}: tensor {name} has NaN or Inf values: the model diverged or the file is "
-                                  "damaged; leave it out of the merge")
+            raise CheckpointError(nonfinite(label, name))
         self._dirty = True
         s.view(-1)[start:stop].add_(x.reshape(-1).to(torch.float32).mul(float(c.weight)))
 
@@ -251,13 +221,10 @@ class RunningSum:
         return f.manifest["digest"], f.size  # type: ignore[index]
 
     # -- the merge ----------------------------------------------------------------------
-    def merge(self, contributions: Sequence[Contribution], out_key: str, outer: OuterConfig, *,
-              state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
-              metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None,
-              aggregate: str = "mean", trim: float = 0.2) -> MergeResult:
+    def merge(self, contributions: Sequence[Contribution], spec: RoundSpec) -> MergeResult:
         """Make S the sum over exactly `contributions` (what is folded already, in its order, then
-        the rest in the given order), then one outer step into `out_key` (and the outer state).
-        `aggregate` median or trimmed_mean (merge.robust) replaces S's mean in that step."""
+        the rest in the given order), then one outer step into `spec.out` (and the outer state).
+        spec.aggregate median or trimmed_mean (merge.robust) replaces S's mean in that step."""
         t0 = time.perf_counter()
         want = {c.worker: c for c in contributions}
         keep = []
@@ -274,14 +241,11 @@ class RunningSum:
                 self.add(c)
         rejected = {w: why for w, (_, why) in self.rejected.items() if w in want}
         order = [f.worker for f in self.folded]
-        if len(order) < min_inputs:
-            raise QuorumError(f"only {len(order)} valid contribution(s) for {out_key}, the quorum is {min_inputs}; "
-                              f"rejected: {rejected or 'none'}", rejected)
+        if len(order) < spec.min_inputs:
+            raise QuorumError(f"only {len(order)} valid contribution(s) for {spec.out}, the quorum is "
+                              f"{spec.min_inputs}; rejected: {rejected or 'none'}", rejected)
         with merging():
-            robust = None if aggregate == "mean" else (aggregate, trim)
-            extra = {"merge_order": order, **({"aggregate": aggregate} if robust else {})}
-            out_manifest, grad_sq = self._step(out_key, outer, state_in_key, state_out_key, metadata,
-                                               {**(manifest or {}), **extra}, robust)
+            out_manifest, grad_sq = self._step(spec, order)
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=sum(f.nbytes for f in self.folded),
                            seconds=time.perf_counter() - t0, outer_grad_norm=grad_sq ** 0.5, manifest=out_manifest,
                            order=order)
@@ -297,71 +261,46 @@ class RunningSum:
         opened.append(open_checkpoint(self.storage, key, label))
         return opened[-1].read, {k: (sp.dtype, sp.shape) for k, sp in opened[-1].specs.items()}
 
-    def _step(self, out_key: str, outer: OuterConfig, state_in_key: str | None, state_out_key: str | None,
-              metadata: Mapping[str, str] | None, manifest: dict[str, Any],
-              robust: tuple[str, float] | None = None) -> tuple[dict[str, Any], float]:
-        """The outer step, tensor by tensor, from S into the new global (and state) files: the
-        pseudo-gradient `base - S / total` (the mean of deltas, for deltas) into a real torch.optim
-        step (merge.outer), over tensors this merge owns (held copies or fresh reads). `robust`
-        (how, trim): the contributions' median or trimmed mean instead of S / total."""
-        s, total = self.storage, float(sum(f.weight for f in self.folded))
+    def _step(self, spec: RoundSpec, order: list[int]) -> tuple[dict[str, Any], float]:
+        """The outer step (merge.outer.OuterStep), tensor by tensor, from S: the pseudo-gradient
+        `base - S / total` (the mean of deltas, for deltas), or with a robust spec.aggregate the
+        contributions' median or trimmed mean instead of S / total, over tensors this merge owns
+        (held copies or fresh reads)."""
+        s, total, outer = self.storage, float(sum(f.weight for f in self.folded)), spec.outer
+        assert outer is not None
         self._dirty = True  # S becomes the mean
-        order = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
+        layout = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
+        robust = None if spec.aggregate == "mean" else (spec.aggregate, spec.trim)
+        manifest = {**spec.manifest, "merge_order": order, **({"aggregate": spec.aggregate} if robust else {})}
         opened: list[TensorFile] = []
-        writers: list[StreamWriter] = []
-        grad_sq = 0.0
-        values: Values | None = None
+        values = Values(s, self.folded, self.space or "weights", self.base_digest) if robust else None
+        step = OuterStep([OutputFile(s, spec.out, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in layout],
+                                     spec.metadata, manifest)],
+                         OutputFile(s, spec.state_out, state_out_specs(layout, outer), None,
+                                    {"optimizer": outer.optimizer}) if spec.state_out else None, outer)
         try:
-            if robust is not None:
-                values = Values(s, self.folded, self.space or "weights", self.base_digest)
-            base, _ = self._source(self.base_key, f"global weights {s.display(self.base_key)}", opened)
-            state: Callable[[str], torch.Tensor] | None = None
-            have: dict[str, list[tuple[str, bool]]] = {}  # tensor -> its state slots (none: a first step)
-            if state_in_key is not None:
-                label = f"outer optimizer state {s.display(state_in_key)}"
-                state, entries = self._source(state_in_key, label, opened)
-                have = state_in_specs(entries, order, state_slots(outer), label)  # it fits model and optimizer
-            writers.append(StreamWriter([OutputFile(s, out_key, [(n, d, sh, math.prod(sh) * ITEMSIZE[d])
-                                                                 for n, d, sh in order], metadata, dict(manifest))]))
-            if state_out_key is not None:
-                writers.append(StreamWriter([OutputFile(s, state_out_key, state_out_specs(order, outer), None,
-                                                        {"optimizer": outer.optimizer})]))
+            base, _ = self._source(spec.base, f"global weights {s.display(spec.base)}", opened)
+            state, have = self._state(spec, layout, opened)
             for name, sp in self.ref.items():
                 b = base(name)
                 if sp.dtype not in FLOATS:
-                    writers[0].put(name, b)
+                    step.keep(name, b)
                     continue
                 grad = self._sum[name].div_(total) if values is None else \
                     robust_aggregate(values.get(name, lambda: b), *robust)  # type: ignore[misc]
                 if self.space != "delta":
                     torch.sub(b.to(torch.float32), grad, out=grad)
-                slots = {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])} if state else {}
-                new, new_state, _ = outer_step_from_grad(b, grad, slots, outer, in_place=True)
-                if not finite(new):  # every input was checked finite as it was folded
-                    raise CheckpointError(f"merged tensor {name} has NaN or Inf values although every input is "
-                                          "finite: the outer merge overflowed; check the weights and the outer "
-                                          "learning rate")
-                g = grad.reshape(-1)
-                grad_sq += float(torch.dot(g, g))
-                writers[0].put(name, new)
-                for slot, t in new_state.items():
-                    if len(writers) > 1:
-                        writers[1].put(state_key(name, slot), t.to(torch.float32))
+                step.step(name, b, grad, {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])},
+                          owned=True)
                 failpoint("merge.while_reading")  # crash tests: half the step written, temporaries on disk
-            for w in writers:
-                w.finish()
+            step.finish()
             for f in opened:
                 f.verify()
             if values is not None:
                 values.verify()
-            out = writers[0].commit()[0]
-            failpoint("merge.after_global")  # crash tests: the new global published, its outer state not yet
-            if len(writers) > 1:
-                writers[1].commit()
-            return out, grad_sq
+            return step.commit(), step.grad_sq
         except BaseException:
-            for w in writers:
-                w.abort()
+            step.abort()
             raise
         finally:
             for f in opened:
@@ -369,16 +308,24 @@ class RunningSum:
             if values is not None:
                 values.close()
 
+    def _state(self, spec: RoundSpec, layout: list[tuple[str, str, tuple[int, ...]]], opened: list[TensorFile]
+               ) -> tuple[Callable[[str], torch.Tensor], dict[str, list[tuple[str, bool]]]]:
+        """(the outer state's tensors by key, each model tensor's state slots): none on a first step."""
+        if spec.state_in is None:
+            return lambda key: torch.empty(0), {}
+        label = f"outer optimizer state {self.storage.display(spec.state_in)}"
+        state, entries = self._source(spec.state_in, label, opened)
+        return state, state_in_specs(entries, layout, state_slots(spec.outer), label)  # it fits model and optimizer
 
-def merge_round(storage: Storage, base_key: str, contributions: Sequence[Contribution], out_key: str,
-                outer: OuterConfig, *, state_in_key: str | None, state_out_key: str | None, min_inputs: int = 1,
-                metadata: Mapping[str, str] | None = None, manifest: Mapping[str, Any] | None = None,
-                accumulator: RunningSum | None = None, aggregate: str = "mean", trim: float = 0.2) -> MergeResult:
-    """Merge `contributions` into the weights at `base_key`; write `out_key` (and the outer state).
+
+def merge_round(storage: Storage, spec: RoundSpec, contributions: Sequence[Contribution],
+                accumulator: RunningSum | None = None) -> MergeResult:
+    """Merge `contributions` as `spec` says: the next global weights (and outer state) written.
 
     Rejected contributions are reported in the result, not raised; QuorumError if fewer than
-    `min_inputs` valid ones remain. Through `accumulator` (what a streaming service folded so far)
-    or a fresh RunningSum fed `contributions` in their order."""
-    acc = accumulator if accumulator is not None else RunningSum(storage, base_key)
-    return acc.merge(contributions, out_key, outer, state_in_key=state_in_key, state_out_key=state_out_key,
-                     min_inputs=min_inputs, metadata=metadata, manifest=manifest, aggregate=aggregate, trim=trim)
+    spec.min_inputs valid ones remain. Through `accumulator` (what a streaming service folded so
+    far) or a fresh RunningSum fed `contributions` in their order. An LTE spec: merge.lte's merge."""
+    if spec.lte is not None:
+        return merge_lte_round(storage, spec, contributions)
+    acc = accumulator if accumulator is not None else RunningSum(storage, spec.base)
+    return acc.merge(contributions, spec)

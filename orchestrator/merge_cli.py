@@ -61,7 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from merge.manual import MergeError, manual_merge
+    from merge.manual import ManualMerge, MergeError, manual_merge
     from orchestrator.console import console
 
     weights = None
@@ -87,8 +87,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
                                     ("momentum", args.outer_momentum), ("betas", betas), ("eps", args.outer_eps))
                   if v is not None}
     outer = OuterConfig(**outer_opts) if outer_opts else None
-    res = manual_merge(args.inputs, args.out, method=args.method, weights=weights, base=args.base, params=params,
-                       outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20)
+    res = manual_merge(ManualMerge(args.inputs, args.out, method=args.method, weights=weights, base=args.base,
+                                   params=params,
+                       outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20))
     rate = res.bytes_read / res.seconds / 1e9 if res.seconds else 0.0
     console.print(f"merged {res.inputs} input(s) with {res.method}: {res.bytes_read / 1e9:.2f} GB read in "
                   f"{res.seconds:.2f}s ({rate:.2f} GB/s)")

@@ -10,6 +10,7 @@ the run directory, so the inputs are there.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import posixpath
 from collections.abc import Callable, Mapping
@@ -21,7 +22,9 @@ from core.errors import CheckpointError, RunError
 from core.layout import RunLayout, manifest_key
 from core.records import RoundRecord
 from core.storage import Storage
-from merge.rounds import Contribution, merge_round
+from merge.round_spec import Contribution
+from merge.rounds import merge_round
+from orchestrator.round_merge import round_spec
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -91,10 +94,8 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
     scratch, scratch_state = L.rebuilt_global(r), L.rebuilt_state(r)
     try:
         try:
-            result = merge_round(storage, L.global_weights(r), contribs, scratch, cfg.outer,
-                                 state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=scratch_state,
-                                 min_inputs=len(contribs), metadata=metadata, manifest={"round": r + 1},
-                                 aggregate=cfg.round.aggregate, trim=cfg.round.trim)
+            spec = dataclasses.replace(round_spec(cfg, r, metadata, len(contribs)), out=scratch, state_out=scratch_state)
+            result = merge_round(storage, spec, contribs)
         except (RunError, CheckpointError) as exc:
             raise RunError(f"cannot rebuild {target}: round {r}'s merge failed again: {exc}; {fix}") from None
         if result.rejected or result.manifest["digest"] != published:

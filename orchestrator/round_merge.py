@@ -1,5 +1,5 @@
 """Merging a round: which contributions count and what they weigh, folding them as they land, the
-merge itself (OuterMerge: merge.rounds, or LteMerge: merge.lte), and the record that commits it.
+merge itself (round_spec, then merge.rounds.merge_round), and the record that commits it.
 
 Every contribution is untrusted: its weight is derived from what the service asked of its worker
 (orchestrator.plan.contribution_weight), never taken from its manifest, and whatever goes wrong
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from core import replay
@@ -20,9 +20,8 @@ from core.config import Config
 from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
-from core.storage import Storage
-from merge.lte import merge_lte_round
-from merge.rounds import Contribution, MergeResult, QuorumError, RunningSum, merge_round
+from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, RoundSpec
+from merge.rounds import RunningSum, merge_round
 from orchestrator import late
 from orchestrator.executor import JobStatus
 from orchestrator.plan import Decision, contribution_weight
@@ -34,44 +33,28 @@ log = logging.getLogger(__name__)
 L = RunLayout()
 
 
-@dataclass(frozen=True)
-class OuterMerge:
-    """diloco, lofi, fedavg: the outer optimizer on global - mean(workers) (merge/rounds.py)."""
-
-    cfg: Config
-    streams = True  # contributions can be folded into a running sum as they land
-    folds_late = True  # a late contribution can be re-based onto a later round's global
-
-    def __call__(self, storage: Storage, r: int, inputs: list[Contribution], accumulator: RunningSum | None,
-                 **common: Any) -> MergeResult:
-        return merge_round(storage, L.global_weights(r), inputs, L.global_weights(r + 1), self.cfg.outer,
-                           state_in_key=L.outer_state(r) if r > 0 else None, state_out_key=L.outer_state(r + 1),
-                           accumulator=accumulator, aggregate=self.cfg.round.aggregate, trim=self.cfg.round.trim,
-                           **common)
-
-
-@dataclass(frozen=True)
-class LteMerge:
-    """lte: W <- W + (s/N) sum_n B_n A_n, the rest averaged (merge/lte.py)."""
-
-    cfg: Config
-    streams = False
-    folds_late = False  # heads are relative to the frozen base they were trained on
-
-    def __call__(self, storage: Storage, r: int, inputs: list[Contribution], accumulator: RunningSum | None,
-                 **common: Any) -> MergeResult:
-        from worker.lora import contribution_shapes
-        lte = self.cfg.lte
-        return merge_lte_round(storage, L.global_weights(r), inputs, L.global_weights(r + 1),
-                               scale=lte.alpha / lte.rank, rank=lte.rank,
-                               expected=contribution_shapes(self.cfg, lte.rank), **common)
+def round_spec(cfg: Config, r: int, metadata: Mapping[str, str], min_inputs: int) -> RoundSpec:
+    """Round r's merge as the run's config says: global_r and the contributions in, global_{r+1}
+    (and the outer state) out, with a quorum of `min_inputs`."""
+    if cfg.algorithm == "lte":
+        from worker.lora import contribution_shapes  # torch and the model code: only an LTE service needs them
+        rule = LteRule(scale=cfg.lte.alpha / cfg.lte.rank, rank=cfg.lte.rank,
+                       expected=contribution_shapes(cfg, cfg.lte.rank))
+        return RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), lte=rule, min_inputs=min_inputs,
+                         metadata=metadata, manifest={"round": r + 1})
+    return RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), outer=cfg.outer,
+                     state_in=L.outer_state(r) if r > 0 else None, state_out=L.outer_state(r + 1),
+                     min_inputs=min_inputs, aggregate=cfg.round.aggregate, trim=cfg.round.trim, metadata=metadata,
+                     manifest={"round": r + 1})
 
 
 class RoundMerger:
     def __init__(self, submitter: Submitter, metadata: dict[str, str]) -> None:
         self.submitter, self.metadata = submitter, metadata
         self.storage, self.cfg, self.executor = submitter.storage, submitter.cfg, submitter.executor
-        self.method = LteMerge(self.cfg) if self.cfg.algorithm == "lte" else OuterMerge(self.cfg)
+        # an outer merge is linear: contributions can be folded into a running sum as they land, and a
+        # late one re-based onto a later round's global; LTE heads are relative to the base they trained on
+        self.linear = self.cfg.algorithm != "lte"
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
         self.schedule = replay.of_run(self.storage, self.cfg)  # a replay sums in its source's order
@@ -82,7 +65,7 @@ class RoundMerger:
     def stream(self, jobs: RoundJobs) -> None:
         """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""
         r = jobs.round
-        if not (self.cfg.round.stream_merge and self.method.streams):
+        if not (self.cfg.round.stream_merge and self.linear):
             return
         if self._sum_round != r:
             self._sum = None  # the last round's copies go before this round's come
@@ -104,7 +87,7 @@ class RoundMerger:
         if self.schedule is not None:
             order = self.schedule.order[r]
             contribs.sort(key=lambda c: order.index(c.worker))
-        fold = self.cfg.round.late_policy == "fold" and self.method.folds_late
+        fold = self.cfg.round.late_policy == "fold" and self.linear
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
             result = self._merge(r, contribs + late.fold_inputs(folded))
@@ -143,8 +126,8 @@ class RoundMerger:
         self._seen = {k: v for k, v in self._seen.items() if k[0] != jobs.round}
 
     def _merge(self, r: int, inputs: list[Contribution]) -> MergeResult:
-        return self.method(self.storage, r, inputs, self._sum if self._sum_round == r else None,
-                           min_inputs=self.cfg.quorum, metadata=self.metadata, manifest={"round": r + 1})
+        return merge_round(self.storage, round_spec(self.cfg, r, self.metadata, self.cfg.quorum), inputs,
+                            self._sum if self._sum_round == r else None)
 
     def set_aside(self, jobs: RoundJobs, rejected: dict[int, str]) -> None:
         """Move refused contributions out of the round (kept as evidence) so their workers rerun; one

@@ -16,6 +16,7 @@ from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.rounds import Contribution, merge_round
+from merge.round_spec import RoundSpec
 from merge import rounds
 from merge.rounds import RunningSum
 
@@ -105,9 +106,9 @@ def _publish(mem, key, g, w, sha, name=None, keep=1.0):
     return key
 
 
-def _merge(mem, contribs, out="g1.safetensors", **kw):
-    return merge_round(mem, "g0.safetensors", contribs, out, NESTEROV, state_in_key=None,
-                       state_out_key="state_" + out, **kw)
+def _merge(mem, contribs, out="g1.safetensors", accumulator=None):
+    return merge_round(mem, RoundSpec(base="g0.safetensors", out=out, outer=NESTEROV, state_out="state_" + out),
+                       contribs, accumulator)
 
 
 def test_fp32_delta_round_equals_weights_round_and_the_oracle(mem):
@@ -241,8 +242,9 @@ def _second_round(mem, seed):
 
 
 def _round1(mem, contribs, out, acc=None):
-    return merge_round(mem, "g1.safetensors", contribs, out, NESTEROV, state_in_key="state_g1.safetensors",
-                       state_out_key="state_" + out, accumulator=acc)
+    return merge_round(mem,
+                       RoundSpec(base="g1.safetensors", out=out, outer=NESTEROV, state_in="state_g1.safetensors",
+                                 state_out="state_" + out), contribs, acc)
 
 
 def test_held_global_and_state_are_stepped_in_place_and_give_the_same_bytes(mem):
@@ -292,8 +294,9 @@ def test_an_overflowing_in_place_step_is_refused_and_publishes_nothing(mem):
     huge = OuterConfig(optimizer="nesterov", lr=1e38, momentum=0.9)  # lr x grad x (1 + m) > float32's max
     with pytest.raises(CheckpointError, match="has NaN or Inf values although every input is finite: the outer "
                                               "merge overflowed"):
-        merge_round(mem, "g1.safetensors", cs, "g2.safetensors", huge, state_in_key="state_g1.safetensors",
-                    state_out_key="state_g2.safetensors", accumulator=acc)
+        merge_round(mem,
+                    RoundSpec(base="g1.safetensors", out="g2.safetensors", outer=huge,
+                              state_in="state_g1.safetensors", state_out="state_g2.safetensors"), cs, acc)
     assert not mem.exists("g2.safetensors") and not mem.exists("state_g2.safetensors")
     assert acc._held == {}
 

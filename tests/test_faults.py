@@ -30,7 +30,8 @@ from core.errors import CheckpointError, RunError, StorageError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
-from merge.manual import MergeError, manual_merge
+from merge.round_spec import RoundSpec
+from merge.manual import ManualMerge, MergeError, manual_merge
 from orchestrator import lease as leases
 from orchestrator.lease import LeaseLost, acquire
 from orchestrator.runstate import arrived_workers
@@ -147,7 +148,7 @@ def test_merge_output_bigger_than_the_disk_leaves_nothing(tmp_path, small_disk):
         write_checkpoint(Storage(str(tmp_path)), f"in{i}.safetensors", {"w": torch.full((512 * 1024,), float(i))})
         inputs.append(str(tmp_path / f"in{i}.safetensors"))  # 2 MiB each, for a 1 MiB disk
     with pytest.raises(MergeError, match=r"merged\.safetensors.*No space left on device"):
-        manual_merge(inputs, str(small_disk / "out" / "merged.safetensors"))
+        manual_merge(ManualMerge(inputs, str(small_disk / "out" / "merged.safetensors")))
     assert os.listdir(small_disk / "out") == []  # no temporary, no output
     assert _free_bytes(small_disk) == 1 << 20
 
@@ -504,8 +505,9 @@ def test_worker_killed_between_data_and_manifest_is_never_merged(tmp_path):
     assert s.list(L.contributions_dir(0)) == ["worker_000.json", "worker_000.safetensors", "worker_001.safetensors"]
     assert arrived_workers(s, 0) == [0]  # the poller does not count it
     contributions = [Contribution(0, L.contribution(0, 0), 1.0), Contribution(1, L.contribution(0, 1), 1.0)]
-    result = merge_round(s, L.global_weights(0), contributions, L.global_weights(1), OuterConfig(optimizer="sgd", lr=1.0),
-                         state_in_key=None, state_out_key=None)
+    result = merge_round(s,
+                         RoundSpec(base=L.global_weights(0), out=L.global_weights(1),
+                                   outer=OuterConfig(optimizer="sgd", lr=1.0)), contributions)
     assert result.merged == [0] and "no manifest" in result.rejected[1]
     merged = load_checkpoint(s, L.global_weights(1))[0]
     assert all(torch.equal(merged[k], base[k] + 1) for k in base)  # worker 0 alone, nothing of worker 1

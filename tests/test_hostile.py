@@ -232,13 +232,13 @@ _fuzz_dirs = iter(range(10**9))
 def test_fuzzed_headers_through_orchestrate_merge_give_a_merge_error(tmp_path, header, data):
     """Any header and data section where an input should be: the merge succeeds or raises the
     project's own MergeError, nothing else, and writes nothing when it fails."""
-    from merge.manual import MergeError, manual_merge
+    from merge.manual import ManualMerge, MergeError, manual_merge
     d = tmp_path / f"f{next(_fuzz_dirs)}"
     d.mkdir()
     write_checkpoint(Storage(str(d)), "good.safetensors", G0)
     (d / "bad.safetensors").write_bytes(_raw(header, data))
     try:
-        manual_merge([str(d / "good.safetensors"), str(d / "bad.safetensors")], str(d / "out.safetensors"))
+        manual_merge(ManualMerge([str(d / "good.safetensors"), str(d / "bad.safetensors")], str(d / "out.safetensors")))
     except MergeError:
         assert not (d / "out.safetensors").exists()
 
@@ -248,14 +248,14 @@ def test_fuzzed_headers_through_orchestrate_merge_give_a_merge_error(tmp_path, h
     st.sampled_from(["b", "w", "x"]), st.sampled_from(["model-00001.safetensors", "../x.safetensors", "/etc/passwd",
                                                      "a/b.safetensors", "", "model-00001.json"]) | JSON), max_size=2) | JSON)
 def test_fuzzed_hf_indexes_give_a_merge_error_and_write_nothing_outside_out(tmp_path, index):
-    from merge.manual import MergeError, manual_merge
+    from merge.manual import ManualMerge, MergeError, manual_merge
     d = tmp_path / f"i{next(_fuzz_dirs)}"
     (d / "hf").mkdir(parents=True)
     write_checkpoint(Storage(str(d / "hf")), "model-00001.safetensors", G0)
     (d / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
     write_checkpoint(Storage(str(d)), "other.safetensors", G0)
     try:
-        manual_merge([str(d / "hf"), str(d / "other.safetensors")], str(d / "out"))
+        manual_merge(ManualMerge([str(d / "hf"), str(d / "other.safetensors")], str(d / "out")))
     except MergeError:
         assert not (d / "out").exists()
     assert sorted(p.name for p in d.iterdir()) in (["hf", "other.json", "other.safetensors"],

@@ -17,6 +17,7 @@ from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.rounds import Contribution, QuorumError
+from merge.round_spec import LteRule, RoundSpec
 from merge.lte import lte_update, merge_lte_round
 from worker import lora
 from worker.params import optimizer_tensors
@@ -59,8 +60,9 @@ def test_merge_is_exactly_w_plus_s_over_n_sum_ba(mem):
     heads = [_contrib(gen), _contrib(gen)]
     base, contribs = _setup(mem, heads)
     s = 4.0  # alpha 8 / rank 2
-    res = merge_lte_round(mem, L.global_weights(0), contribs, L.global_weights(1), scale=s, rank=2, min_inputs=2,
-                          manifest={"round": 1})
+    res = merge_lte_round(mem,
+                          RoundSpec(base=L.global_weights(0), out=L.global_weights(1), lte=LteRule(scale=s, rank=2),
+                                    min_inputs=2, manifest={"round": 1}), contribs)
     assert res.merged == [0, 1] and res.rejected == {}
     new, _, manifest = load_checkpoint(mem, L.global_weights(1))
     n = len(heads)
@@ -82,7 +84,9 @@ def test_merge_random_floats_with_token_weights(mem):
     heads = [{k: torch.randn(v.shape, generator=gen) for k, v in _contrib(gen, rank=3).items()} for _ in range(3)]
     weights = [1.0, 2.0, 5.0]
     base, contribs = _setup(mem, heads, weights)
-    res = merge_lte_round(mem, L.global_weights(0), contribs, L.global_weights(1), scale=64.0, rank=3)
+    res = merge_lte_round(mem,
+                          RoundSpec(base=L.global_weights(0), out=L.global_weights(1),
+                                    lte=LteRule(scale=64.0, rank=3)), contribs)
     new = load_checkpoint(mem, L.global_weights(1))[0]
     c = [w / sum(weights) for w in weights]
     direct = base["l1.weight"].double() + 64.0 * sum(ci * (h["l1.lora_B"].double() @ h["l1.lora_A"].double())
@@ -113,7 +117,9 @@ def test_merge_rejects_a_bad_contribution_with_a_reason(mem, spoil, reason):
     heads = [_contrib(gen), _contrib(gen), _contrib(gen)]
     spoil(heads[1])
     base, contribs = _setup(mem, heads)
-    res = merge_lte_round(mem, L.global_weights(0), contribs, L.global_weights(1), scale=1.0, rank=2, min_inputs=2)
+    res = merge_lte_round(mem,
+                          RoundSpec(base=L.global_weights(0), out=L.global_weights(1), lte=LteRule(scale=1.0, rank=2),
+                                    min_inputs=2), contribs)
     assert res.merged == [0, 2] and list(res.rejected) == [1] and reason in res.rejected[1], res.rejected
     new = load_checkpoint(mem, L.global_weights(1))[0]
     good = [heads[0], heads[2]]
@@ -126,14 +132,17 @@ def test_merge_checks_names_against_the_expected_set_and_the_bytes(mem):
     base, contribs = _setup(mem, heads)
     expected = {k: tuple(v.shape) for k, v in heads[0].items() if k != "ln.weight"}  # ln.weight is not expected
     with pytest.raises(QuorumError) as exc:
-        merge_lte_round(mem, L.global_weights(0), contribs, L.global_weights(1), scale=1.0, expected=expected)
+        merge_lte_round(mem,
+                        RoundSpec(base=L.global_weights(0), out=L.global_weights(1),
+                                  lte=LteRule(scale=1.0, expected=expected)), contribs)
     assert "unexpected ['ln.weight']" in exc.value.rejected[0]
     assert not mem.exists(L.global_weights(1))  # nothing published
     # a contribution whose bytes no longer match its manifest is refused, not merged
     raw = bytearray(mem.read_bytes(L.contribution(0, 1)))
     raw[-1] ^= 0xFF
     mem.write_bytes(L.contribution(0, 1), bytes(raw))
-    res = merge_lte_round(mem, L.global_weights(0), contribs, L.global_weights(1), scale=1.0)
+    res = merge_lte_round(mem, RoundSpec(base=L.global_weights(0), out=L.global_weights(1), lte=LteRule(scale=1.0)),
+                          contribs)
     assert res.merged == [0] and "checksum does not match" in res.rejected[1]
 
 
@@ -261,9 +270,10 @@ def _round(storage: Storage, r: int, worker: int = 0) -> InnerTrainer:
 
 def _merge(storage: Storage, r: int) -> None:
     cfg = load_run_config(storage)
-    merge_lte_round(storage, L.global_weights(r), [Contribution(0, L.contribution(r, 0), 1.0)], L.global_weights(r + 1),
-                    scale=cfg.lte.alpha / cfg.lte.rank, rank=cfg.lte.rank,
-                    expected=lora.contribution_shapes(cfg, cfg.lte.rank), manifest={"round": r + 1})
+    rule = LteRule(scale=cfg.lte.alpha / cfg.lte.rank, rank=cfg.lte.rank,
+                   expected=lora.contribution_shapes(cfg, cfg.lte.rank))
+    spec = RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), lte=rule, manifest={"round": r + 1})
+    merge_lte_round(storage, spec, [Contribution(0, L.contribution(r, 0), 1.0)])
 
 
 @pytest.mark.parametrize("ablation", ["default", "reset_a", "reset_opt", "keep_b"])
@@ -363,5 +373,7 @@ def test_a_contribution_whose_reads_stall_is_rejected_and_the_rest_merged(mem, s
     gen = torch.Generator().manual_seed(5)
     base, contribs = _setup(mem, [_contrib(gen), _contrib(gen), _contrib(gen)])
     stall_reads(L.contribution(0, 1))
-    res = merge_lte_round(mem, L.global_weights(0), contribs, L.global_weights(1), scale=1.0, rank=2, min_inputs=2)
+    res = merge_lte_round(mem,
+                          RoundSpec(base=L.global_weights(0), out=L.global_weights(1), lte=LteRule(scale=1.0, rank=2),
+                                    min_inputs=2), contribs)
     assert res.merged == [0, 2] and "it stalls" in res.rejected[1], res.rejected

@@ -12,6 +12,7 @@ from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
 from merge.rounds import Contribution, QuorumError, merge_round
+from merge.round_spec import RoundSpec
 from merge.methods import average, get_method
 from merge.outer import outer_step
 
@@ -22,9 +23,9 @@ def _write(storage, key, tensors):
 
 
 def _merge(storage, contribs, outer, r=0, min_inputs=1):
-    return merge_round(storage, f"g{r}.safetensors", contribs, f"g{r + 1}.safetensors", outer,
-                       state_in_key=f"s{r}.safetensors" if r else None, state_out_key=f"s{r + 1}.safetensors",
-                       min_inputs=min_inputs)
+    spec = RoundSpec(base=f"g{r}.safetensors", out=f"g{r + 1}.safetensors", outer=outer,
+                     state_in=f"s{r}.safetensors" if r else None, state_out=f"s{r + 1}.safetensors", min_inputs=min_inputs)
+    return merge_round(storage, spec, contribs)
 
 
 def test_average_weighted_by_hand():

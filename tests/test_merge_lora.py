@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 
 from merge.adapters import MAX_PATTERN
-from merge.manual import MergeError, manual_merge
+from merge.manual import ManualMerge, MergeError, manual_merge
 
 P = "base_model.model."
 
@@ -59,7 +59,7 @@ def test_fold_one_adapter_by_hand(tmp_path):
     """scaling alpha / r = 2; delta = 2 * B @ A = [[2, 4], [0, 0], [4, 8]], added to ones."""
     ad = _adapter(tmp_path / "ad", {"layer.proj": (A1, B1)})
     base = _base(tmp_path / "base", {"layer.proj.weight": torch.ones(3, 2), "layer.proj.bias": torch.zeros(3)})
-    manual_merge([ad], str(tmp_path / "out"), base=base)
+    manual_merge(ManualMerge([ad], str(tmp_path / "out"), base=base))
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert torch.equal(out["layer.proj.weight"], torch.tensor([[3.0, 5.0], [1.0, 1.0], [5.0, 9.0]]))
     assert torch.equal(out["layer.proj.bias"], torch.zeros(3))
@@ -70,7 +70,7 @@ def test_fold_two_adapters_averaged_by_hand(tmp_path):
     """Weights 1, 3 -> c = 1/4, 3/4 of delta1 = 2 B1 A1 and delta2 = 2 B2 A2 = [[0, 8], [0, 2], [0, 0]]."""
     ads = [_adapter(tmp_path / "a1", {"p": (A1, B1)}), _adapter(tmp_path / "a2", {"p": (A2, B2)})]
     base = _base(tmp_path / "base", {"p.weight": torch.zeros(3, 2)})
-    manual_merge(ads, str(tmp_path / "out"), base=base, weights=[1, 3])
+    manual_merge(ManualMerge(ads, str(tmp_path / "out"), base=base, weights=[1, 3]))
     out = load_file(str(tmp_path / "out" / "model.safetensors"))["p.weight"]
     assert torch.equal(out, torch.tensor([[0.5, 7.0], [0.0, 1.5], [1.0, 2.0]]))
 
@@ -78,7 +78,7 @@ def test_fold_two_adapters_averaged_by_hand(tmp_path):
 def test_merge_concatenates_ranks_by_hand(tmp_path):
     """A = [c1 s1 A1; c2 s2 A2], B = [B1 B2], r = alpha = 2: B @ A is c1 delta1 + c2 delta2."""
     ads = [_adapter(tmp_path / "a1", {"p": (A1, B1)}), _adapter(tmp_path / "a2", {"p": (A2, B2)})]
-    manual_merge(ads, str(tmp_path / "out"), weights=[1, 3])
+    manual_merge(ManualMerge(ads, str(tmp_path / "out"), weights=[1, 3]))
     out = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     a, b = out[f"{P}p.lora_A.weight"], out[f"{P}p.lora_B.weight"]
     assert torch.equal(a, torch.tensor([[0.5, 1.0], [0.0, 1.5]]))
@@ -93,8 +93,8 @@ def test_merge_concatenates_ranks_by_hand(tmp_path):
 def test_task_arithmetic_scales_the_summed_updates(tmp_path):
     ads = [_adapter(tmp_path / "a1", {"p": (A1, B1)}), _adapter(tmp_path / "a2", {"p": (A2, B2)})]
     base = _base(tmp_path / "base", {"p.weight": torch.zeros(3, 2)})
-    manual_merge(ads, str(tmp_path / "out"), base=base, method="task-arithmetic", weights=[1, -1],
-                 params={"scale": 0.5})
+    manual_merge(ManualMerge(ads, str(tmp_path / "out"), base=base, method="task-arithmetic", weights=[1, -1],
+                 params={"scale": 0.5}))
     out = load_file(str(tmp_path / "out" / "model.safetensors"))["p.weight"]
     assert torch.equal(out, 0.5 * (2 * B1 @ A1 - 2 * B2 @ A2))
 
@@ -105,7 +105,7 @@ def test_rslora_rank_and_alpha_patterns(tmp_path):
     ad = _adapter(tmp_path / "ad", {"layers.0.q": (a, b), "layers.1.q": (a[:1].clone(), b[:, :1].clone())}, r=4, alpha=8,
                   use_rslora=True, rank_pattern={"layers.1.q": 1}, alpha_pattern={"layers.1.q": 3})
     base = _base(tmp_path / "base", {"layers.0.q.weight": torch.zeros(3, 2), "layers.1.q.weight": torch.zeros(3, 2)})
-    manual_merge([ad], str(tmp_path / "out"), base=base)
+    manual_merge(ManualMerge([ad], str(tmp_path / "out"), base=base))
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert torch.equal(out["layers.0.q.weight"], torch.full((3, 2), 4 * 8 / 2.0))  # 4 ranks of 1, scaling 8/sqrt(4)
     assert torch.equal(out["layers.1.q.weight"], torch.full((3, 2), 3.0))  # 1 rank, scaling 3/sqrt(1)
@@ -114,7 +114,7 @@ def test_rslora_rank_and_alpha_patterns(tmp_path):
 def test_fold_into_a_single_safetensors_file(tmp_path):
     ad = _adapter(tmp_path / "ad", {"p": (A1, B1)})
     save_file({"p.weight": torch.zeros(3, 2)}, str(tmp_path / "base.safetensors"))
-    manual_merge([ad], str(tmp_path / "out.safetensors"), base=str(tmp_path / "base.safetensors"))
+    manual_merge(ManualMerge([ad], str(tmp_path / "out.safetensors"), base=str(tmp_path / "base.safetensors")))
     assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["p.weight"], 2 * B1 @ A1)
     assert os.path.exists(tmp_path / "out.json")  # a manifest: a checkpoint of ours
 
@@ -128,7 +128,7 @@ def _metadata(path):
 # -- refusals -------------------------------------------------------------------------------------
 def _refused(tmp_path, inputs, out, pattern, **kw):
     with pytest.raises(MergeError, match=pattern) as exc:
-        manual_merge(inputs, str(tmp_path / out), **kw)
+        manual_merge(ManualMerge(inputs, str(tmp_path / out), **kw))
     assert not os.path.exists(tmp_path / out) or os.listdir(tmp_path / out) == []  # staging made the folder
     return str(exc.value)
 
@@ -211,7 +211,7 @@ def test_adapters_and_output_on_memory_urls():
         fs.pipe(f"/lora/{name}/adapter_model.safetensors", st_save({f"{P}p.lora_A.weight": a, f"{P}p.lora_B.weight": b}))
         fs.pipe(f"/lora/{name}/adapter_config.json", json.dumps({"peft_type": "LORA", "r": 1, "lora_alpha": 2}).encode())
     fs.pipe("/lora/base/model.safetensors", st_save({"p.weight": torch.zeros(3, 2)}))
-    manual_merge(["memory://lora/a1", "memory://lora/a2"], "memory://lora/out", base="memory://lora/base")
+    manual_merge(ManualMerge(["memory://lora/a1", "memory://lora/a2"], "memory://lora/out", base="memory://lora/base"))
     out = st_load(fs.cat("/lora/out/model.safetensors"))["p.weight"]
     assert torch.equal(out, B1 @ A1 + B2 @ A2)  # c = 1/2 each of 2 B A
 
@@ -245,13 +245,13 @@ def test_property_merged_adapter_update_is_the_weighted_sum_of_updates(tmp_path_
         ads.append(_adapter(tmp / f"a{i}", {"p": (a, b)}, r=r, alpha=alpha))
         ref += (w / total) * (alpha / r) * b.double() @ a.double()
     weights = [w for *_, w in specs]
-    manual_merge(ads, str(tmp / "m"), weights=weights)
+    manual_merge(ManualMerge(ads, str(tmp / "m"), weights=weights))
     m = load_file(str(tmp / "m" / "adapter_model.safetensors"))
     merged = m[f"{P}p.lora_B.weight"].double() @ m[f"{P}p.lora_A.weight"].double()
     assert torch.allclose(merged, ref, rtol=1e-5, atol=1e-5)
     base = _base(tmp / "b", {"p.weight": torch.zeros(5, 4)})
-    manual_merge(ads, str(tmp / "f1"), weights=weights, base=base)
-    manual_merge([str(tmp / "m")], str(tmp / "f2"), base=base)
+    manual_merge(ManualMerge(ads, str(tmp / "f1"), weights=weights, base=base))
+    manual_merge(ManualMerge([str(tmp / "m")], str(tmp / "f2"), base=base))
     f1, f2 = (load_file(str(tmp / d / "model.safetensors"))["p.weight"].double() for d in ("f1", "f2"))
     assert torch.allclose(f1, ref, rtol=1e-5, atol=1e-5) and torch.allclose(f2, ref, rtol=1e-5, atol=1e-5)
 
@@ -301,7 +301,7 @@ def test_fold_equals_peft_merge_and_unload_bitwise(tmp_path, dtype):
     """A sharded base (several files + index), LoRA on linear layers and the embedding, a rank pattern."""
     base = _llama(tmp_path / "base", dtype)
     ad = _peft_adapter(base, tmp_path / "ad", 1, **SPEC1)
-    manual_merge([ad], str(tmp_path / "out"), base=base)
+    manual_merge(ManualMerge([ad], str(tmp_path / "out"), base=base))
     want = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base, dtype=dtype),
                                           ad).merge_and_unload().state_dict()
     got = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=dtype).state_dict()
@@ -322,7 +322,7 @@ def test_merge_equals_peft_cat_bitwise_and_loads_with_peft(tmp_path):
     gives the same tensors, and PEFT loads our adapter directory."""
     base = _llama(tmp_path / "base")
     a1, a2 = _peft_adapter(base, tmp_path / "a1", 1, **SPEC1), _peft_adapter(base, tmp_path / "a2", 2, **SPEC2)
-    manual_merge([a1, a2], str(tmp_path / "out"), weights=[1, 3])
+    manual_merge(ManualMerge([a1, a2], str(tmp_path / "out"), weights=[1, 3]))
     pm = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base), a1, adapter_name="a1")
     pm.load_adapter(a2, adapter_name="a2")
     pm.add_weighted_adapter(["a1", "a2"], [0.25, 0.75], "cat", combination_type="cat")
@@ -351,8 +351,8 @@ def test_merged_adapter_and_fold_match_a_float64_reference(tmp_path):
     spec = {"modules_to_save": ["lm_head"]}
     a1 = _peft_adapter(base, tmp_path / "a1", 1, **SPEC1, **spec)
     a2 = _peft_adapter(base, tmp_path / "a2", 2, **SPEC2, **spec)
-    manual_merge([a1, a2], str(tmp_path / "merged"), weights=[1, 3])
-    manual_merge([a1, a2], str(tmp_path / "folded"), weights=[1, 3], base=base)
+    manual_merge(ManualMerge([a1, a2], str(tmp_path / "merged"), weights=[1, 3]))
+    manual_merge(ManualMerge([a1, a2], str(tmp_path / "folded"), weights=[1, 3], base=base))
     b = _load(base).state_dict()
     ft = [_load(base, a).merge_and_unload().state_dict() for a in (a1, a2)]
     ref = {k: (b[k].double() + 0.25 * (ft[0][k].double() - b[k].double())
@@ -376,7 +376,7 @@ def test_gpt2_conv1d_fold_equals_peft(tmp_path):
     m = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
     p = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False))
     p.save_pretrained(tmp_path / "ad")
-    manual_merge([str(tmp_path / "ad")], str(tmp_path / "out"), base=str(tmp_path / "base"))
+    manual_merge(ManualMerge([str(tmp_path / "ad")], str(tmp_path / "out"), base=str(tmp_path / "base")))
     want = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base"),
                                           tmp_path / "ad").merge_and_unload().state_dict()
     got = load_file(str(tmp_path / "out" / "model.safetensors"))

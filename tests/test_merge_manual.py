@@ -24,7 +24,7 @@ import merge.engine as engine
 from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
 from core.storage import Storage
-from merge.manual import MergeError, manual_merge
+from merge.manual import ManualMerge, MergeError, manual_merge
 from merge.methods import average, check_method_args, get_method, median, slerp, task_arithmetic
 
 ties = get_method("ties")
@@ -53,7 +53,7 @@ def _merge_files(tmp_path, models, out="out.safetensors", **kw):
     paths = [_save(str(tmp_path / f"in{i}.safetensors"), m) for i, m in enumerate(models)]
     if "base" in kw and isinstance(kw["base"], dict):
         kw["base"] = _save(str(tmp_path / "base.safetensors"), kw["base"])
-    manual_merge(paths, str(tmp_path / out), **kw)
+    manual_merge(ManualMerge(paths, str(tmp_path / out), **kw))
     return load_file(str(tmp_path / out))
 
 
@@ -131,7 +131,8 @@ def test_slerp_streamed_in_slices_matches_mergekits_formula_in_float64(tmp_path)
     a, b = _model(1), _model(2)
     paths = [_save(str(tmp_path / f"{n}.safetensors"), m) for n, m in (("a", a), ("b", b))]
     out = str(tmp_path / "s.safetensors")
-    manual_merge(paths, out, method="slerp", params={"t": 0.3}, buffer_bytes=1)  # 1-byte buffers: many slices
+    manual_merge(ManualMerge(paths, out, method="slerp", params={"t": 0.3},
+                             buffer_bytes=1))  # 1-byte buffers: many slices
     got = load_file(out)
     for k in a:  # mergekit's slerp (merge_methods/slerp.py), written out in float64
         x, y = a[k].double().reshape(-1), b[k].double().reshape(-1)
@@ -219,7 +220,7 @@ def test_chunked_streaming_equals_whole_tensors(tmp_path, monkeypatch):
     whole = _merge_files(tmp_path, models, out="whole.safetensors", weights=[1, 2, 3])
     monkeypatch.setattr(engine, "_MIN_CHUNK", 3)
     paths = [str(tmp_path / f"in{i}.safetensors") for i in range(3)]
-    manual_merge(paths, str(tmp_path / "sliced.safetensors"), weights=[1, 2, 3], buffer_bytes=1)
+    manual_merge(ManualMerge(paths, str(tmp_path / "sliced.safetensors"), weights=[1, 2, 3], buffer_bytes=1))
     sliced = load_file(str(tmp_path / "sliced.safetensors"))
     for k in whole:
         assert torch.equal(whole[k], sliced[k])
@@ -232,13 +233,13 @@ def test_a_merge_runs_torch_on_one_thread_and_restores_it(tmp_path, monkeypatch)
     _merge_files(tmp_path, models, out="warm.safetensors")
     paths = [str(tmp_path / f"in{i}.safetensors") for i in range(3)]
     inside = []
-    run = engine._run_merge
-    monkeypatch.setattr(engine, "_run_merge", lambda *a: (inside.append(torch.get_num_threads()), run(*a))[1])
+    run = engine._Run.run
+    monkeypatch.setattr(engine._Run, "run", lambda *a: (inside.append(torch.get_num_threads()), run(*a))[1])
     threads = torch.get_num_threads()
-    manual_merge(paths, str(tmp_path / "out.safetensors"))
+    manual_merge(ManualMerge(paths, str(tmp_path / "out.safetensors")))
     assert inside == [1] and torch.get_num_threads() == threads
     with pytest.raises(MergeError):
-        manual_merge([*paths, str(tmp_path / "absent.safetensors")], str(tmp_path / "out2.safetensors"))
+        manual_merge(ManualMerge([*paths, str(tmp_path / "absent.safetensors")], str(tmp_path / "out2.safetensors")))
     assert torch.get_num_threads() == threads
 
 
@@ -257,8 +258,8 @@ def test_outer_matches_torch_optim_with_state_file(tmp_path, monkeypatch, opt, c
     for r in range(3):
         workers = [{k: p.detach() + 0.3 * torch.randn(p.shape) for k, p in params.items()} for _ in range(2)]
         paths = [_save(str(tmp_path / f"w{r}_{i}.safetensors"), w) for i, w in enumerate(workers)]
-        manual_merge(paths, str(tmp_path / f"g{r + 1}.safetensors"), method="outer", weights=[1.0, 3.0],
-                     base=str(tmp_path / f"g{r}.safetensors"), outer=cfg, state=state, buffer_bytes=1)
+        manual_merge(ManualMerge(paths, str(tmp_path / f"g{r + 1}.safetensors"), method="outer", weights=[1.0, 3.0],
+                     base=str(tmp_path / f"g{r}.safetensors"), outer=cfg, state=state, buffer_bytes=1))
         for k, p in params.items():  # the oracle: pseudo-gradient into .grad, one real step
             p.grad = p.detach() - (1.0 * workers[0][k] + 3.0 * workers[1][k]) / 4.0
         oracle.step()
@@ -295,7 +296,7 @@ def test_hf_sharded_dir_in_and_out(tmp_path):
     models = [_model(i) for i in range(3)]
     dirs = [_hf_dir(tmp_path / f"m{i}", m, groups) for i, m in enumerate(models)]
     out = tmp_path / "out"
-    manual_merge(dirs, str(out), weights=[1, 1, 2])
+    manual_merge(ManualMerge(dirs, str(out), weights=[1, 1, 2]))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00003.safetensors",
                                                     "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
                                                     "model.safetensors.index.json", "tokenizer.json"]
@@ -313,7 +314,8 @@ def test_hf_sharded_dir_in_and_out(tmp_path):
     assert meta["format"] == "pt"  # transformers refuses shards without it
     assert json.loads(meta["islands.merge"]) == {"method": "average", "inputs": dirs, "weights": [1.0, 1.0, 2.0]}
     # a sharded input can also be merged into one file, and mixed with plain files
-    manual_merge([dirs[0], _save(str(tmp_path / "one.safetensors"), models[1])], str(tmp_path / "flat.safetensors"))
+    manual_merge(ManualMerge([dirs[0], _save(str(tmp_path / "one.safetensors"), models[1])],
+                             str(tmp_path / "flat.safetensors")))
     flat = load_file(str(tmp_path / "flat.safetensors"))
     assert torch.allclose(flat["layer.w"], (models[0]["layer.w"] + models[1]["layer.w"]) / 2)
 
@@ -329,7 +331,7 @@ def test_hf_transformers_round_trip(tmp_path):
         m.save_pretrained(str(tmp_path / f"g{i}"), max_shard_size="20KB")
         models.append(m)
     assert (tmp_path / "g0" / "model.safetensors.index.json").exists()
-    manual_merge([str(tmp_path / "g0"), str(tmp_path / "g1")], str(tmp_path / "merged"))
+    manual_merge(ManualMerge([str(tmp_path / "g0"), str(tmp_path / "g1")], str(tmp_path / "merged")))
     merged = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "merged"))
     sd0, sd1 = models[0].state_dict(), models[1].state_dict()
     for k, v in merged.state_dict().items():
@@ -342,7 +344,8 @@ def test_memory_urls_in_and_out():
     models = [_model(i) for i in range(2)]
     write_checkpoint(s, "a.safetensors", models[0])  # ours, with a manifest: verified
     s.write_bytes("b.safetensors", st_save(models[1]))  # plain, without one
-    manual_merge([f"{root}/a.safetensors", f"{root}/b.safetensors"], f"{root}/out/merged.safetensors", weights=[3, 1])
+    manual_merge(ManualMerge([f"{root}/a.safetensors", f"{root}/b.safetensors"], f"{root}/out/merged.safetensors",
+                             weights=[3, 1]))
     got = st_load(s.read_bytes("out/merged.safetensors"))
     for k in got:
         assert torch.allclose(got[k], (3 * models[0][k] + models[1][k]) / 4, atol=1e-6)
@@ -367,7 +370,7 @@ def test_bad_input_is_named_and_nothing_written(tmp_path, second, pattern):
     paths = _pair(tmp_path, second)
     before = _files(tmp_path)
     with pytest.raises(MergeError, match=pattern):
-        manual_merge(paths, str(tmp_path / "out.safetensors"))
+        manual_merge(ManualMerge(paths, str(tmp_path / "out.safetensors")))
     assert _files(tmp_path) == before  # no output, no manifest, no temporary
 
 
@@ -380,7 +383,7 @@ def test_nonfinite_late_in_the_stream_leaves_nothing(tmp_path, monkeypatch):
              _save(str(tmp_path / "y.safetensors"), bad)]
     (tmp_path / "out").mkdir()
     with pytest.raises(MergeError, match=r"y\.safetensors: tensor z has NaN or Inf"):
-        manual_merge(paths, str(tmp_path / "out" / "m.safetensors"), buffer_bytes=1)
+        manual_merge(ManualMerge(paths, str(tmp_path / "out" / "m.safetensors"), buffer_bytes=1))
     assert os.listdir(tmp_path / "out") == []
 
 
@@ -391,9 +394,9 @@ def test_missing_truncated_and_garbage_files(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"this is not a safetensors file at all")
     (tmp_path / "badjson.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{")
     with pytest.raises(MergeError) as info:
-        manual_merge([good, str(tmp_path / "trunc.safetensors"), str(tmp_path / "junk.safetensors"),
+        manual_merge(ManualMerge([good, str(tmp_path / "trunc.safetensors"), str(tmp_path / "junk.safetensors"),
                       str(tmp_path / "badjson.safetensors"), str(tmp_path / "nope.safetensors")],
-                     str(tmp_path / "out.safetensors"))
+                     str(tmp_path / "out.safetensors")))
     msg = str(info.value)
     assert "4 problem(s)" in msg  # all reported at once
     assert "trunc.safetensors: file is truncated: its header describes 328 bytes, the file has 318" in msg
@@ -406,12 +409,12 @@ def test_missing_truncated_and_garbage_files(tmp_path):
 def test_manifest_checksum_is_verified(tmp_path):
     a = _save(str(tmp_path / "a.safetensors"), {"w": torch.ones(8)}, manifest=True)
     b = _save(str(tmp_path / "b.safetensors"), {"w": torch.zeros(8)}, manifest=True)
-    manual_merge([a, b], str(tmp_path / "ok.safetensors"))  # intact: fine
+    manual_merge(ManualMerge([a, b], str(tmp_path / "ok.safetensors")))  # intact: fine
     raw = bytearray((tmp_path / "b.safetensors").read_bytes())
     raw[-1] ^= 0x01  # flip a bit of the data behind the manifest's back (still finite)
     (tmp_path / "b.safetensors").write_bytes(bytes(raw))
     with pytest.raises(MergeError, match=r"b\.safetensors: checksum does not match the manifest"):
-        manual_merge([a, b], str(tmp_path / "out.safetensors"))
+        manual_merge(ManualMerge([a, b], str(tmp_path / "out.safetensors")))
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out.json").exists()
 
 
@@ -419,11 +422,11 @@ def test_failed_outer_merge_keeps_the_old_state(tmp_path):
     base = _save(str(tmp_path / "g.safetensors"), {"w": torch.zeros(3)})
     w0 = _save(str(tmp_path / "w0.safetensors"), {"w": torch.ones(3)})
     state = str(tmp_path / "state.safetensors")
-    manual_merge([w0], str(tmp_path / "g1.safetensors"), method="outer", base=base, state=state)
+    manual_merge(ManualMerge([w0], str(tmp_path / "g1.safetensors"), method="outer", base=base, state=state))
     before = (tmp_path / "state.safetensors").read_bytes()
     bad = _save(str(tmp_path / "bad.safetensors"), {"w": torch.tensor([1.0, float("inf"), 0.0])})
     with pytest.raises(MergeError, match="tensor w has NaN or Inf"):
-        manual_merge([w0, bad], str(tmp_path / "g2.safetensors"), method="outer", base=base, state=state)
+        manual_merge(ManualMerge([w0, bad], str(tmp_path / "g2.safetensors"), method="outer", base=base, state=state))
     assert (tmp_path / "state.safetensors").read_bytes() == before and not (tmp_path / "g2.safetensors").exists()
 
 
@@ -443,14 +446,14 @@ def test_bad_arguments_are_refused_before_reading(tmp_path, kw, pattern):
     if kw.get("base") == "B":
         kw["base"] = paths[0]
     with pytest.raises((MergeError, ValueError), match=pattern):
-        manual_merge(paths, str(tmp_path / "out.safetensors"), **kw)
+        manual_merge(ManualMerge(paths, str(tmp_path / "out.safetensors"), **kw))
     assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_output_may_not_overwrite_an_input(tmp_path):
     paths = _pair(tmp_path, {"w": torch.ones(2, 2), "b": torch.ones(2)})
     with pytest.raises(MergeError, match="is also an input"):
-        manual_merge(paths, paths[1])
+        manual_merge(ManualMerge(paths, paths[1]))
 
 
 # -- the command line ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import merge.engine as engine
 from merge import METHOD_DEFAULTS
-from merge.manual import MergeError, manual_merge
+from merge.manual import ManualMerge, MergeError, manual_merge
 from merge.methods import METHODS, check_method_args, get_method, model_stock
 from merge.task_vectors import Cut, TensorAux, della_keep, mask_key, uniform
 
@@ -41,8 +41,9 @@ def _merge(tmp_path, method, fts, base, weights=None, params=None, buffer_bytes=
         paths.append(str(tmp_path / f"in{i}.safetensors"))
         save_file(m, paths[-1])
     save_file(base, str(tmp_path / "base.safetensors"))
-    manual_merge(paths, str(tmp_path / out), method=method, weights=weights, base=str(tmp_path / "base.safetensors"),
-                 params=params or {}, buffer_bytes=buffer_bytes)
+    manual_merge(ManualMerge(paths, str(tmp_path / out), method=method, weights=weights,
+                             base=str(tmp_path / "base.safetensors"),
+                 params=params or {}, buffer_bytes=buffer_bytes))
     return load_file(str(tmp_path / out))
 
 

@@ -17,6 +17,7 @@ from core.errors import RunError, StorageError
 from core.layout import RunLayout
 from core.storage import Storage
 from merge.rounds import Contribution, RunningSum, merge_round
+from merge.round_spec import RoundSpec
 from orchestrator.cli import main
 from orchestrator.outer_state import ensure_outer_state, recorded_inputs
 from orchestrator.runstate import load_run
@@ -49,13 +50,15 @@ def test_a_streamed_merge_over_held_copies_writes_the_bytes_of_one_over_files(tm
     files, held = Storage(str(tmp_path / "files")), Storage(str(tmp_path / "held"))
     contribs = _inputs(files)
     _inputs(held)
-    merge_round(files, "g1.safetensors", contribs, "g2.safetensors", outer, state_in_key=state_in,
-                state_out_key="s2.safetensors")
+    merge_round(files,
+                RoundSpec(base="g1.safetensors", out="g2.safetensors", outer=outer, state_in=state_in,
+                          state_out="s2.safetensors"), contribs)
     acc = RunningSum(held, "g1.safetensors", state_key=state_in, preload=True)  # as the service does
     for c in contribs[:-1]:  # all but the last folded while it waits
         assert acc.add(c)
-    merge_round(held, "g1.safetensors", contribs, "g2.safetensors", outer, state_in_key=state_in,
-                state_out_key="s2.safetensors", accumulator=acc)
+    merge_round(held,
+                RoundSpec(base="g1.safetensors", out="g2.safetensors", outer=outer, state_in=state_in,
+                          state_out="s2.safetensors"), contribs, acc)
     for name in ("g2", "s2"):
         assert (tmp_path / "held" / f"{name}.safetensors").read_bytes() == \
             (tmp_path / "files" / f"{name}.safetensors").read_bytes()
@@ -72,8 +75,9 @@ def test_a_state_that_does_not_fit_publishes_nothing_not_even_the_global(tmp_pat
     s = Storage(str(tmp_path / "run"))
     contribs = _inputs(s, size=400_000)  # a 1.6 MB state for a 1 MiB disk
     with pytest.raises(StorageError, match=r"outer/s2\.safetensors.*No space left on device"):
-        merge_round(s, "g1.safetensors", contribs, "global/g2.safetensors", NESTEROV, state_in_key="s1.safetensors",
-                    state_out_key="outer/s2.safetensors")
+        merge_round(s,
+                    RoundSpec(base="g1.safetensors", out="global/g2.safetensors", outer=NESTEROV,
+                              state_in="s1.safetensors", state_out="outer/s2.safetensors"), contribs)
     assert os.listdir(full_outer_dir) == []  # no temporary, no file, no manifest
     assert not s.exists("global/g2.safetensors") and s.list("global") == []
 

@@ -21,6 +21,7 @@ from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
 from merge.rounds import Contribution, merge_round
+from merge.round_spec import RoundSpec
 from orchestrator.run_models import create_run
 
 L = RunLayout()
@@ -42,8 +43,9 @@ def _task(storage: Storage, r: int) -> WorkerTask:
 
 def _merge(storage: Storage, r: int) -> None:
     cfg = train.load_run_config(storage)
-    merge_round(storage, L.global_weights(r), [Contribution(0, L.contribution(r, 0), 1.0)], L.global_weights(r + 1),
-                cfg.outer, state_in_key=L.outer_state(r) if r else None, state_out_key=L.outer_state(r + 1))
+    spec = RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), outer=cfg.outer,
+                     state_in=L.outer_state(r) if r else None, state_out=L.outer_state(r + 1))
+    merge_round(storage, spec, [Contribution(0, L.contribution(r, 0), 1.0)])
 
 
 def _digest(storage: Storage, key: str) -> str:

@@ -17,6 +17,7 @@ from core.config import OuterConfig, load_config
 from core.errors import ConfigError
 from merge.robust import aggregate, trimmed_mean
 from merge.rounds import Contribution, merge_round
+from merge.round_spec import RoundSpec
 
 FEDAVG = OuterConfig(optimizer="sgd", lr=1.0)  # the new global is the aggregate itself
 
@@ -74,8 +75,9 @@ def _round(mem, coding=None, outlier=50.0):
 @pytest.mark.parametrize("how", ["median", "trimmed_mean"])
 def test_a_round_follows_the_majority_not_the_outlier(mem, coding, how):
     g, workers, cs = _round(mem, coding)
-    res = merge_round(mem, "g0.safetensors", cs, "g1.safetensors", FEDAVG, state_in_key=None,
-                      state_out_key="s1.safetensors", aggregate=how, trim=0.2)
+    res = merge_round(mem,
+                      RoundSpec(base="g0.safetensors", out="g1.safetensors", outer=FEDAVG, state_out="s1.safetensors",
+                                aggregate=how, trim=0.2), cs)
     assert res.merged == [0, 1, 2, 3, 4] and res.rejected == {} and res.manifest["aggregate"] == how
     got = load_checkpoint(mem, "g1.safetensors")[0]
     for n in ("w", "b"):
@@ -84,7 +86,9 @@ def test_a_round_follows_the_majority_not_the_outlier(mem, coding, how):
         assert np.allclose(got[n].double().numpy(), want, atol=1e-5), n
         assert float((got[n] - g[n]).abs().max()) < 0.3  # the outlier moved every entry by 50
     assert torch.equal(got["step"], g["step"])
-    mean = merge_round(mem, "g0.safetensors", cs, "m1.safetensors", FEDAVG, state_in_key=None, state_out_key="t1.safetensors")
+    mean = merge_round(mem,
+                       RoundSpec(base="g0.safetensors", out="m1.safetensors", outer=FEDAVG,
+                                 state_out="t1.safetensors"), cs)
     assert "aggregate" not in mean.manifest
     assert float((load_checkpoint(mem, "m1.safetensors")[0]["w"] - g["w"]).abs().min()) > 10  # weight 5/15 on +50
 
@@ -98,8 +102,9 @@ def test_a_late_delta_against_another_base_joins_the_median(mem):
     tensors, meta = codec.encode(b, workers[1], "fp32", 1.0, read_manifest(mem, "b.safetensors")["digest"])
     write_checkpoint(mem, "late.safetensors", tensors, metadata=meta, manifest={"round": 0, "base": "b.safetensors"})
     cs[1] = Contribution(1, "late.safetensors", 2.0)
-    merge_round(mem, "g0.safetensors", cs, "g1.safetensors", FEDAVG, state_in_key=None, state_out_key="s1.safetensors",
-                aggregate="median")
+    merge_round(mem,
+                RoundSpec(base="g0.safetensors", out="g1.safetensors", outer=FEDAVG, state_out="s1.safetensors",
+                          aggregate="median"), cs)
     x = np.stack([w["w"].double().numpy() for w in workers])
     assert np.allclose(load_checkpoint(mem, "g1.safetensors")[0]["w"].double().numpy(), np.median(x, axis=0), atol=1e-5)
 

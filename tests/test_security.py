@@ -185,11 +185,13 @@ def test_run_directory_is_private(tmp_path):
 def test_merge_outputs_are_private(tmp_path):
     from core.config import OuterConfig
     from merge.rounds import Contribution, merge_round
+    from merge.round_spec import RoundSpec
     s = Storage(str(tmp_path / "run"))
     write_checkpoint(s, "g0.safetensors", {"w": torch.zeros(2)})
     write_checkpoint(s, "a.safetensors", {"w": torch.ones(2)})
-    merge_round(s, "g0.safetensors", [Contribution(0, "a.safetensors", 1.0)], "out/g1.safetensors", OuterConfig(),
-                state_in_key=None, state_out_key="out/s1.safetensors")
+    merge_round(s,
+                RoundSpec(base="g0.safetensors", out="out/g1.safetensors", outer=OuterConfig(),
+                          state_out="out/s1.safetensors"), [Contribution(0, "a.safetensors", 1.0)])
     for p in (tmp_path / "run" / "out").iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     assert stat.S_IMODE((tmp_path / "run" / "out").stat().st_mode) == 0o700

@@ -140,7 +140,7 @@ def test_merge_outputs_on_s3_are_whole_or_absent(s3_server, s3_small_parts, tmp_
     temporary and no upload in progress."""
     import fsspec
 
-    from merge.manual import MergeError, manual_merge
+    from merge.manual import ManualMerge, MergeError, manual_merge
     for k, v in s3_server.env().items():  # the merge opens the URL itself: credentials from the environment
         monkeypatch.setenv(k, v)
     monkeypatch.setitem(fsspec.config.conf, "s3", {"default_block_size": 5 << 20, "skip_instance_cache": True})
@@ -150,8 +150,10 @@ def test_merge_outputs_on_s3_are_whole_or_absent(s3_server, s3_small_parts, tmp_
     write_checkpoint(local, "g.safetensors", {"a": torch.ones(3 << 20), "z": torch.ones(4)})
     write_checkpoint(local, "b.safetensors", {"a": torch.ones(3 << 20), "z": torch.tensor([1.0, float("nan"), 1.0, 1.0])})
     with pytest.raises(MergeError, match="NaN"):
-        manual_merge([str(tmp_path / "g.safetensors"), str(tmp_path / "b.safetensors")], f"{url}/out.safetensors")
+        manual_merge(ManualMerge([str(tmp_path / "g.safetensors"), str(tmp_path / "b.safetensors")],
+                                 f"{url}/out.safetensors"))
     assert s3_server.objects(s) == []
-    manual_merge([str(tmp_path / "g.safetensors"), str(tmp_path / "g.safetensors")], f"{url}/out.safetensors")
+    manual_merge(ManualMerge([str(tmp_path / "g.safetensors"), str(tmp_path / "g.safetensors")],
+                             f"{url}/out.safetensors"))
     assert s3_server.objects(s) == ["out.json", "out.safetensors"]
     assert torch.equal(load_checkpoint(s, "out.safetensors")[0]["a"], torch.ones(3 << 20))

@@ -19,6 +19,7 @@ from core.config import load_config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
+from merge.round_spec import RoundSpec
 from test_contributions import WORK, Scripted, publish
 from test_late import run_service
 
@@ -49,8 +50,9 @@ def _same_as_replay(s: Storage, order: list[int]) -> bool:
     """The committed global equals, bit for bit, a non-streamed merge of the same inputs in `order`."""
     weights = s.read_json(L.round_record(0))["weights"]
     contribs = [Contribution(w, L.contribution(0, w), weights[str(w)]) for w in order]
-    merge_round(s, L.global_weights(0), contribs, "replay.safetensors", load_config().outer, state_in_key=None,
-                state_out_key="replay_state.safetensors")
+    merge_round(s,
+                RoundSpec(base=L.global_weights(0), out="replay.safetensors", outer=load_config().outer,
+                          state_out="replay_state.safetensors"), contribs)
     got, again = load_checkpoint(s, L.global_weights(1))[0], load_checkpoint(s, "replay.safetensors")[0]
     return got.keys() == again.keys() and all(torch.equal(got[k].view(torch.int32), again[k].view(torch.int32))
                                               for k in got)
