@@ -12,7 +12,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -258,15 +258,26 @@ def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
     return out
 
 
-def check(cfg: Config) -> list[str]:
-    """Range and cross-field checks, all of them, on a well-typed config."""
-    p: list[str] = []
+def _collector() -> tuple[list[str], Callable[[bool, str], None]]:
+    """(the problems, need(cond, msg): adds msg unless cond holds)."""
+    problems: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
-            p.append(msg)
+            problems.append(msg)
+    return problems, need
 
-    p += [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
+
+def check(cfg: Config) -> list[str]:
+    """Range and cross-field checks, all of them, on a well-typed config."""
+    p = [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
+    for part in (_check_run, _check_round, _check_model, _check_training, _check_io):
+        p += part(cfg)
+    return p
+
+
+def _check_run(cfg: Config) -> list[str]:
+    p, need = _collector()
     need(cfg.task in BUILTIN_TASKS or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", cfg.task) is not None,
          f"task: {cfg.task!r} is not a task; valid: {', '.join(BUILTIN_TASKS)}, or your own as package.module:Class "
          "(docs/tasks.md)")
@@ -281,6 +292,11 @@ def check(cfg: Config) -> list[str]:
     need(cfg.rounds <= MAX_ROUNDS, f"rounds must be at most {MAX_ROUNDS}, got {cfg.rounds}: a typo?")
     need(cfg.algorithm != "lofi" or cfg.rounds == 1,
          f"lofi averages once at the end, so rounds must be 1 (got {cfg.rounds}); use --algorithm diloco for several rounds")
+    return p
+
+
+def _check_round(cfg: Config) -> list[str]:
+    p, need = _collector()
     need(0 <= cfg.round.min_workers <= cfg.workers,
          f"round.min_workers must be between 0 (all) and workers={cfg.workers}, got {cfg.round.min_workers}")
     need(cfg.round.deadline_s >= 0, f"round.deadline_s must be >= 0, got {cfg.round.deadline_s}")
@@ -316,6 +332,11 @@ def check(cfg: Config) -> list[str]:
          f"round.replay ({rc.replay}) needs every worker in every round, summed in the recorded order: "
          f"round.min_workers 0, round.deadline_s 0 and round.stream_merge false (got {rc.min_workers}, "
          f"{rc.deadline_s}, {str(rc.stream_merge).lower()}); `orchestrate submit --replay RUN` sets them")
+    return p
+
+
+def _check_model(cfg: Config) -> list[str]:
+    p, need = _collector()
     m = cfg.model
     need(min(m.n_layer, m.n_head, m.n_embd, m.block_size) >= 1, "model sizes (n_layer, n_head, n_embd, block_size) must be >= 1")
     for key, value, most in (("n_layer", m.n_layer, 1024), ("n_head", m.n_head, 1024), ("n_embd", m.n_embd, 1 << 16),
@@ -326,6 +347,13 @@ def check(cfg: Config) -> list[str]:
     need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.hf is not None:
         p.extend(check_hf(m))
+    return p
+
+
+def _check_training(cfg: Config) -> list[str]:
+    """inner, outer and lte."""
+    p, need = _collector()
+    m = cfg.model
     i = cfg.inner
     need(i.steps >= 1, f"inner.steps must be >= 1, got {i.steps}")
     need(i.batch_size >= 1, f"inner.batch_size must be >= 1, got {i.batch_size}")
@@ -351,6 +379,12 @@ def check(cfg: Config) -> list[str]:
          f"lte.rank ({t.rank}) must be < model.n_embd ({m.n_embd}): a head as wide as the layer is not low-rank")
     need(t.alpha > 0, f"lte.alpha must be > 0, got {t.alpha}")
     need(t.lr > 0, f"lte.lr must be > 0, got {t.lr}")
+    return p
+
+
+def _check_io(cfg: Config) -> list[str]:
+    """data and executor."""
+    p, need = _collector()
     d = cfg.data
     need(0 < d.heldout_fraction < 1, f"data.heldout_fraction must be in (0, 1), got {d.heldout_fraction}")
     need(d.eval_batches >= 1, f"data.eval_batches must be >= 1, got {d.eval_batches}")

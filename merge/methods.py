@@ -164,29 +164,17 @@ def median(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: objec
 
 
 def outer(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
-          state: dict[str, torch.Tensor], optimizer: OuterConfig, inner: str = "average",
-          stats: dict[str, float] | None = None, **_: object) -> torch.Tensor:
-    """One DiLoCo outer step: the pseudo-gradient `base - inner(inputs)` goes into `.grad` of base
-    and a real torch.optim optimizer (`optimizer`) steps it (merge.outer).
+          state: dict[str, torch.Tensor], optimizer: OuterConfig, inner: str = "average") -> torch.Tensor:
+    """One DiLoCo outer step in memory: the pseudo-gradient `base - inner(inputs)` goes into `.grad`
+    of base and a real torch.optim optimizer (`optimizer`) steps it (merge.outer). Over files, the
+    engine merges with `inner` and steps through merge.outer.OuterStep.
 
     `state` holds the optimizer's slots for this tensor (momentum buffer, Adam moments; empty on
-    the first step); it is replaced in place by the slots after the step. `stats`, when given,
-    accumulates the squared norm of the pseudo-gradient under "grad_sq".
+    the first step); it is replaced in place by the slots after the step.
     """
-    merged = get_method(inner)(tensors, weights)
-    return _stepped(outer_step(_f32(base), merged, dict(state), optimizer), state, stats)
-
-
-def _stepped(step: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], state: dict[str, torch.Tensor],
-             stats: dict[str, float] | None) -> torch.Tensor:
-    """An outer step's result: `state` replaced in place by the new slots, the gradient's squared
-    norm added to `stats`, the new tensor returned."""
-    new, new_state, grad = step
+    new, new_state, _ = outer_step(_f32(base), get_method(inner)(tensors, weights), dict(state), optimizer)
     state.clear()
     state.update(new_state)
-    if stats is not None:
-        g = grad.reshape(-1)
-        stats["grad_sq"] = stats.get("grad_sq", 0.0) + float(torch.dot(g, g))  # a statistic: fp32 is plenty
     return new
 
 
@@ -281,7 +269,7 @@ def _task_vector_method(name: str, sparsify: str, consensus: bool) -> Method:
     checks = _TV_CHECKS + tuple(c for k, c in (("gamma", _number("gamma", 0, 1, lo_open=False, hi_open=True)),
                                               ("seed", _check_seed), ("rescale", _flag("rescale")),
                                               ("epsilon", _check_epsilon)) if k in defaults)
-    return Method(partial(task_vectors.merge, sparsify=sparsify, consensus=consensus, **defaults), needs_base=True,
+    return Method(partial(task_vectors.TaskVectorMerge(sparsify, consensus), **defaults), needs_base=True,
                   params=tuple(defaults), defaults=defaults, checks=checks, prepare=task_vectors.prepare(sparsify),
                   rows=sparsify == "della")
 

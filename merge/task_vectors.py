@@ -164,13 +164,22 @@ def scaled_sum(base: torch.Tensor, merged: torch.Tensor, scale: float) -> torch.
     return (base.reshape(-1) + merged).reshape(base.shape)
 
 
-def merge(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor, sparsify: str,
-          consensus: bool, aux: TensorAux | None = None, start: int = 0, scale: float = 1.0,
-          normalize: bool = False, **p: Any) -> torch.Tensor:
-    """base + scale * combine(sparsify(t_i - base)): see the module docstring. `aux` comes from
-    `prepare` when the engine feeds slices; without it the tensors are whole and it is computed."""
-    aux = aux if aux is not None else tensor_aux(sparsify, p, "", base, tensors)
-    b = base.to(torch.float32).reshape(-1)
-    tvs = [sparsified(t.to(torch.float32).reshape(-1) - b, cut, sparsify, p, start, aux.row)
-           for t, cut in zip(tensors, aux.cuts)]
-    return scaled_sum(b, combine(tvs, weights, consensus, normalize), scale).reshape(base.shape)
+@dataclass(frozen=True)
+class TaskVectorMerge:
+    """A member of the family (merge.methods registers each): how it sparsifies the task vectors,
+    and whether it elects a sign per entry (TIES's consensus) or sums them."""
+
+    sparsify: str
+    consensus: bool
+
+    def __call__(self, tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,
+                 aux: TensorAux | None = None, start: int = 0, **p: Any) -> torch.Tensor:
+        """base + scale * combine(sparsify(t_i - base)): see the module docstring. `aux` comes from
+        `prepare` when the engine feeds slices; without it the tensors are whole and it is computed.
+        `p`: the method's parameters (scale, normalize, density, ...)."""
+        aux = aux if aux is not None else tensor_aux(self.sparsify, p, "", base, tensors)
+        b = base.to(torch.float32).reshape(-1)
+        tvs = [sparsified(t.to(torch.float32).reshape(-1) - b, cut, self.sparsify, p, start, aux.row)
+               for t, cut in zip(tensors, aux.cuts)]
+        merged = combine(tvs, weights, self.consensus, p.get("normalize", False))
+        return scaled_sum(b, merged, p.get("scale", 1.0)).reshape(base.shape)

@@ -2,27 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import sys
-import time
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from core.config import Algorithm, Config, load_config, replace
-from core.errors import ConfigError, IslandsError, RunError
-from core.layout import RunLayout
+from core.errors import ConfigError, IslandsError
 from orchestrator.console import console, setup_logging
-
-if TYPE_CHECKING:
-    from core.storage import Storage
-
-L = RunLayout()
-TMP_SWEEP_AGE_S = 3600.0
-"""Temporaries older than this are a killed writer's leftovers (a live writer's mtime keeps moving)."""
-
 
 RUN_HELP = "the run directory (a path or any fsspec URL), as `submit` printed it"
 
@@ -118,7 +107,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                            "slurm, fewer workers, or --oversubscribe if this machine can take them"], source="--workers")
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
-    storage = _storage(cfg.run_dir)
+    from orchestrator.run_service import drive, jobs_folder, run_storage
+    storage = run_storage(cfg.run_dir)
     if cfg.task_path is not None:  # the jobs import from it wherever they start
         cfg = replace(cfg, task_path=str(Path(cfg.task_path).expanduser().resolve()))
     from worker.tasks import task_for
@@ -129,12 +119,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     console.print(f"run directory: {storage.display()}")
     if args.detach:
         from orchestrator.executor import Executor
-        executor = Executor(cfg, _jobs_folder(storage))
+        executor = Executor(cfg, jobs_folder(storage))
         job = executor.submit_service(storage.url)
         console.print(f"merge service started as {'Slurm job' if executor.kind == 'slurm' else 'process'} {job}; "
                       f"follow it with: orchestrate status {storage.display()} --watch")
         return 0
-    return _drive(storage, args)
+    return drive(storage, _options(args))
 
 
 def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
@@ -149,7 +139,8 @@ def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
     if changed:
         raise ConfigError([f"{flag}: a replay takes its source run's config; only --run-dir, --executor and "
                            "--set executor.KEY=VALUE may be given" for flag in changed], source="--replay")
-    source = _storage(args.replay)
+    from orchestrator.run_service import run_storage
+    source = run_storage(args.replay)
     src = load_run(source)
     schedule = replay.from_run(source, src.workers, src.rounds, src.inner.steps)
     sets = {key.strip(): load_yaml(value, f"--set {key.strip()}") for key, _, value in (item.partition("=") for item in args.sets)}
@@ -176,104 +167,27 @@ def _executor_kind(kind: str) -> str:
     return "local"
 
 
-def _jobs_folder(storage: Storage, create: bool = True) -> str:
-    """submitit's folder: inside a local run directory, else this machine's cache, one folder per run
-    URL (it holds the job scripts and the pickles the jobs execute: private, and checked like jobs/)."""
-    folder = storage.local_path(L.JOBS)
-    if folder is None:
-        from core.layout import local_cache_root
-        digest = hashlib.sha256(storage.display().encode()).hexdigest()[:16]
-        folder = str(local_cache_root() / "jobs" / f"{Path(storage.root).name}-{digest}")
-        _refuse_loose_folder(folder)
-    if create:
-        _storage(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
-    return folder
-
-
-def _refuse_loose_folder(folder: str) -> None:
-    """A job folder someone else made, or can write, would let them run commands as you."""
-    try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
-        return
-    import stat
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise RunError(f"the run's local job folder {folder} is not a private folder of yours (mode "
-                       f"{oct(stat.S_IMODE(st.st_mode))}, uid {st.st_uid}): anyone who can write it runs commands as "
-                       f"you; remove it (rm -r {folder}) and try again")
-
-
-def _storage(url: str) -> Storage:
-    from core.storage import Storage  # fsspec: not for `--help`
-    if "://" in url and ".." in url.split("://", 1)[1].split("/"):
-        raise RunError(f"{url}: a run URL with a '..' component names another place than it seems; give the "
-                       "run's own URL")
-    return Storage(url)
-
-
 def cmd_resume(args: argparse.Namespace) -> int:
-    storage = _storage(args.run)
-    console.print(f"resuming {storage.display()}")
-    return _drive(storage, args)
+    from orchestrator.run_service import resume
+    return resume(args.run, _options(args))
 
 
-def _drive(storage: Storage, args: argparse.Namespace) -> int:
-    from orchestrator import lease as leases
-    from orchestrator.console import log_to_file
-    from orchestrator.executor import Executor
-    from orchestrator.loop import Cancelled, Service
-    from orchestrator.run_models import initial_eval
-    from orchestrator.run_view import RunView, duration
-    from orchestrator.runstate import load_run, run_status
-
-    leases.refuse_unsafe(storage, allow_group=args.allow_group_write)  # before its config is read
-    cfg = load_run(storage)
-    folder = _jobs_folder(storage)
-    log_to_file(Path(storage.local_path(L.LOG) or Path(folder) / L.LOG))
-    executor = Executor(cfg, folder)
-    wait = leases.STALE_S + 2 * leases.HEARTBEAT_S if getattr(args, "wait_lease", False) else 0.0
-    lease = leases.acquire(storage, force=getattr(args, "force", False), wait_s=wait)
-    # With the lease held we are the only service: clear what killed writers left (never a live one's).
-    storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
-    t0 = time.monotonic()
-    try:
-        service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()))
-        view = RunView(console, storage, cfg, service.first_open_round())
-        console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
-                      f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}"
-                      + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""), markup=False)
-        with view.live():
-            service.run()
-    except Cancelled as exc:
-        console.print(str(exc), markup=False)
-        return 3
-    except KeyboardInterrupt:
-        where = storage.display()
-        if executor.kind == "local":  # its jobs are this machine's processes: give the CPUs back
-            executor.cancel(executor.own_jobs())
-            console.print(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues "
-                          "the run", markup=False)
-        else:
-            console.print(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues "
-                          f"the run, `orchestrate cancel {where}` stops them", markup=False)
-        return 130
-    finally:
-        lease.release()
-    status = run_status(storage)
-    console.print(f"done in {duration(time.monotonic() - t0)}: {status['rounds_done']} rounds, final eval loss "
-                  f"{status['rounds'][-1]['eval_loss']:.4f}; final model: {status['final_model']}", markup=False)
-    console.print(f"inspect it with: orchestrate status {storage.display()}", markup=False)
-    return 0
+def _options(args: argparse.Namespace) -> Any:
+    from orchestrator.run_service import ServiceOptions
+    return ServiceOptions(force=getattr(args, "force", False), wait_lease=getattr(args, "wait_lease", False),
+                          allow_group_write=args.allow_group_write)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.run_service import jobs_folder, run_storage
     from orchestrator.status_cli import cmd_status as status
-    return status(args, _jobs_folder(_storage(args.run), create=False))
+    return status(args, jobs_folder(run_storage(args.run), create=False))
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    from orchestrator.run_service import jobs_folder, run_storage
     from orchestrator.status_cli import cmd_cancel as cancel
-    return cancel(args, _jobs_folder(_storage(args.run), create=False))
+    return cancel(args, jobs_folder(run_storage(args.run), create=False))
 
 
 COMMANDS = {"submit": cmd_submit, "resume": cmd_resume, "status": cmd_status, "cancel": cmd_cancel}

@@ -61,10 +61,10 @@ class ServiceJob(submitit.helpers.Checkpointable):
     """The merge service as a small CPU-only job: `orchestrate resume RUN`, requeued at its limit."""
 
     def __call__(self, run_url: str) -> int:
-        from orchestrator.cli import main  # the job runs the same command a person would
-        # never --force: a requeued service waits for its earlier self's lease to lapse, and stops
+        from orchestrator.run_service import ServiceOptions, service_main  # what `orchestrate resume` runs
+        # never force: a requeued service waits for its earlier self's lease to lapse, and stops
         # if a live service holds the run (orchestrator.lease)
-        return main(["resume", run_url, "--wait-lease"])
+        return service_main(run_url, ServiceOptions(wait_lease=True))
 
     def checkpoint(self, run_url: str) -> submitit.helpers.DelayedSubmission:
         # Nothing to save: the service's whole state is in the run directory.

@@ -69,7 +69,8 @@ def test_a_remote_runs_job_folder_is_private_and_its_own(tmp_path, monkeypatch):
 
     from core.errors import RunError
     from core.storage import Storage
-    from orchestrator.cli import _jobs_folder, _storage
+    from orchestrator.run_service import jobs_folder as _jobs_folder
+    from orchestrator.run_service import run_storage as _storage
     monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path / "cache"))
     a = _jobs_folder(Storage("memory://bucket/team/run1"))
     b = _jobs_folder(Storage("memory://bucket/other/run1"))

@@ -1,0 +1,134 @@
+"""Running the merge service on a run directory: what `orchestrate submit` and `resume` do in the
+foreground, and what the service's own Slurm job (orchestrator.executor.ServiceJob) does, without
+the command line's parser.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import IslandsError, RunError
+from core.layout import RunLayout
+from core.storage import Storage
+from orchestrator.console import console, setup_logging
+
+L = RunLayout()
+TMP_SWEEP_AGE_S = 3600.0
+"""Temporaries older than this are a killed writer's leftovers (a live writer's mtime keeps moving):
+deleted when a service starts."""
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    force: bool = False
+    """Take the run from a live merge service (it stops before its next commit)."""
+    wait_lease: bool = False
+    """Wait for the service holding the run to stop beating instead of refusing (a requeued service)."""
+    allow_group_write: bool = False
+    """Run in a folder the group can write (a shared project folder)."""
+
+
+def service_main(run_url: str, opts: ServiceOptions) -> int:
+    """`orchestrate resume RUN` as a job runs it: logging set up, an islands error printed, not raised."""
+    setup_logging(False)
+    try:
+        return resume(run_url, opts)
+    except IslandsError as exc:
+        console.print(f"error: {exc}", markup=False)
+        return 2
+
+
+def resume(run_url: str, opts: ServiceOptions) -> int:
+    storage = run_storage(run_url)
+    console.print(f"resuming {storage.display()}")
+    return drive(storage, opts)
+
+
+def jobs_folder(storage: Storage, create: bool = True) -> str:
+    """submitit's folder: inside a local run directory, else this machine's cache, one folder per run
+    URL (it holds the job scripts and the pickles the jobs execute: private, and checked like jobs/)."""
+    folder = storage.local_path(L.JOBS)
+    if folder is None:
+        from core.layout import local_cache_root
+        digest = hashlib.sha256(storage.display().encode()).hexdigest()[:16]
+        folder = str(local_cache_root() / "jobs" / f"{Path(storage.root).name}-{digest}")
+        _refuse_loose_folder(folder)
+    if create:
+        run_storage(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
+    return folder
+
+
+def _refuse_loose_folder(folder: str) -> None:
+    """A job folder someone else made, or can write, would let them run commands as you."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RunError(f"the run's local job folder {folder} is not a private folder of yours (mode "
+                       f"{oct(stat.S_IMODE(st.st_mode))}, uid {st.st_uid}): anyone who can write it runs commands as "
+                       f"you; remove it (rm -r {folder}) and try again")
+
+
+def run_storage(url: str) -> Storage:
+    """The storage of a run at `url` (a path or any fsspec URL)."""
+    if "://" in url and ".." in url.split("://", 1)[1].split("/"):
+        raise RunError(f"{url}: a run URL with a '..' component names another place than it seems; give the "
+                       "run's own URL")
+    return Storage(url)
+
+
+def drive(storage: Storage, opts: ServiceOptions) -> int:
+    """Run the merge service on the run at `storage` until the run ends; the exit code."""
+    from orchestrator import lease as leases
+    from orchestrator.console import log_to_file
+    from orchestrator.executor import Executor
+    from orchestrator.loop import Cancelled, Service
+    from orchestrator.run_models import initial_eval
+    from orchestrator.run_view import RunView, duration
+    from orchestrator.runstate import load_run, run_status
+
+    leases.refuse_unsafe(storage, allow_group=opts.allow_group_write)  # before its config is read
+    cfg = load_run(storage)
+    folder = jobs_folder(storage)
+    log_to_file(Path(storage.local_path(L.LOG) or Path(folder) / L.LOG))
+    executor = Executor(cfg, folder)
+    wait = leases.STALE_S + 2 * leases.HEARTBEAT_S if opts.wait_lease else 0.0
+    lease = leases.acquire(storage, force=opts.force, wait_s=wait)
+    # With the lease held we are the only service: clear what killed writers left (never a live one's).
+    storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
+    t0 = time.monotonic()
+    try:
+        service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()))
+        view = RunView(console, storage, cfg, service.first_open_round())
+        console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
+                      f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}"
+                      + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""), markup=False)
+        with view.live():
+            service.run()
+    except Cancelled as exc:
+        console.print(str(exc), markup=False)
+        return 3
+    except KeyboardInterrupt:
+        where = storage.display()
+        if executor.kind == "local":  # its jobs are this machine's processes: give the CPUs back
+            executor.cancel(executor.own_jobs())
+            console.print(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues "
+                          "the run", markup=False)
+        else:
+            console.print(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues "
+                          f"the run, `orchestrate cancel {where}` stops them", markup=False)
+        return 130
+    finally:
+        lease.release()
+    status = run_status(storage)
+    console.print(f"done in {duration(time.monotonic() - t0)}: {status['rounds_done']} rounds, final eval loss "
+                  f"{status['rounds'][-1]['eval_loss']:.4f}; final model: {status['final_model']}", markup=False)
+    console.print(f"inspect it with: orchestrate status {storage.display()}", markup=False)
+    return 0
+
+
