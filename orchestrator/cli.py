@@ -120,7 +120,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.detach:
         from orchestrator.executor import Executor
         executor = Executor(cfg, jobs_folder(storage))
-        job = executor.submit_service(storage.url)
+        from orchestrator.run_service import requeued_service
+        job = executor.submit_service(storage.url, requeued_service)
         console.print(f"merge service started as {'Slurm job' if executor.kind == 'slurm' else 'process'} {job}; "
                       f"follow it with: orchestrate status {storage.display()} --watch")
         return 0

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,17 +58,19 @@ class WorkerJob(submitit.helpers.Checkpointable):
 
 
 class ServiceJob(submitit.helpers.Checkpointable):
-    """The merge service as a small CPU-only job: `orchestrate resume RUN`, requeued at its limit."""
+    """The merge service as a small CPU-only job, requeued at its limit: `main(run_url)` is what
+    `orchestrate resume RUN` runs (orchestrator.run_service.service_main, handed in by the caller:
+    the service's own modules use this one, so it imports none of them)."""
+
+    def __init__(self, main: Callable[[str], int]) -> None:
+        self.main = main
 
     def __call__(self, run_url: str) -> int:
-        from orchestrator.run_service import ServiceOptions, service_main  # what `orchestrate resume` runs
-        # never force: a requeued service waits for its earlier self's lease to lapse, and stops
-        # if a live service holds the run (orchestrator.lease)
-        return service_main(run_url, ServiceOptions(wait_lease=True))
+        return self.main(run_url)
 
     def checkpoint(self, run_url: str) -> submitit.helpers.DelayedSubmission:
         # Nothing to save: the service's whole state is in the run directory.
-        return submitit.helpers.DelayedSubmission(ServiceJob(), run_url)
+        return submitit.helpers.DelayedSubmission(ServiceJob(self.main), run_url)
 
 
 def resolve_kind(kind: str) -> str:
@@ -111,8 +113,9 @@ class Executor:
             self._jobs[job.job_id] = job
         return [j.job_id for j in jobs]
 
-    def submit_service(self, run_url: str) -> str:
-        """Run the merge service detached: a CPU-only Slurm job, or a local background process."""
+    def submit_service(self, run_url: str, main: Callable[[str], int]) -> str:
+        """Run the merge service detached: a CPU-only Slurm job running `main(run_url)`, or a local
+        background process running `orchestrate resume RUN`."""
         if self.kind == "local":
             log_path = self.folder / "service.log"
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -124,7 +127,7 @@ class Executor:
         params = service_parameters(self.cfg)
         ex.update_parameters(**params)
         with _sbatch_refusal(params, "merge service"):
-            return ex.submit(ServiceJob(), run_url).job_id
+            return ex.submit(ServiceJob(main), run_url).job_id
 
     def status(self, job_ids: list[str]) -> dict[str, JobStatus]:
         if not job_ids:

@@ -1,6 +1,6 @@
 """Running the merge service on a run directory: what `orchestrate submit` and `resume` do in the
 foreground, and what the service's own Slurm job (orchestrator.executor.ServiceJob) does, without
-the command line's parser.
+the command line.
 """
 from __future__ import annotations
 
@@ -40,6 +40,12 @@ def service_main(run_url: str, opts: ServiceOptions) -> int:
     except IslandsError as exc:
         console.print(f"error: {exc}", markup=False)
         return 2
+
+
+def requeued_service(run_url: str) -> int:
+    """The service's Slurm job (orchestrator.executor.ServiceJob): never forcing, a requeued service
+    waits for its earlier self's lease to lapse, and stops if a live service holds the run."""
+    return service_main(run_url, ServiceOptions(wait_lease=True))
 
 
 def resume(run_url: str, opts: ServiceOptions) -> int:

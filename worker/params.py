@@ -29,7 +29,6 @@ from core.config import Config
 from core.errors import CheckpointError
 from core.storage import Storage
 from worker import lora
-from worker.ranks import Ranks
 from worker.tasks import Runner, task_for
 from worker.weights import HostBuffers, load_weights, weights_of
 
@@ -180,15 +179,6 @@ class LoraHeads(Params):
 
     def published(self, model: torch.nn.Module, host: HostBuffers | None) -> dict[str, torch.Tensor]:
         return lora.contribution_tensors(model)
-
-
-def params_for(cfg: Config, worker: int, ranks: Ranks, device: torch.device, runner: Runner) -> Params:
-    if cfg.algorithm == "lte":
-        return LoraHeads(cfg, worker, runner)
-    if ranks.world > 1 and sharded(cfg, device):
-        from worker.sharded import ShardedModel
-        return ShardedModel(cfg, worker, runner, ranks)
-    return FullModel(cfg, worker, runner)
 
 
 TRAIN_BYTES_PER_PARAM = 16  # fp32 weight, gradient and AdamW's two slots

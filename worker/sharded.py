@@ -30,7 +30,7 @@ from core.checkpoint import load_checkpoint
 from core.config import Config
 from core.errors import CheckpointError
 from core.storage import Storage
-from worker.params import SEP, FullModel
+from worker.params import SEP, FullModel, LoraHeads, Params, sharded
 from worker.ranks import Ranks
 from worker.tasks import Runner
 from worker.weights import HostBuffers, check_fit, tied_aliases
@@ -141,3 +141,12 @@ class ShardedModel(FullModel):
         groups = get_optimizer_state_dict(model, opt)["param_groups"]  # this optimizer's, by name
         set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups} if self.ranks.lead else {},
                                  options=SCATTER)
+
+
+def params_for(cfg: Config, worker: int, ranks: Ranks, device: torch.device, runner: Runner) -> Params:
+    """What a worker trains and publishes: the whole model, LTE's heads, or the model sharded across ranks."""
+    if cfg.algorithm == "lte":
+        return LoraHeads(cfg, worker, runner)
+    if ranks.world > 1 and sharded(cfg, device):
+        return ShardedModel(cfg, worker, runner, ranks)
+    return FullModel(cfg, worker, runner)

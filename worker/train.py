@@ -39,7 +39,8 @@ from core.failpoints import failpoint, slowpoint
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from worker.params import SEP, params_for
+from worker.params import SEP
+from worker.sharded import params_for
 from worker.publish import Publisher
 from worker.ranks import data_parallel, join, preemption
 from worker.tasks import map_tensors, task_for

@@ -1,0 +1,107 @@
+"""The import rules of docs/architecture.md, checked on every import of the source (deferred ones
+inside functions too; `if TYPE_CHECKING:` ones are not imports at run time): core imports no role;
+worker and merge import neither each other nor orchestrator; and no modules import each other in
+a loop. Checked by parsing, not importing, so an import that only some path reaches counts too."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("core", "worker", "merge", "orchestrator")
+FORBIDDEN = {"core": {"worker", "merge", "orchestrator"}, "worker": {"merge", "orchestrator"},
+             "merge": {"worker", "orchestrator"}}
+
+
+def _module(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(root: Path, path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports, wherever the import statement is."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    here = _module(root, path).split(".")
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package the module is in
+                package = here if path.name == "__init__.py" else here[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return {m for m in out if m in modules}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    paths = {_module(root, p): p for pkg in PACKAGES if (root / pkg).is_dir() for p in (root / pkg).rglob("*.py")}
+    return {m: _imports(root, p, set(paths)) - {m} for m, p in paths.items()}
+
+
+def broken_rules(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps
+                  if d.split(".")[0] in FORBIDDEN.get(m.split(".")[0], set()))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import loops: strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                out.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_source_keeps_the_import_rules_and_has_no_import_loop():
+    graph = import_graph(ROOT)
+    assert len(graph) > 80 and graph["merge.rounds"] >= {"core.checkpoint", "merge.outer"}  # it did parse the tree
+    assert broken_rules(graph) == []
+    assert cycles(graph) == []
+
+
+def test_the_checker_finds_a_deferred_loop_and_a_broken_rule(tmp_path):
+    """A loop closed by an import inside a function, and a merge module that imports the
+    orchestrator (deferred too), are both found; an import under TYPE_CHECKING is not one."""
+    files = {
+        "core/__init__.py": "",
+        "core/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from merge import b\n",
+        "merge/__init__.py": "",
+        "merge/b.py": "from merge.c import thing\n",
+        "merge/c.py": "def f():\n    from merge import b\n    from orchestrator.d import run\n",
+        "orchestrator/__init__.py": "",
+        "orchestrator/d.py": "from . import e\n",
+        "orchestrator/e.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert graph["orchestrator.d"] == {"orchestrator.e"} and graph["core.a"] == set()
+    assert broken_rules(graph) == ["merge.c imports orchestrator.d"]
+    assert cycles(graph) == [["merge.b", "merge.c"]]
