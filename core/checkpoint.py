@@ -144,7 +144,7 @@ class TensorFile:
     def __init__(self, storage: Storage, key: str, manifest: Mapping[str, Any] | None = None, label: str = "") -> None:
         self.storage, self.key, self.label = storage, key, label or storage.display(key)
         self.manifest = dict(manifest) if manifest is not None else None
-        self._sha = new_hasher() if self.manifest is not None else None
+        self._hasher = new_hasher() if self.manifest is not None else None
         self._pos = 0  # bytes hashed so far, always a prefix of the file
         self._fd: int | None = None
         self._f: Any = None
@@ -211,8 +211,8 @@ class TensorFile:
         for o in range(0, n, PIECE):
             view = out[o:o + PIECE]
             self._read_exact(offset + o, view)
-            if self._sha is not None and offset + o == self._pos:
-                self._sha.update(view)
+            if self._hasher is not None and offset + o == self._pos:
+                self._hasher.update(view)
                 self._pos += len(view)
         if self._drop and n:
             # everything before, not only the range read: the kernel's read-ahead brings in pages
@@ -284,7 +284,7 @@ class TensorFile:
     def verify(self) -> None:
         """Raise unless the whole file hashes to the manifest's digest and has its size; bytes not
         read in file order are read now, in one pass. Nothing to check without a manifest."""
-        if self.manifest is None or self._sha is None:
+        if self.manifest is None or self._hasher is None:
             return
         buf = memoryview(bytearray(min(16 << 20, max(1, self.size - self._pos))))
         while self._pos < self.size:
@@ -292,7 +292,7 @@ class TensorFile:
         if self.manifest.get("bytes") not in (None, self.size):
             raise CheckpointError(f"{self.label}: size {self.size} differs from the manifest's {self.manifest['bytes']}: "
                                   "truncated or replaced")
-        if self._sha.hexdigest() != self.manifest["digest"]:
+        if self._hasher.hexdigest() != self.manifest["digest"]:
             raise CheckpointError(f"{self.label}: checksum does not match the manifest: the file is corrupt; "
                                   "delete it and its .json so it is written again")
 

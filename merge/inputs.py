@@ -9,7 +9,6 @@ digest is checked as the merge streams it; plain files from elsewhere have nothi
 """
 from __future__ import annotations
 
-import logging
 import math
 import posixpath
 import re
@@ -24,8 +23,6 @@ from core.checkpoint import TensorFile, TensorSpec
 from core.errors import CheckpointError, StorageError
 from core.manifest import read_manifest
 from core.storage import Storage
-
-log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -60,13 +57,11 @@ def overflowed(name: str, how: str, fix: str) -> str:
     return f"merged tensor {name} has NaN or Inf values although every input is finite: the {how} overflowed; {fix}"
 
 
-def refusal(worker: int, label: str, exc: BaseException) -> str:
-    """The reason a contribution is refused, logged once: a CheckpointError's own message (it names
-    the file and tensor), anything else named with `label`. Whatever one contribution does, it is
-    one rejection, never the round's failure."""
-    why = str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
-    log.warning("merge: rejected worker %d: %s", worker, why)
-    return why
+def refusal(label: str, exc: BaseException) -> str:
+    """The reason a contribution is refused: a CheckpointError's own message (it names the file
+    and tensor), anything else named with `label`. Whatever one contribution does, it is one
+    rejection, never the round's failure."""
+    return str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
 
 
 @dataclass

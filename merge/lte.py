@@ -167,8 +167,7 @@ def _valid(storage: Storage, contributions: Sequence[Contribution], base: Mappin
     for c in contributions:
         label = f"worker {c.worker} ({storage.display(c.key)})"
         try:
-            if not (math.isfinite(c.weight) and c.weight > 0):
-                raise CheckpointError(f"{label}: its weight {c.weight} is not a positive finite number")
+            c.check_weight(label)
             with open_checkpoint(storage, c.key, label) as f:
                 tensors = dict(read_tensors(f, c.worker))  # a reader thread: a stalled read fails it
                 f.verify()
@@ -180,7 +179,8 @@ def _valid(storage: Storage, contributions: Sequence[Contribution], base: Mappin
             if why is not None:
                 raise CheckpointError(f"{label}: {why}")
         except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
-            rejected[c.worker] = refusal(c.worker, label, exc)
+            rejected[c.worker] = refusal(label, exc)
+            log.warning("lte merge: rejected worker %d: %s", c.worker, rejected[c.worker])
             continue
         live.append((c, tensors))
     return live, rejected, bytes_read

@@ -6,12 +6,13 @@ writes and merges by is one typed object, not arguments passed down through the 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import OuterConfig
-from core.errors import RunError
+from core.errors import CheckpointError, RunError
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class Contribution:
     """Its checkpoint in the run's storage."""
     weight: float
     """Its weight in the mean: derived from what the service asked of the worker, never from its manifest."""
+
+    def check_weight(self, label: str) -> None:
+        if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight > 0):
+            raise CheckpointError(f"{label}: its weight {self.weight!r} is not a positive finite number")
 
 
 @dataclass(frozen=True)

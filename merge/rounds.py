@@ -115,7 +115,8 @@ class RunningSum:
                     raise bad or CheckpointError(f"{label}: no manifest, so the checkpoint is incomplete or absent")
                 digest, nbytes = self._fold(c, label, m)
         except Exception as exc:  # noqa: BLE001 - whatever one contribution does, it is one rejection
-            self.rejected[c.worker] = (ident, refusal(c.worker, label, exc))
+            self.rejected[c.worker] = (ident, refusal(label, exc))
+            log.warning("merge: rejected worker %d: %s", c.worker, self.rejected[c.worker][1])
             if self._dirty:  # part of it was added: rebuild S from the accepted ones, in order
                 self._rebuild(list(self.folded))
             return False
@@ -140,8 +141,7 @@ class RunningSum:
             self.add(Contribution(f.worker, f.key, f.weight))
 
     def _fold(self, c: Contribution, label: str, manifest: dict[str, Any]) -> tuple[str, int]:
-        if not (isinstance(c.weight, (int, float)) and math.isfinite(c.weight) and c.weight > 0):
-            raise CheckpointError(f"{label}: its weight {c.weight!r} is not a positive finite number")
+        c.check_weight(label)
         with TensorFile(self.storage, c.key, manifest, label) as f:  # the manifest add() read
             enc = codec.encoding_of(f.metadata, label)
             if enc is not None and enc.base_digest != self.base_digest or \

@@ -21,6 +21,7 @@ from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
 from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, RoundSpec
+from merge.inputs import refusal
 from merge.rounds import RunningSum, merge_round
 from orchestrator import late
 from orchestrator.executor import JobStatus
@@ -199,18 +200,21 @@ class RoundMerger:
     def _contribution(self, jobs: RoundJobs, w: int) -> tuple[Contribution | None, str, dict[str, Any]]:
         """(worker w's contribution, or None and why it is stale or invalid; its manifest)."""
         r, key = jobs.round, L.contribution(jobs.round, w)
+        label = f"worker {w} ({self.storage.display(key)})"
         self._seen.setdefault((r, w), self._identity(key))  # before anything of it is read
+        m: dict[str, Any] = {}
         try:
-            m = read_manifest(self.storage, key) or {}
-        except CheckpointError as exc:  # an invalid manifest (core.manifest.check_manifest): refused
-            return None, str(exc), {}
-        want = jobs.workers[w].base_digest if w in jobs.workers else None
-        if m.get("round") != r or m.get("worker") != w or (want and m.get("base_digest") != want):
-            return None, (f"stale contribution: manifest says round {m.get('round')} worker {m.get('worker')} base "
-                          f"{str(m.get('base_digest'))[:12]}, expected round {r} worker {w} base {str(want)[:12]}"), m
-        weight = contribution_weight(m, self.cfg)
-        if isinstance(weight, str):  # a manifest whose figures do not add up: refused like a bad file
-            return None, f"worker {w} ({self.storage.display(key)}): {weight}", m
+            m = read_manifest(self.storage, key) or {}  # an invalid one (core.manifest.check_manifest): refused
+            want = jobs.workers[w].base_digest if w in jobs.workers else None
+            if m.get("round") != r or m.get("worker") != w or (want and m.get("base_digest") != want):
+                raise CheckpointError(f"stale contribution: manifest says round {m.get('round')} worker "
+                                      f"{m.get('worker')} base {str(m.get('base_digest'))[:12]}, expected round {r} "
+                                      f"worker {w} base {str(want)[:12]}")
+            weight = contribution_weight(m, self.cfg)
+            if isinstance(weight, str):  # a manifest whose figures do not add up: refused like a bad file
+                raise CheckpointError(f"{label}: {weight}")
+        except CheckpointError as exc:
+            return None, refusal(label, exc), m
         return Contribution(w, key, weight), "", m
 
 

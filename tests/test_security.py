@@ -28,7 +28,7 @@ from core.manifest import check_manifest
 from core.storage import Storage
 
 ROOT = Path(__file__).resolve().parent.parent
-SHA = "a" * 64
+SHA = "a" * 32
 KEY = "rounds/00001/contrib/worker_002.safetensors"
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),

@@ -62,10 +62,9 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 class HostBuffers:
     """CPU tensors kept from round to round for copies to and from `device`, page-locked when it
-    is a GPU. On an H100 a 100 MB copy off the GPU took 82 ms into fresh pageable memory (every
-    page faulted in, then staged by the driver) and 3.5 ms into pinned memory; one onto it 15 ms
-    vs 2.4. A persistent worker pays these every round, for its weights out, its optimizer state
-    out and the next base in; per-round jobs use them once.
+    is a GPU (a copy from pageable memory faults every page in, then the driver stages it:
+    docs/benchmarks.md has the figures). A persistent worker copies every round, its weights out,
+    its optimizer state out and the next base in; per-round jobs use them once.
 
     A buffer is handed out again by the next call for the same name: whoever holds the tensors
     of one call must be done with them before the next (the trainer's rounds are sequential;
