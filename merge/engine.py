@@ -289,12 +289,13 @@ class _Run:
         have = self._state_slots()
         if self.spec.prepare is not None:  # before any reader starts: it reads whole tensors, one input at a time
             self.params["aux"] = self.spec.prepare(job.inputs, job.base, self.params)
-        lanes = [Prefetch(m.label, m.ident, _reads(m, segments)) for m in [*job.inputs, *([job.base] if job.base else [])]]
-        if job.state_in is not None:
-            lanes.append(Prefetch(job.state_in.label, job.state_in.ident, _state_reads(job.state_in, segments, have)))
         out = OuterStep(list(job.outputs), job.state_out, job.params["optimizer"]) if self.stateful else \
             StreamWriter(list(job.outputs))
+        lanes: list[Prefetch] = []
         try:
+            lanes = [Prefetch(m.label, m.ident, _reads(m, segments)) for m in [*job.inputs, *([job.base] if job.base else [])]]
+            if job.state_in is not None:
+                lanes.append(Prefetch(job.state_in.label, job.state_in.ident, _state_reads(job.state_in, segments, have)))
             label = f"merge into {job.outputs[0].storage.display(job.outputs[0].key)}"  # progress: core/progress.py
             for seg in track(segments, label, unit="values", size=lambda g: g.stop - g.start):
                 taken = [lane.take() for lane in lanes]

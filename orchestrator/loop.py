@@ -56,7 +56,7 @@ class Service:
         self.submitter = Submitter(self.storage, cfg, executor)
         self.merger = RoundMerger(self.submitter, self.evaluator.metadata)
         self._arrived_before: set[int] = set()
-        # torch.optim's first step pays ~1.5 s of lazy imports: pay it now, not inside round 0's merge.
+        # torch.optim's first step pays its lazy imports (seconds): pay them now, not inside round 0's merge.
         outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)
 
     def run(self) -> None:
