@@ -1,7 +1,11 @@
-"""The import rules of docs/architecture.md, checked on every import of the source (deferred ones
-inside functions too; `if TYPE_CHECKING:` ones are not imports at run time): core imports no role;
-worker and merge import neither each other nor orchestrator; and no modules import each other in
-a loop. Checked by parsing, not importing, so an import that only some path reaches counts too."""
+"""The structure rules of docs/architecture.md, checked by parsing the source (not importing it, so
+an import that only some path reaches counts too):
+
+- every import, deferred ones inside functions too (`if TYPE_CHECKING:` ones are not imports at
+  run time): core imports no role; worker and merge import neither each other nor orchestrator;
+  no modules import each other in a loop;
+- no function over 60 lines; none in merge/ takes more than 6 parameters (one typed object
+  instead: merge.round_spec.RoundSpec, merge.engine.MergeJob, merge.manual.ManualMerge)."""
 from __future__ import annotations
 
 import ast
@@ -105,3 +109,26 @@ def test_the_checker_finds_a_deferred_loop_and_a_broken_rule(tmp_path):
     assert graph["orchestrator.d"] == {"orchestrator.e"} and graph["core.a"] == set()
     assert broken_rules(graph) == ["merge.c imports orchestrator.d"]
     assert cycles(graph) == [["merge.b", "merge.c"]]
+
+
+def _functions(root: Path):
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield pkg, f"{path.relative_to(root)}:{node.lineno} {node.name}", node
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+    return len(named) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_no_long_function_and_no_argument_bundle_in_merge():
+    functions = list(_functions(ROOT))
+    assert len(functions) > 500
+    assert [f"{where}: {n.end_lineno - n.lineno + 1} lines" for _, where, n in functions
+            if n.end_lineno - n.lineno + 1 > 60] == []
+    assert [f"{where}: {_parameters(n)} parameters" for pkg, where, n in functions
+            if pkg == "merge" and _parameters(n) > 6] == []
