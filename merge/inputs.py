@@ -145,6 +145,9 @@ def open_model(url: str, ident: Any = None, label: str | None = None) -> Model:
         raise CheckpointError(f"{label}: no such file or directory")
     if not is_dir:
         parent, name = split_url(url)
+        if not name.endswith(".safetensors"):
+            raise CheckpointError(f"{label}: not a .safetensors file nor a model directory; merge .safetensors files, "
+                                  "Hugging Face model directories or PEFT adapter directories")
         return open_file_model(Storage(parent, follow_links=True), name, label, ident, require_manifest=False)
     index, shards = _shards(storage, label)
     files: list[TensorFile] = []

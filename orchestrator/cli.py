@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrate", description="Train on islands of compute that never talk "
                                      "while they train: DiLoCo, lo-fi, FedAvg, LoRA-the-Explorer.")
     parser.add_argument("-v", "--verbose", action="store_true", help="show debug log records")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"orchestrate (islands) {_version()}")
+    sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("submit", help="start a run and drive it to the end")
     _config_args(p)
     p.add_argument("--oversubscribe", action="store_true",
@@ -198,8 +199,20 @@ COMMANDS["merge"] = lambda args: args.merge_handler(args)  # orchestrator/merge_
 COMMANDS["data"] = lambda args: args.data_handler(args)  # orchestrator/data_cli.py
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("islands")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `orchestrate`: what it can do, as pip and git print
+        parser.print_help()
+        return 0
     setup_logging(args.verbose)
     try:
         code = COMMANDS[args.command](args)

@@ -81,11 +81,16 @@ def _refuse_loose_folder(folder: str) -> None:
 
 
 def run_storage(url: str) -> Storage:
-    """The storage of a run at `url` (a path or any fsspec URL)."""
+    """The storage of a run at `url` (a path or any fsspec URL); refused when it is a file."""
     if "://" in url and ".." in url.split("://", 1)[1].split("/"):
         raise RunError(f"{url}: a run URL with a '..' component names another place than it seems; give the "
                        "run's own URL")
-    return Storage(url)
+    storage = Storage(url)
+    local = storage.local_path("")
+    if local is not None and os.path.exists(local) and not os.path.isdir(local):
+        raise RunError(f"{url} is a file, not a run directory: give the run directory itself "
+                       f"(here perhaps {os.path.dirname(local.rstrip('/')) or '.'})")
+    return storage
 
 
 def drive(storage: Storage, opts: ServiceOptions) -> int:

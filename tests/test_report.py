@@ -274,7 +274,8 @@ def test_eval_of_a_manual_merge_of_the_runs_own_contributions_takes_the_model_fr
 def test_eval_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     with pytest.raises(RunError, match="neither a run directory"):
         evaluate_checkpoints([str(tmp_path)])
-    assert main(["eval", str(tmp_path / "nope.safetensors")]) == 2
+    (tmp_path / "notes.txt").write_text("not a model")  # there, but neither (a missing path: test_first_hour.py)
+    assert main(["eval", str(tmp_path / "notes.txt")]) == 2
     assert "neither a run directory (no config.yaml) nor a checkpoint file" in capsys.readouterr().out
 
 

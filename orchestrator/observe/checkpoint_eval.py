@@ -71,7 +71,10 @@ def resolve(arg: str) -> Target:
         label = arg if key == L.FINAL else f"{arg} ({key})"
         return Target(label, posixpath.join(storage.url, key), storage.url)
     root, name = posixpath.split(storage.url)
-    if name.endswith(SAFETENSORS) and Storage(root or ".").exists(name):
+    if not Storage(root or ".").exists(name):
+        raise RunError(f"{arg}: no such file or directory; give a run directory or the path of a .safetensors "
+                       "checkpoint")
+    if name.endswith(SAFETENSORS):
         return Target(arg, storage.url, _run_of(storage.url))
     raise RunError(f"{arg} is neither a run directory (no {L.CONFIG}) nor a checkpoint file ({SAFETENSORS}); "
                    "give a run directory or the path of a .safetensors checkpoint")

@@ -1,0 +1,58 @@
+"""What a new user meets in the first hour (issue #44), through the real command line: a mistake in
+a path is one clear line naming what to give instead, never a traceback; bare `orchestrate` shows
+what it can do; `--version` says which islands this is."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.checkpoint_writer import write_checkpoint
+from core.storage import Storage
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def orchestrate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("command", [["status"], ["resume"], ["cancel"], ["submit", "--executor", "local", "--run-dir"]])
+def test_a_file_given_as_the_run_directory_is_named_with_the_folder_to_give(tmp_path, command):
+    (tmp_path / "run").mkdir()
+    config = tmp_path / "run" / "config.yaml"
+    config.write_text("workers: 2\n")
+    done = orchestrate(*command, str(config))
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert f"error: {config} is a file, not a run directory: give the run directory itself (here perhaps " \
+           f"{tmp_path / 'run'})" in done.stdout
+    assert config.read_text() == "workers: 2\n" and sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]
+
+
+def test_merging_a_file_that_is_not_safetensors_is_one_problem_not_a_traceback(tmp_path):
+    write_checkpoint(Storage(str(tmp_path)), "a.safetensors", {"w": torch.ones(2)})
+    (tmp_path / "notes.json").write_text("{}")
+    done = orchestrate("merge", str(tmp_path / "a.safetensors"), str(tmp_path / "notes.json"), "--out",
+                       str(tmp_path / "out.safetensors"))
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert f"{tmp_path / 'notes.json'}: not a .safetensors file nor a model directory" in done.stdout
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_evaluating_a_path_that_does_not_exist_says_so(tmp_path):
+    done = orchestrate("eval", str(tmp_path / "nothing.safetensors"))
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr
+    assert f"error: {tmp_path / 'nothing.safetensors'}: no such file or directory" in done.stdout
+
+
+def test_bare_orchestrate_lists_the_commands_and_version_names_islands():
+    bare = orchestrate()
+    assert bare.returncode == 0 and "usage: orchestrate" in bare.stdout and "submit" in bare.stdout, bare.stderr
+    assert "error" not in bare.stdout + bare.stderr
+    version = orchestrate("--version")
+    from importlib.metadata import version as installed
+    assert version.returncode == 0 and version.stdout.strip() == f"orchestrate (islands) {installed('islands')}"
