@@ -100,7 +100,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.slurm import rank_problems
     if problems := rank_problems(cfg):  # before the run directory exists: nothing half-made is left
         raise ConfigError(problems, source="the worker jobs' ranks")
-    cfg = replace(cfg, executor__kind=_executor_kind(cfg.executor.kind))
+    cfg = replace(cfg, executor__kind=_executor_kind(cfg))
     local_most = max(16, 4 * (os.cpu_count() or 1))
     if cfg.executor.kind == "local" and cfg.workers > local_most and not args.oversubscribe:  # one process each, here
         raise ConfigError([f"workers: {cfg.workers} local workers would start {cfg.workers} processes on this machine "
@@ -152,13 +152,24 @@ def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
     return cfg, schedule
 
 
-def _executor_kind(kind: str) -> str:
-    """`auto` made definite (and recorded in the run's config): Slurm when it takes jobs from here,
-    else this machine. An explicit `slurm` that cannot is refused before anything is made."""
+def _executor_kind(cfg: Config) -> str:
+    """`auto` made definite (and recorded in the run's config): Slurm when it takes jobs from here
+    and could run the worker jobs as the config asks for them, else this machine. An explicit
+    `slurm` that cannot is refused before anything is made."""
+    kind = cfg.executor.kind
     if kind == "local":
         return kind
-    from orchestrator.slurm import unreachable
+    from orchestrator.slurm import request_refusal, unreachable
     why = unreachable()
+    if why is None and (refused := request_refusal(cfg)) is not None:
+        if kind == "slurm":
+            raise IslandsError(f"--executor slurm: Slurm refuses the worker jobs: {refused}. Set executor.* to what "
+                               "the cluster has (executor.mem_gb, executor.cpus_per_task, executor.partition, or a "
+                               "preset: executor.preset=local on the local test cluster; docs/slurm.md), or run here "
+                               "with --executor local")
+        console.print(f"not using Slurm: it refuses the worker jobs: {refused}; running on this machine (--executor "
+                      "local; set executor.* to what the cluster has to run there)", markup=False)
+        return "local"
     if why is None:
         return "slurm"
     if kind == "slurm":

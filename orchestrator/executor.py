@@ -28,7 +28,8 @@ from core.config import Config
 from core.errors import RunError
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
-from orchestrator.slurm import SlurmPoller, service_parameters, slurm_parameters, unreachable, worker_tasks
+from orchestrator.slurm import (SlurmPoller, describe_request, service_parameters, slurm_parameters, unreachable,
+                               worker_tasks)
 
 log = logging.getLogger(__name__)
 CANCELLED_MARK = "cancelled"
@@ -218,11 +219,7 @@ def _sbatch_refusal(params: dict[str, Any], what: str) -> Iterator[None]:
             yield
     except submitit.core.utils.FailedJobError as exc:
         said = "; ".join(line.removeprefix("sbatch: error: ").strip() for line in str(exc).splitlines() if line.strip())
-        asked = (f"1 node, {params['ntasks_per_node']} task(s) x {params['cpus_per_task']} CPU(s), {params['mem']} "
-                 f"of memory, {params['time']} min" + "".join(f", {k} {params[k]}" for k in
-                                                             ("gpus_per_node", "partition", "account", "qos", "constraint")
-                                                             if params.get(k)))
-        raise RunError(f"sbatch refused the {what} job(s): {said}. They asked for {asked}. Set executor.* to what "
+        raise RunError(f"sbatch refused the {what} job(s): {said}. They asked for {describe_request(params)}. Set executor.* to what "
                        "the cluster has (executor.mem_gb, executor.cpus_per_task, executor.partition, or a preset: "
                        "executor.preset=local on the local test cluster; docs/slurm.md) and submit again with a "
                        "new --run-dir; if the scheduler was only briefly unavailable, `orchestrate resume RUN` "

@@ -97,6 +97,37 @@ def service_parameters(cfg: Config) -> dict[str, Any]:
     return params
 
 
+def describe_request(params: dict[str, Any]) -> str:
+    """What a job of these sbatch parameters asks for, in words."""
+    return (f"1 node, {params['ntasks_per_node']} task(s) x {params['cpus_per_task']} CPU(s), {params['mem']} of memory, "
+            f"{params['time']} min" + "".join(f", {k} {params[k]}" for k in
+                                            ("gpus_per_node", "partition", "account", "qos", "constraint") if params.get(k)))
+
+
+def test_only_command(params: dict[str, Any]) -> list[str]:
+    """`sbatch --test-only` for a job of these parameters: the scheduler says whether it could ever
+    run it (a request no node can satisfy is refused) without submitting anything."""
+    cmd = ["sbatch", "--test-only", "--nodes=1", f"--ntasks-per-node={params['ntasks_per_node']}",
+           f"--cpus-per-task={params['cpus_per_task']}", f"--mem={params['mem']}", f"--time={params['time']}"]
+    cmd += [f"--{k.replace('_', '-')}={params[k]}" for k in ("gpus_per_node", "partition", "account", "qos", "constraint")
+            if params.get(k)]
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in params.get("additional_parameters", {}).items()]
+    return [*cmd, "--wrap=true"]
+
+
+def request_refusal(cfg: Config) -> str | None:
+    """Why Slurm refuses the run's worker jobs as the config asks for them (its own words), or None."""
+    params = slurm_parameters(cfg)
+    try:
+        done = subprocess.run(test_only_command(params), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`sbatch --test-only` did not run ({exc})"
+    if done.returncode == 0:
+        return None
+    said = "; ".join(line.removeprefix("sbatch: error: ").strip() for line in done.stderr.splitlines() if line.strip())
+    return f"{said or f'sbatch --test-only exited {done.returncode}'} (the worker jobs ask for {describe_request(params)})"
+
+
 SACCT_FIELDS = "JobID,State,Submit,Start,End,NodeList"
 
 

@@ -195,14 +195,15 @@ def test_merge_service_killed_and_resumed(tmp_path, corpus_cache, capsys):
 
 
 def test_a_job_sbatch_refuses_is_one_clear_error(tmp_path, corpus_cache, capsys):
-    """sbatch refuses what no node has (64 GB on nodes of 4000 MB): the run stops with sbatch's
-    reason, what was asked and what to change, not submitit's traceback."""
+    """Slurm refuses what no node has (64 GB on nodes of 4000 MB): asked with `sbatch --test-only`
+    before anything is made, the submit stops with Slurm's reason, what was asked and what to change,
+    not submitit's traceback, and leaves no run directory."""
     run = tmp_path / "run"
     assert main(_args(run, corpus_cache, "--set", "executor.mem_gb=64", "--workers", "2", "--rounds", "1")) == 2
     out = capsys.readouterr()
-    assert "error: sbatch refused the worker job(s): Memory specification can not be satisfied" in out.out
+    assert "error: --executor slurm: Slurm refuses the worker jobs: " in out.out
     assert "65536MB of memory" in out.out and "executor.mem_gb" in out.out
-    assert "Traceback" not in out.out + out.err and "sbatch: error" not in out.err
+    assert "Traceback" not in out.out + out.err and "sbatch: error" not in out.err and not run.exists()
 
 
 def test_detached_merge_service_runs_as_a_slurm_job(tmp_path, corpus_cache, capsys):

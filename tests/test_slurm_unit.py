@@ -133,16 +133,45 @@ def test_slurm_down_is_one_line_and_leaves_no_run_directory(tmp_path, monkeypatc
     assert "Traceback" not in out and not run.exists()
 
 
+def _kind(kind: str):
+    return config_from_dict({"executor": {"kind": kind}})
+
+
 def test_auto_takes_slurm_only_when_its_controller_answers(tmp_path, monkeypatch, capsys):
     from orchestrator.cli import _executor_kind
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch at all: this machine, nothing to say
-    assert _executor_kind("auto") == "local" and capsys.readouterr().out == ""
+    assert _executor_kind(_kind("auto")) == "local" and capsys.readouterr().out == ""
     monkeypatch.setenv("PATH", _slurm_shims(tmp_path, controller_up=False))
-    assert _executor_kind("auto") == "local"
+    assert _executor_kind(_kind("auto")) == "local"
     assert "not using Slurm: the Slurm controller does not answer" in capsys.readouterr().out
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\necho 'Slurmctld(primary) at vm is UP'\n")
-    assert _executor_kind("auto") == "slurm" and _executor_kind("local") == "local"
+    assert _executor_kind(_kind("auto")) == "slurm" and _executor_kind(_kind("local")) == "local"
+
+
+def test_auto_takes_slurm_only_when_it_would_run_the_worker_jobs(tmp_path, monkeypatch, capsys):
+    """A controller that answers but refuses the worker jobs' request (no node has the memory: the
+    README's first command on the local cluster): `auto` runs here and says why; `slurm` is one error
+    before anything is made. The request is asked of `sbatch --test-only` (a shim records it)."""
+    from orchestrator.cli import _executor_kind, main
+    bin_dir = Path(_slurm_shims(tmp_path, controller_up=True))
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/asked\n"
+                                    "echo 'sbatch: error: Memory specification can not be satisfied' >&2\n"
+                                    "echo 'allocation failure: Requested node configuration is not available' >&2\n"
+                                    "exit 1\n")
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + "/bin")
+    assert _executor_kind(_kind("auto")) == "local"
+    out = capsys.readouterr().out
+    assert ("not using Slurm: it refuses the worker jobs: Memory specification can not be satisfied; allocation "
+            "failure: Requested node configuration is not available (the worker jobs ask for 1 node, 1 task(s) x 2 "
+            "CPU(s), 4096MB of memory, 60 min); running on this machine") in out
+    assert (tmp_path / "asked").read_text().split() == [
+        "--test-only", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2", "--mem=4096MB", "--time=60", "--wrap=true"]
+    run = tmp_path / "run"
+    assert main(["submit", "--executor", "slurm", "--run-dir", str(run)]) == 2
+    out = capsys.readouterr().out
+    assert "error: --executor slurm: Slurm refuses the worker jobs: Memory specification" in out and "executor.mem_gb" in out
+    assert "Traceback" not in out and not run.exists()
 
 
 def test_an_older_run_recorded_as_auto_follows_the_same_rule(tmp_path, monkeypatch):
