@@ -238,13 +238,16 @@ class Failure:
 
 @dataclass
 class RunInfo:
-    """run.json: written when the run is made, and once more with the initial model's eval."""
+    """run.json: written when the run is made, once more with the initial model's eval, and once
+    the run is finished (its last round evaluated, its final model exported)."""
 
     created_at: float | None = None
     host: str | None = None
     params: int | None = None
     initial_eval_loss: float | None = None
     initial_eval_metrics: dict[str, float] = field(default_factory=dict)
+    finished_at: float | None = None
+    """When the service finished the run; until then a run whose rounds are all committed is finishing."""
 
     @classmethod
     def load(cls, storage: Storage) -> RunInfo:

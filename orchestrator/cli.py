@@ -13,6 +13,7 @@ from core.config import Algorithm, Config, load_config, replace
 from core.errors import ConfigError, IslandsError
 from orchestrator.console import console, setup_logging
 
+WATCH_S = 2.0
 RUN_HELP = "the run directory (a path or any fsspec URL), as `submit` printed it"
 
 
@@ -66,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show a run's progress")
     p.add_argument("run", help=RUN_HELP)
     p.add_argument("--json", action="store_true", help="print the status as one JSON object (for scripts)")
-    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
-                   help="refresh until the run ends (every 2 s by default)")
+    p.add_argument("--watch", type=float, nargs="?", const=WATCH_S, default=0.0, metavar="SECONDS",
+                   help=f"refresh until the run ends (every {WATCH_S:g} s by default)")
     p = sub.add_parser("cancel", help="cancel a run's jobs and stop its orchestrator")
     p.add_argument("run", help=RUN_HELP)
     bench = sub.add_parser("bench", help="benchmarks (queue-wait: docs/scheduling.md)")
@@ -218,9 +219,23 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _watch_before_run(argv: list[str]) -> list[str]:
+    """`status --watch RUN`: argparse would take RUN for --watch's optional SECONDS; a value that is
+    not a number is the run, and --watch keeps its default."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--watch" and not out[i + 1].startswith("-"):
+            try:
+                float(out[i + 1])
+            except ValueError:
+                out[i] = f"--watch={WATCH_S}"
+            break
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_watch_before_run(sys.argv[1:] if argv is None else argv))
     if args.command is None:  # bare `orchestrate`: what it can do, as pip and git print
         parser.print_help()
         return 0

@@ -32,7 +32,7 @@ from orchestrator.lease import Lease
 from orchestrator.observe.metrics import write_round_metrics
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
-from core.records import Failure, RoundJobs, RoundRecord
+from core.records import Failure, RoundJobs, RoundRecord, RunInfo
 from orchestrator.round_merge import RoundMerger
 from orchestrator.runstate import arrived_workers
 from orchestrator.run_models import Evaluator, export_final
@@ -76,6 +76,10 @@ class Service:
             self.evaluate(record)
             r += 1
         export_final(self.storage, self.cfg)
+        info = RunInfo.load(self.storage)
+        if info.finished_at is None:  # the last write: `status` says done from here on
+            info.finished_at = time.time()
+            info.save(self.storage)
 
     def first_open_round(self) -> int:
         r = 0

@@ -14,7 +14,7 @@ from core.config_parse import load_yaml
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from core.records import Failure, RoundJobs, RoundRecord, RunInfo, number, text, utilization
+from core.records import LIMIT, RUN_INFO, Failure, RoundJobs, RoundRecord, RunInfo, number, text, utilization
 
 L = RunLayout()
 HEARTBEAT_LIMIT = 4096
@@ -96,11 +96,13 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
         rounds.append(round_line(r, rec.to_json()))
         r += 1
     failed = _failure(storage)
-    state = "done" if r >= cfg.rounds else "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
     try:
         info = dataclasses.asdict(RunInfo.load(storage))
     except RunError:  # damaged: its figures shown as absent, as a damaged round's
         info = dataclasses.asdict(RunInfo())
+    # every round committed is not the end: the last one is evaluated and the final model exported after
+    state = ("done" if _finished(storage, info) else "finishing") if r >= cfg.rounds else \
+        "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
     current = RoundJobs.load(storage, r) if r < cfg.rounds else None
     return {
         "run_dir": storage.display(), "state": state, "algorithm": cfg.algorithm, "workers": cfg.workers,
@@ -114,6 +116,18 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
         "final_model": storage.display(L.FINAL) if storage.exists(L.FINAL) else None,
         "final_hf": storage.display(L.FINAL_HF) if storage.exists(L.final_hf_file("config.json")) else None,
     }
+
+
+def _finished(storage: Storage, info: dict[str, Any]) -> bool:
+    """Whether the service finished the run (run.json's finished_at); a run finished by an islands
+    that did not record it (no such field at all) is finished once it has its final model."""
+    if info["finished_at"] is not None:
+        return True
+    try:
+        recorded = "finished_at" in (storage.read_json(RUN_INFO, limit=LIMIT) or {})
+    except (IslandsError, OSError, ValueError):  # damaged: RunInfo.load said so already
+        recorded = True
+    return not recorded and storage.exists(L.FINAL)
 
 
 def read_heartbeat(storage: Storage, worker: int) -> dict[str, Any] | None:

@@ -113,7 +113,7 @@ def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
         while True:
             status = status_with_jobs(storage, jobs_folder)
             live.update(status_table(status), refresh=True)
-            if status["state"] != "running":
+            if status["state"] not in ("running", "finishing"):
                 return 0
             time.sleep(args.watch)
 

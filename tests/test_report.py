@@ -341,3 +341,36 @@ def test_tensorboard_files_are_private_and_never_written_through_a_link(tiny_run
     os.symlink(tmp_path / "outside", linked / L.TENSORBOARD)
     assert not write_tensorboard(Storage(str(linked)), lines)  # a dashboard is never worth a write outside
     assert list((tmp_path / "outside").iterdir()) == []
+
+
+def test_a_run_is_done_only_once_its_final_model_is_written(tiny_run, tmp_path, capsys):
+    """Every round committed is not the end: the service then evaluates the last round and exports
+    the final model, and `status` says `finishing` meanwhile (not `done` with no final model, which
+    ended `status --watch` on that frame), `done` once run.json records the finish."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    info = json.loads((run / "run.json").read_text())
+    assert info["finished_at"] is not None and main(["status", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "done"
+    (run / "run.json").write_text(json.dumps({**info, "finished_at": None}))  # the service is exporting
+    (run / "final" / "model.safetensors").unlink()
+    (run / "final" / "model.json").unlink()
+    assert main(["status", str(run), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["state"] == "finishing" and st["rounds_done"] == 2 and st["final_model"] is None
+    assert main(["resume", str(run)]) == 0  # a service that died exporting: resume finishes the run
+    capsys.readouterr()
+    assert main(["status", str(run), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["state"] == "done" and st["final_model"].endswith("final/model.safetensors")
+
+
+def test_status_watch_takes_its_flag_before_or_after_the_run(tiny_run, capsys):
+    from orchestrator.cli import _watch_before_run
+    assert _watch_before_run(["status", "--watch", "runs/r1"]) == ["status", "--watch=2.0", "runs/r1"]
+    assert _watch_before_run(["status", "--watch", "5", "runs/r1"]) == ["status", "--watch", "5", "runs/r1"]
+    assert _watch_before_run(["status", "runs/r1", "--watch"]) == ["status", "runs/r1", "--watch"]
+    for args in (["status", "--watch", str(tiny_run)], ["status", str(tiny_run), "--watch"]):
+        assert main(args) == 0  # a finished run: one frame, then back
+        assert "2/2 rounds done" in capsys.readouterr().out
