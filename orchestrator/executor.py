@@ -145,6 +145,13 @@ class Executor:
             return self.status(job_ids)
         return self._poller.watch(job_ids, news, self.cfg.round.poll_s)
 
+    def tidy(self) -> None:
+        """Once the run's jobs are over: submitit's local jobs each make the folder named by its
+        pattern (`jobs/%j`, literally) and leave it empty."""
+        if self.kind == "local":
+            with contextlib.suppress(OSError):  # absent, or not empty: then it is not ours to remove
+                (self.folder / "%j").rmdir()
+
     def own_jobs(self) -> list[str]:
         """The local jobs this process started that still run."""
         self._reap()

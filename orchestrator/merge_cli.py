@@ -90,9 +90,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     res = manual_merge(ManualMerge(args.inputs, args.out, method=args.method, weights=weights, base=args.base,
                                    params=params,
                        outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20))
-    rate = res.bytes_read / res.seconds / 1e9 if res.seconds else 0.0
-    console.print(f"merged {res.inputs} input(s) with {res.method}: {res.bytes_read / 1e9:.2f} GB read in "
-                  f"{res.seconds:.2f}s ({rate:.2f} GB/s)")
+    from core.progress import human
+    rate = res.bytes_read / res.seconds if res.seconds else 0.0
+    console.print(f"merged {res.inputs} input(s) with {res.method}: {human(res.bytes_read)}B read in "
+                  f"{res.seconds:.2f}s ({human(rate)}B/s)")
     for path in res.outputs:
         console.print(f"wrote {path}", markup=False)
     if res.state:

@@ -121,6 +121,7 @@ def drive(storage: Storage, opts: ServiceOptions) -> int:
                       + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""), markup=False)
         with view.live():
             service.run()
+        executor.tidy()
     except Cancelled as exc:
         console.print(str(exc), markup=False)
         return 3

@@ -54,7 +54,7 @@ def status_table(status: dict[str, Any]) -> Any:
                   "round s", "busy", "MB read",
                   box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
                         f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
-                        f"initial eval loss {status['initial_eval_loss']}")
+                        f"initial eval loss {_num(status['initial_eval_loss'], '{:.4f}')}")
     for r in status["rounds"]:
         loss = "damaged" if r.get("damaged") else "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"

@@ -43,6 +43,15 @@ def test_merging_a_file_that_is_not_safetensors_is_one_problem_not_a_traceback(t
     assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_a_small_merge_reports_its_bytes_in_a_unit_that_shows_them(tmp_path):
+    for name in ("a", "b"):
+        write_checkpoint(Storage(str(tmp_path)), f"{name}.safetensors", {"w": torch.ones(1000)})
+    done = orchestrate("merge", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--out",
+                       str(tmp_path / "out.safetensors"))
+    assert done.returncode == 0 and "merged 2 input(s) with average: 8.1kB read in " in done.stdout, done.stdout
+    assert "0.00 GB" not in done.stdout
+
+
 def test_evaluating_a_path_that_does_not_exist_says_so(tmp_path):
     done = orchestrate("eval", str(tmp_path / "nothing.safetensors"))
     assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr

@@ -374,3 +374,17 @@ def test_status_watch_takes_its_flag_before_or_after_the_run(tiny_run, capsys):
     for args in (["status", "--watch", str(tiny_run)], ["status", str(tiny_run), "--watch"]):
         assert main(args) == 0  # a finished run: one frame, then back
         assert "2/2 rounds done" in capsys.readouterr().out
+
+
+def test_a_finished_local_run_leaves_no_empty_job_folder_and_status_shows_no_none(tiny_run, tmp_path, capsys):
+    """submitit's local jobs each make `jobs/%j` (the pattern, literally): removed once the run is
+    over. A run.json without the initial loss shows it as `-` in `status`, not `None`."""
+    import shutil
+    assert not (tiny_run / "jobs" / "%j").exists() and any((tiny_run / "jobs").iterdir())
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "initial_eval_loss": None}))
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "initial eval loss -" in out and "None" not in out
