@@ -14,6 +14,15 @@ from core.errors import ConfigError, IslandsError
 from orchestrator.console import console, setup_logging
 
 WATCH_S = 2.0
+SUBMIT_EXAMPLES = """examples:
+  orchestrate submit --workers 4 --rounds 8
+  orchestrate submit --algorithm lofi --workers 4 --rounds 1
+  orchestrate submit --executor slurm --run-dir /shared/$USER/runs/r1 \\
+      --set executor.partition=gpu --set executor.gpus_per_node=1
+  orchestrate submit --set model=hf:/shared/models/my-llama \\
+      --set data.source=/shared/$USER/data/corpus
+  orchestrate submit --set task=digits --algorithm lte --workers 4 --rounds 8
+every --set KEY=VALUE: docs/config.md"""
 RUN_HELP = "the run directory (a path or any fsspec URL), as `submit` printed it"
 
 
@@ -46,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="show debug log records")
     parser.add_argument("--version", action="version", version=f"orchestrate (islands) {_version()}")
     sub = parser.add_subparsers(dest="command")
-    p = sub.add_parser("submit", help="start a run and drive it to the end")
+    p = sub.add_parser("submit", help="start a run and drive it to the end", epilog=SUBMIT_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_args(p)
     p.add_argument("--oversubscribe", action="store_true",
                    help="on the local executor, start more worker processes than 4 per core (at least 16 are allowed without it)")
@@ -247,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     except IslandsError as exc:
         console.print(f"error: {exc}", markup=False)
         return 2
-    except KeyboardInterrupt:
-        console.print("interrupted; the run directory is intact: `orchestrate resume RUN` continues it")
+    except KeyboardInterrupt:  # before the service ran, or in a command of its own: nothing of a run is lost
+        console.print("interrupted" + ("; if the run directory was made, `orchestrate resume RUN` continues the run"
+                                       if args.command in ("submit", "resume") else ""), markup=False)
         return 130
     except BrokenPipeError:  # `orchestrate status RUN --json | head`: the reader has gone, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed

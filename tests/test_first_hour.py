@@ -1,6 +1,7 @@
 """What a new user meets in the first hour (issue #44), through the real command line: a mistake in
 a path is one clear line naming what to give instead, never a traceback; bare `orchestrate` shows
-what it can do; `--version` says which islands this is."""
+what it can do; `--version` says which islands this is; help with examples that fit 80 columns;
+Ctrl-C tells to resume only where there is a run to resume."""
 from __future__ import annotations
 
 import subprocess
@@ -65,3 +66,28 @@ def test_bare_orchestrate_lists_the_commands_and_version_names_islands():
     version = orchestrate("--version")
     from importlib.metadata import version as installed
     assert version.returncode == 0 and version.stdout.strip() == f"orchestrate (islands) {installed('islands')}"
+
+
+def test_submit_help_has_examples_that_fit_80_columns_and_eval_json_is_explained():
+    import os
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=env)
+    examples = done.stdout.split("examples:\n", 1)[1]
+    assert "orchestrate submit --workers 4 --rounds 8" in examples and max(map(len, examples.splitlines())) <= 80
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "eval", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert "--json" in done.stdout and "as one JSON object" in " ".join(done.stdout.split())
+
+
+@pytest.mark.parametrize("command, resume", [(["eval", "x.safetensors"], False), (["status", "RUN"], False),
+                                             (["submit"], True)])
+def test_ctrl_c_in_a_command_tells_resume_only_where_a_run_can_be_resumed(monkeypatch, capsys, command, resume):
+    from orchestrator import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setitem(cli.COMMANDS, command[0], interrupted)  # Ctrl-C inside the command, wherever it is
+    assert cli.main(command) == 130
+    out = capsys.readouterr().out
+    assert out.startswith("interrupted") and ("orchestrate resume RUN" in out) == resume

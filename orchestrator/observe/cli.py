@@ -25,7 +25,7 @@ def add_parsers(sub: Any) -> None:
                    help="a .safetensors checkpoint, or a run directory (its final model)")
     p.add_argument("--batches", type=int, help="held-out batches (default: the run's data.eval_batches)")
     p.add_argument("--run", help="run directory whose held-out data to use (default: the first checkpoint's run)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the losses (and metrics) as one JSON object (for scripts)")
     p.set_defaults(observe_handler=cmd_eval)
 
 
