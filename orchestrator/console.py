@@ -22,7 +22,11 @@ def setup_logging(verbose: bool) -> None:
         from rich.logging import RichHandler
 
         from orchestrator import progress_bars
-        handler: logging.Handler = RichHandler(console=Console(stderr=True), show_path=False)
+        # the one console when it is the terminal: records then print above the live footer, which
+        # rich redraws below them (a console of their own would write through it, leaving footers behind)
+        handler: logging.Handler = RichHandler(console=console if console.is_terminal else Console(stderr=True),
+                                               show_path=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))  # rich shows the time and level itself
         progress_bars.install(console)  # long operations draw bars on the one console, above the live view
     else:
         from core.progress import set_renderer

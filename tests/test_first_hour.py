@@ -91,3 +91,24 @@ def test_ctrl_c_in_a_command_tells_resume_only_where_a_run_can_be_resumed(monkey
     assert cli.main(command) == 130
     out = capsys.readouterr().out
     assert out.startswith("interrupted") and ("orchestrate resume RUN" in out) == resume
+
+
+def test_verbose_records_on_a_terminal_name_their_level_once(monkeypatch):
+    """`-v` on a terminal: rich prints the time and the level; the record itself is `name: message`,
+    not logging's default `INFO:name:message` after rich's INFO."""
+    import logging
+
+    from core import progress
+    from orchestrator.console import setup_logging
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    try:
+        setup_logging(True)
+        handler = root.handlers[0]
+        record = logging.LogRecord("merge.rounds", logging.INFO, __file__, 1, "merge: folded worker %d", (0,), None)
+        assert type(handler).__name__ == "RichHandler" and handler.format(record) == "merge.rounds: merge: folded worker 0"
+    finally:  # what setup_logging set for the whole process: the other tests' logging and progress lines
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        progress.set_renderer(None)
