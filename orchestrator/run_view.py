@@ -54,7 +54,9 @@ class RunView:
             self.measured.append(now - self.last)
             self.last, self.current = now, rec["round"] + 1
         wall = self.measured[-1] if self.measured and rec["round"] + 1 == self.current else None
-        self.console.print(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), markup=False)
+        # on a terminal narrower than the line, wrapped between words (a pipe or a log gets it whole)
+        self.console.print(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), markup=False,
+                           soft_wrap=not self.console.is_terminal)
         self.console.file.flush()  # a file or a pipe (a Slurm log, `| tee`) gets each round when it ends
 
     def eta(self) -> float | None:
