@@ -20,8 +20,8 @@ from core.config import Config
 from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
-from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, RoundSpec
 from merge.inputs import refusal
+from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, RoundSpec
 from merge.rounds import RunningSum, merge_round
 from orchestrator import late
 from orchestrator.executor import JobStatus
