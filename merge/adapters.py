@@ -38,8 +38,7 @@ import torch
 from core.checkpoint import FLOATS, TensorFile
 from core.errors import CheckpointError, StorageError
 from core.storage import Storage
-from merge.inputs import finite, nonfinite
-from merge.inputs import Model, open_file_model
+from merge.inputs import Model, finite, nonfinite, open_file_model
 from merge.methods import average
 
 CONFIG = "adapter_config.json"

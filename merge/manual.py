@@ -192,10 +192,11 @@ def _open_inputs(open_one: Callable[[str, int], Any], inputs: Sequence[str], bas
 def _finish_dir(ref: Model, out: str, outputs: list[OutputFile]) -> None:
     """A model directory's other files (config, tokenizer), then its index: last, the directory is
     whole from then on."""
+    if not ref.directory or out.endswith(".safetensors"):
+        return
     st = outputs[0].storage
-    if ref.directory and not out.endswith(".safetensors"):
-        _copy_other_files(ref, st)
-    if ref.directory and ref.index is not None and not out.endswith(".safetensors"):
+    _copy_other_files(ref, st)
+    if ref.index is not None:
         index = dict(ref.index)
         index["metadata"] = {**dict(index.get("metadata") or {}),
                              "total_size": sum(nb for o in outputs for *_, nb in o.specs)}

@@ -119,7 +119,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                            "slurm, fewer workers, or --oversubscribe if this machine can take them"], source="--workers")
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=default_run_dir(cfg))
-    from orchestrator.run_service import drive, jobs_folder, run_storage
+    from orchestrator.run_service import drive, jobs_folder, requeued_service, run_storage
     storage = run_storage(cfg.run_dir)
     if cfg.task_path is not None:  # the jobs import from it wherever they start
         cfg = replace(cfg, task_path=str(Path(cfg.task_path).expanduser().resolve()))
@@ -132,7 +132,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.detach:
         from orchestrator.executor import Executor
         executor = Executor(cfg, jobs_folder(storage))
-        from orchestrator.run_service import requeued_service
         job = executor.submit_service(storage.url, requeued_service)
         console.print(f"merge service started as {'Slurm job' if executor.kind == 'slurm' else 'process'} {job}; "
                       f"follow it with: orchestrate status {storage.display()} --watch")
@@ -170,14 +169,12 @@ def _executor_kind(cfg: Config) -> str:
     kind = cfg.executor.kind
     if kind == "local":
         return kind
-    from orchestrator.slurm import request_refusal, unreachable
+    from orchestrator.slurm import FIX_REQUEST, request_refusal, unreachable
     why = unreachable()
     if why is None and (refused := request_refusal(cfg)) is not None:
         if kind == "slurm":
-            raise IslandsError(f"--executor slurm: Slurm refuses the worker jobs: {refused}. Set executor.* to what "
-                               "the cluster has (executor.mem_gb, executor.cpus_per_task, executor.partition, or a "
-                               "preset: executor.preset=local on the local test cluster; docs/slurm.md), or run here "
-                               "with --executor local")
+            raise IslandsError(f"--executor slurm: Slurm refuses the worker jobs: {refused}. {FIX_REQUEST}, or run "
+                               "here with --executor local")
         console.print(f"not using Slurm: it refuses the worker jobs: {refused}; running on this machine (--executor "
                       "local; set executor.* to what the cluster has to run there)", markup=False)
         return "local"

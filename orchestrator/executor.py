@@ -28,8 +28,8 @@ from core.config import Config
 from core.errors import RunError
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
-from orchestrator.slurm import (SlurmPoller, describe_request, service_parameters, slurm_parameters, unreachable,
-                               worker_tasks)
+from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, sbatch_said, service_parameters,
+                               slurm_parameters, unreachable, worker_tasks)
 
 log = logging.getLogger(__name__)
 CANCELLED_MARK = "cancelled"
@@ -59,9 +59,9 @@ class WorkerJob(submitit.helpers.Checkpointable):
 
 
 class ServiceJob(submitit.helpers.Checkpointable):
-    """The merge service as a small CPU-only job, requeued at its limit: `main(run_url)` is what
-    `orchestrate resume RUN` runs (orchestrator.run_service.service_main, handed in by the caller:
-    the service's own modules use this one, so it imports none of them)."""
+    """The merge service as a small CPU-only job, requeued at its limit: `main(run_url)` runs it
+    (orchestrator.run_service.requeued_service, handed in by the caller: the service's own modules
+    use this one, so it imports none of them)."""
 
     def __init__(self, main: Callable[[str], int]) -> None:
         self.main = main
@@ -225,10 +225,8 @@ def _sbatch_refusal(params: dict[str, Any], what: str) -> Iterator[None]:
         with contextlib.redirect_stderr(io.StringIO()):
             yield
     except submitit.core.utils.FailedJobError as exc:
-        said = "; ".join(line.removeprefix("sbatch: error: ").strip() for line in str(exc).splitlines() if line.strip())
-        raise RunError(f"sbatch refused the {what} job(s): {said}. They asked for {describe_request(params)}. Set executor.* to what "
-                       "the cluster has (executor.mem_gb, executor.cpus_per_task, executor.partition, or a preset: "
-                       "executor.preset=local on the local test cluster; docs/slurm.md) and submit again with a "
+        raise RunError(f"sbatch refused the {what} job(s): {sbatch_said(str(exc))}. They asked for "
+                       f"{describe_request(params)}. {FIX_REQUEST} and submit again with a "
                        "new --run-dir; if the scheduler was only briefly unavailable, `orchestrate resume RUN` "
                        "continues this run") from None
 

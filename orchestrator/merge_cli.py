@@ -61,6 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
+    from core.progress import human
     from merge.manual import ManualMerge, MergeError, manual_merge
     from orchestrator.console import console
 
@@ -88,9 +89,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
                   if v is not None}
     outer = OuterConfig(**outer_opts) if outer_opts else None
     res = manual_merge(ManualMerge(args.inputs, args.out, method=args.method, weights=weights, base=args.base,
-                                   params=params,
-                       outer=outer, state=args.outer_state, buffer_bytes=args.buffer_mib << 20))
-    from core.progress import human
+                                   params=params, outer=outer, state=args.outer_state,
+                                   buffer_bytes=args.buffer_mib << 20))
     rate = res.bytes_read / res.seconds if res.seconds else 0.0
     console.print(f"merged {res.inputs} input(s) with {res.method}: {human(res.bytes_read)}B read in "
                   f"{res.seconds:.2f}s ({human(rate)}B/s)")

@@ -97,11 +97,21 @@ def service_parameters(cfg: Config) -> dict[str, Any]:
     return params
 
 
+PLACEMENT = ("gpus_per_node", "partition", "account", "qos", "constraint")
+"""sbatch parameters a config may set or leave out (slurm_parameters)."""
+FIX_REQUEST = ("Set executor.* to what the cluster has (executor.mem_gb, executor.cpus_per_task, executor.partition, "
+               "or a preset: executor.preset=local on the local test cluster; docs/slurm.md)")
+
+
 def describe_request(params: dict[str, Any]) -> str:
     """What a job of these sbatch parameters asks for, in words."""
     return (f"1 node, {params['ntasks_per_node']} task(s) x {params['cpus_per_task']} CPU(s), {params['mem']} of memory, "
-            f"{params['time']} min" + "".join(f", {k} {params[k]}" for k in
-                                            ("gpus_per_node", "partition", "account", "qos", "constraint") if params.get(k)))
+            f"{params['time']} min" + "".join(f", {k} {params[k]}" for k in PLACEMENT if params.get(k)))
+
+
+def sbatch_said(stderr: str) -> str:
+    """sbatch's complaint, its lines joined, without its `sbatch: error:` prefixes."""
+    return "; ".join(line.removeprefix("sbatch: error: ").strip() for line in stderr.splitlines() if line.strip())
 
 
 def test_only_command(params: dict[str, Any]) -> list[str]:
@@ -109,8 +119,7 @@ def test_only_command(params: dict[str, Any]) -> list[str]:
     run it (a request no node can satisfy is refused) without submitting anything."""
     cmd = ["sbatch", "--test-only", "--nodes=1", f"--ntasks-per-node={params['ntasks_per_node']}",
            f"--cpus-per-task={params['cpus_per_task']}", f"--mem={params['mem']}", f"--time={params['time']}"]
-    cmd += [f"--{k.replace('_', '-')}={params[k]}" for k in ("gpus_per_node", "partition", "account", "qos", "constraint")
-            if params.get(k)]
+    cmd += [f"--{k.replace('_', '-')}={params[k]}" for k in PLACEMENT if params.get(k)]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in params.get("additional_parameters", {}).items()]
     return [*cmd, "--wrap=true"]
 
@@ -124,7 +133,7 @@ def request_refusal(cfg: Config) -> str | None:
         return f"`sbatch --test-only` did not run ({exc})"
     if done.returncode == 0:
         return None
-    said = "; ".join(line.removeprefix("sbatch: error: ").strip() for line in done.stderr.splitlines() if line.strip())
+    said = sbatch_said(done.stderr)
     return f"{said or f'sbatch --test-only exited {done.returncode}'} (the worker jobs ask for {describe_request(params)})"
 
 

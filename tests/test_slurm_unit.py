@@ -178,3 +178,20 @@ def test_an_older_run_recorded_as_auto_follows_the_same_rule(tmp_path, monkeypat
     from orchestrator.executor import resolve_kind
     monkeypatch.setenv("PATH", _slurm_shims(tmp_path, controller_up=False))
     assert resolve_kind("auto") == "local" and resolve_kind("slurm") == "slurm"  # sbatch alone is not enough
+
+
+def test_a_submission_sbatch_refuses_after_the_test_only_check_is_one_clear_error(tmp_path, monkeypatch):
+    """`sbatch --test-only` said yes but the real submission is refused (the cluster changed in
+    between): the same one error, sbatch's words without its prefix, what was asked and what to change."""
+    from core.errors import RunError
+    from orchestrator.executor import Executor
+    bin_dir = Path(_slurm_shims(tmp_path, controller_up=True))
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Invalid account' >&2\n"
+                                    "exit 1\n")
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + "/bin" + os.pathsep + "/usr/bin")
+    executor = Executor(_kind("slurm"), tmp_path / "jobs")
+    with pytest.raises(RunError) as err:
+        executor.submit_service("file:///tmp/run", len)  # any entry point: sbatch refuses before it runs
+    said = str(err.value)
+    assert said.startswith("sbatch refused the merge service job(s): ") and "Invalid account" in said
+    assert "sbatch: error" not in said and "2048MB of memory" in said and "executor.mem_gb" in said
