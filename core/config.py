@@ -261,7 +261,9 @@ class ExecutorConfig:
     mem_gb: float = 4.0
     """Memory per worker job, in GB."""
     gpus_per_node: int = 0
-    """GPUs per worker job."""
+    """GPUs per worker job. On the local executor a job sees only these (0: none, so
+    inner.device=auto trains on the CPU): worker w takes the w-th group of the machine's GPUs, more
+    workers than groups sharing them round robin."""
     tasks_per_node: int = 0
     """Processes (ranks) per worker job, one per GPU, training one model with DistributedDataParallel
     (each takes its slice of the worker's batch). 0 = gpus_per_node, or 1 without GPUs.

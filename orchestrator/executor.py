@@ -28,8 +28,8 @@ from core.config import Config
 from core.errors import RunError
 from core.task import WorkerTask
 from orchestrator.jobstatus import JobStatus
-from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, sbatch_said, service_parameters,
-                               slurm_parameters, unreachable, worker_tasks)
+from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, local_gpus, sbatch_said,
+                               service_parameters, slurm_parameters, unreachable, worker_tasks)
 
 log = logging.getLogger(__name__)
 CANCELLED_MARK = "cancelled"
@@ -90,6 +90,7 @@ class Executor:
         self.kind = resolve_kind(cfg.executor.kind)
         self.folder = Path(folder)
         self._jobs: dict[str, submitit.Job] = {}
+        self._gpus = self._local_gpu_count() if self.kind == "local" else 0
         self._ex = self._make(self.folder / "%j")
         self._poller = SlurmPoller()
 
@@ -97,7 +98,9 @@ class Executor:
         e = self.cfg.executor
         if self.kind == "local":
             ex = submitit.LocalExecutor(folder=folder)
-            ex.update_parameters(timeout_min=e.timeout_min, setup=list(e.setup), tasks_per_node=worker_tasks(self.cfg))
+            # submitit hides every GPU from a local job unless it is given some (CUDA_VISIBLE_DEVICES="")
+            ex.update_parameters(timeout_min=e.timeout_min, setup=list(e.setup), tasks_per_node=worker_tasks(self.cfg),
+                                 gpus_per_node=e.gpus_per_node)
             return ex
         # A persistent worker meets its time limit once per lifetime, by design: let it requeue.
         persistent = self.cfg.round.worker_mode == "persistent"
@@ -105,11 +108,28 @@ class Executor:
         ex.update_parameters(**slurm_parameters(self.cfg))
         return ex
 
+    def _local_gpu_count(self) -> int:
+        """This machine's GPUs, checked against what the config asks of a local worker job."""
+        import torch
+        count, e = torch.cuda.device_count(), self.cfg.executor
+        if e.gpus_per_node > count:
+            raise RunError(f"executor.gpus_per_node={e.gpus_per_node} but this machine has {count} GPU(s) for the "
+                           f"local executor; set executor.gpus_per_node to at most {count}")
+        if count and not e.gpus_per_node and self.cfg.inner.device != "cpu":
+            log.warning("this machine has %d GPU(s) but executor.gpus_per_node=0: local workers see none and train "
+                        "on the CPU; set executor.gpus_per_node=1 to give each worker a GPU", count)
+        return count
+
+    def _submit_one(self, task: WorkerTask) -> submitit.Job:
+        if self.kind == "local" and self.cfg.executor.gpus_per_node:  # each local worker its own GPUs, if there are enough
+            self._ex.update_parameters(visible_gpus=local_gpus(task.worker, self.cfg.executor.gpus_per_node, self._gpus))
+        return self._ex.submit(WorkerJob(), task)
+
     def submit(self, tasks: list[WorkerTask]) -> list[str]:
         """Submit a round's tasks together (one job array on Slurm); return their job ids."""
-        with _sbatch_refusal(slurm_parameters(self.cfg), "worker"), _sigint_ignored(self.kind == "local"), \
-                self._ex.batch():
-            jobs = [self._ex.submit(WorkerJob(), t) for t in tasks]
+        batch = self._ex.batch() if self.kind == "slurm" else contextlib.nullcontext()
+        with _sbatch_refusal(slurm_parameters(self.cfg), "worker"), _sigint_ignored(self.kind == "local"), batch:
+            jobs = [self._submit_one(t) for t in tasks]
         for job in jobs:
             self._jobs[job.job_id] = job
         return [j.job_id for j in jobs]

@@ -38,6 +38,13 @@ def worker_tasks(cfg: Config) -> int:
     return cfg.executor.tasks_per_node or cfg.executor.gpus_per_node or 1
 
 
+def local_gpus(worker: int, per_job: int, count: int) -> tuple[int, ...]:
+    """The GPUs a worker job on the local executor sees: worker w takes the w-th group of `per_job`
+    of the machine's `count` GPUs; more workers than groups share them, round robin."""
+    start = worker % max(1, count // per_job) * per_job
+    return tuple(range(start, start + per_job))
+
+
 def rank_problems(cfg: Config) -> list[str]:
     """What makes a multi-rank worker impossible, all at once (checked before anything is submitted)."""
     e = cfg.executor

@@ -29,6 +29,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from core.errors import IslandsError
+
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 600  # above a round's longest step or storage read; a dead peer fails sooner on gloo
 JOIN_TIMEOUT_S = 120  # every task of a job starts within seconds of the others
@@ -110,6 +112,7 @@ def join(device_type: str) -> Ranks:
     import submitit
     env = submitit.JobEnvironment()
     if device_type == "cuda":  # the job sees the node's GPUs: rank i takes the i-th
+        _check_gpus(env.job_id, env.num_tasks)
         torch.cuda.set_device(env.local_rank)
     tag = f"{env.job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
     port = 20000 + int(hashlib.sha256(tag.encode()).hexdigest(), 16) % 12000
@@ -122,6 +125,17 @@ def join(device_type: str) -> Ranks:
     _JOINED = Ranks(env.global_rank, env.num_tasks, env.local_rank, control)
     log.info("rank %d of %d joined (%s, 127.0.0.1:%d)", env.global_rank, env.num_tasks, dist.get_backend(), port)
     return _JOINED
+
+
+def _check_gpus(job_id: str, tasks: int) -> None:
+    """One GPU per rank (NCCL refuses two ranks on one GPU), checked by every rank: each fails at
+    once, none waits for a peer that never comes."""
+    gpus = torch.cuda.device_count()
+    if tasks > gpus:
+        raise IslandsError(f"worker job {job_id} runs {tasks} ranks on this node but it sees {gpus} GPU(s) "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); one rank per "
+                           f"GPU: set executor.tasks_per_node to at most executor.gpus_per_node (0 takes "
+                           f"gpus_per_node), or inner.device=cpu")
 
 
 def data_parallel(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:

@@ -345,6 +345,13 @@ class InnerTrainer(Publisher):
             pending.clear()
 
 
+def _where(device: torch.device) -> str:
+    """The device in a log line: a GPU by its name (CUDA_VISIBLE_DEVICES renumbers them)."""
+    if device.type != "cuda":
+        return device.type
+    return f"{torch.cuda.get_device_name(device)} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+
+
 def run_worker(task: WorkerTask) -> dict[str, Any]:
     """Entry point of a per-round worker job. Returns a small summary (the real output is in storage)."""
     return serve_round(task)[0]
@@ -374,8 +381,8 @@ def serve_round(task: WorkerTask, waited_s: float | None = None, carry: InnerTra
     finally:
         _ACTIVE = None
     _RESIDENT = trainer if persistent else None
-    log.info("worker %d round %d: %d steps, loss %.4f -> %.4f, %.1fs", task.worker, task.round, trainer.done,
-             trainer.losses[0], trainer.losses[-1], time.perf_counter() - t0)
+    log.info("worker %d round %d on %s: %d steps, loss %.4f -> %.4f, %.1fs", task.worker, task.round,
+             _where(trainer.device), trainer.done, trainer.losses[0], trainer.losses[-1], time.perf_counter() - t0)
     summary = {"round": task.round, "worker": task.worker, "digest": manifest and manifest["digest"],
                "loss_last": trainer.losses[-1], "rank": trainer.ranks.rank}
     return summary, trainer
