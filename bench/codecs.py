@@ -8,9 +8,11 @@ global model on the held-out batches. Every variant has the same seed, data, sch
 outer optimizer, so the only difference is the coding. Workers run one after another (the
 local executor would run them at once; the arithmetic is the same).
 
-Reported: the contribution's bytes (from its manifest) per worker-round, as a ratio to sending
-the weights; the eval loss after every round; and the same bytes for bigger built-in models,
-computed from the shapes alone (core.codec.stored_specs) since they are not trained here.
+Reported: the contribution's bytes (from its manifest, the file's header included) per
+worker-round and how many times fewer than the fp32 weights; the worker's seconds coding it, as a
+share of its round (the largest over the run); the final eval loss, against the first variant's;
+and the data bytes for bigger built-in models, computed from the shapes alone
+(core.codec.stored_specs) since they are not trained here.
 
     python -m bench.codecs [--workers 4 --rounds 6 --inner-steps 25] [--json out.json]
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from core import codec
-from core.checkpoint import DTYPES
+from core.checkpoint import DTYPES, ITEMSIZE
 from core.config import ModelConfig, load_config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
@@ -39,30 +41,48 @@ from worker.train import run_worker
 from worker.weights import build_model
 
 L = RunLayout()
-VARIANTS = [("weights", "fp32", 1.0), ("delta", "fp32", 1.0), ("delta", "bf16", 1.0), ("delta", "int8", 1.0),
-            ("delta", "int8", 0.25), ("delta", "int8", 0.1)]
+D = {"round.contribution": "delta"}
+T = {**D, "round.codec": "topk"}
+VARIANTS: dict[str, dict] = {  # name: config overrides
+    "weights (fp32)": {},
+    "delta fp32": D,
+    "delta bf16": {**D, "round.codec": "bf16"},
+    "delta int8": {**D, "round.codec": "int8"},
+    "delta int8, keep 0.25": {**D, "round.codec": "int8", "round.prune_keep": 0.25},
+    "topk 1/64, 2 bits, feedback 0.95 (default)": T,
+    "topk 1/64, 2 bits, no feedback": {**T, "round.error_feedback": 0.0},
+    "topk 1/64, 4 bits, feedback 0.95": {**T, "round.bits": 4},
+    "topk 1/32, 2 bits, feedback 0.95": {**T, "round.topk": 1 / 32},
+    "topk 1/128, 2 bits, feedback 0.95": {**T, "round.topk": 1 / 128},
+}
 
 
-def name_of(v: tuple[str, str, float]) -> str:
-    return "weights (fp32)" if v[0] == "weights" else f"delta {v[1]}" + (f", keep {v[2]:g}" if v[2] < 1 else "")
+def encoding(over: dict) -> codec.Encoding | None:
+    """How a variant codes its contributions (None: plain weights), from its config overrides."""
+    rc = load_config(None, over).round
+    if rc.contribution == "weights":
+        return None
+    return codec.Encoding(rc.codec, rc.prune_keep, "", rc.topk if rc.codec == "topk" else 0.0,
+                          rc.bits if rc.codec == "topk" else 0)
 
 
-def run_variant(v: tuple[str, str, float], args: argparse.Namespace, root: Path) -> dict:
-    run = root / name_of(v).replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+def run_variant(name: str, args: argparse.Namespace, root: Path) -> dict:
+    run = root / f"v{list(VARIANTS).index(name)}"
     cfg = load_config(None, {"workers": args.workers, "rounds": args.rounds, "inner.steps": args.inner_steps,
-                             "run_dir": str(run), "round.contribution": v[0], "round.codec": v[1],
-                             "round.prune_keep": v[2], **({"data.cache_dir": args.cache_dir} if args.cache_dir else {})},
-                      args.sets)
+                             "run_dir": str(run), **VARIANTS[name],
+                             **({"data.cache_dir": args.cache_dir} if args.cache_dir else {})}, args.sets)
     s = Storage(str(run))
     create_run(s, cfg)
     ev = Evaluator(cfg)
     losses, sent, t0 = [ev.metrics(s, L.global_weights(0))["loss"]], [], time.perf_counter()
+    encode = []  # seconds to code a contribution, as a share of the worker's round
     for r in range(args.rounds):
         contribs = []
         for w in range(args.workers):
             run_worker(WorkerTask(s.url, r, w, L.global_weights(r), threads=args.threads))
             m = s.read_json(manifest_key(L.contribution(r, w)))
             sent.append(m["bytes"])
+            encode.append((m.get("contribution") or {}).get("encode_s", 0.0) / m["seconds"])
             contribs.append(Contribution(w, L.contribution(r, w), float(m["tokens"])))
         spec = RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), outer=cfg.outer,
                          state_in=L.outer_state(r) if r else None, state_out=L.outer_state(r + 1), metadata=ev.metadata,
@@ -70,18 +90,18 @@ def run_variant(v: tuple[str, str, float], args: argparse.Namespace, root: Path)
         res = merge_round(s, spec, contribs)
         assert res.merged == list(range(args.workers)), res.rejected
         losses.append(ev.metrics(s, L.global_weights(r + 1))["loss"])
-    return {"variant": name_of(v), "losses": losses, "bytes": sum(sent) / len(sent),
+    return {"variant": name, "losses": losses, "bytes": sum(sent) / len(sent), "encode_share": max(encode),
             "weights_bytes": s.read_json(manifest_key(L.global_weights(0)))["bytes"], "seconds": time.perf_counter() - t0}
 
 
-def shape_bytes(model: ModelConfig, v: tuple[str, str, float]) -> int:
-    """Data bytes of one contribution of `model` coded as `v` (headers left out), from shapes alone."""
+def shape_bytes(model: ModelConfig, name: str) -> int:
+    """Data bytes of one contribution of `model` coded as variant `name` (headers left out), from shapes alone."""
     with torch.device("meta"):
         sd = build_model(model).state_dict()
     ref = {n: (DTYPES[torch.float32 if t.is_floating_point() else t.dtype], tuple(t.shape)) for n, t in sd.items()}
-    specs = ref if v[0] == "weights" else codec.stored_specs(ref, codec.Encoding(v[1], v[2], ""))
-    size = {"F32": 4, "BF16": 2, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
-    return sum(size[d] * math.prod(shape) for d, shape in specs.values())
+    enc = encoding(VARIANTS[name])
+    specs = ref if enc is None else codec.stored_specs(ref, enc)
+    return sum(ITEMSIZE[d] * math.prod(shape) for d, shape in specs.values())
 
 
 def main() -> None:
@@ -98,25 +118,25 @@ def main() -> None:
     args = p.parse_args()
     logging.disable(logging.INFO)  # the workers log every round
     with tempfile.TemporaryDirectory(prefix="bench-codecs-") as tmp:
-        chosen = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
+        chosen = [list(VARIANTS)[int(i)] for i in args.variants.split(",")] if args.variants else list(VARIANTS)
         rows = [run_variant(v, args, Path(tmp)) for v in chosen]
     base = rows[0]
     print(f"K={args.workers} workers x {args.rounds} rounds x {args.inner_steps} inner steps, built-in model "
           f"{' '.join(args.sets)} ({base['weights_bytes']:,} bytes of weights)\n")
-    print("| contribution | bytes / worker-round | x weights | eval loss per round | final | final - weights |")
+    print("| contribution | bytes / worker-round | fp32 weights / bytes | coding / round | final eval loss | vs first row |")
     print("|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['variant']} | {row['bytes']:,.0f} | {row['bytes'] / base['bytes']:.3f} | "
-              f"{', '.join(f'{x:.4f}' for x in row['losses'])} | {row['losses'][-1]:.4f} | "
-              f"{row['losses'][-1] - base['losses'][-1]:+.4f} |")
+        print(f"| {row['variant']} | {row['bytes']:,.0f} | {base['bytes'] / row['bytes']:.1f}x | "
+              f"{100 * row['encode_share']:.2f}% | {row['losses'][-1]:.4f} | "
+              f"{100 * (row['losses'][-1] / base['losses'][-1] - 1):+.2f}% |")
     bigger = [ModelConfig(), ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024),
               ModelConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024)]
-    print("\n| data bytes, from shapes | " + " | ".join(name_of(v) for v in VARIANTS) + " |")
+    print("\n| fp32 weights / data bytes, from shapes | " + " | ".join(VARIANTS) + " |")
     print("|---|" + "---|" * len(VARIANTS))
     for m in bigger:
-        full = shape_bytes(m, VARIANTS[0])
-        print(f"| {m.n_layer} x {m.n_head} x {m.n_embd} | " + " | ".join(
-            f"{shape_bytes(m, v) / full:.3f}" for v in VARIANTS) + f" |  ({full / 1e6:.1f} MB of weights)")
+        full = shape_bytes(m, "weights (fp32)")
+        print(f"| {m.n_layer} x {m.n_head} x {m.n_embd} ({full / 4e6:.0f}M params) | " + " | ".join(
+            f"{full / shape_bytes(m, v):.1f}x" for v in VARIANTS) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

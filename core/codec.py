@@ -1,14 +1,18 @@
 """Contributions on the wire: full weights, or the outer gradient `delta = base - weights`, compressed.
 
 A worker publishes either its weights (`round.contribution: weights`) or its delta from the base it
-trained from (`delta`), coded as `round.codec` after keeping the top `round.prune_keep` fraction of
-each row by magnitude (the DiLoCo paper's Table 6 prunes outer gradients the same way, with little
-loss up to about half pruned). The file is plain safetensors; for a float tensor `name`:
+trained from (`delta`), coded as `round.codec`: fp32, bf16 or int8 after keeping the top
+`round.prune_keep` fraction of each row by magnitude (the DiLoCo paper's Table 6 prunes outer
+gradients the same way, with little loss up to about half pruned), or `topk`: the top `round.topk`
+of each chunk of 4096 entries in `round.bits` bits (core/topk.py), with error feedback (the
+worker adds what it did not send to its next delta: encode's `feedback`). The file is plain
+safetensors; for a float tensor `name`:
 
     fp32 / bf16, dense    name            F32/BF16, the tensor's shape
     int8, dense           name            I8, the tensor's shape; name::scale F32 [rows]
     any, pruned           name            [rows, k] kept values (I8/F32/BF16); name::index I16/I32 [rows, k]
                           (+ name::scale for int8)
+    topk                  name            U8 packed codes; name::index I16 [chunks, k]; name::scale F32 [chunks]
 
 Rows are the first dimension (a 1-D or 0-D tensor is one row); int8 is symmetric per row:
 q = round(v / s), s = max|v| / 127, so |v - q s| <= s / 2. Non-float tensors are stored as they are.
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core import topk as sparse_code
 from core.checkpoint import DTYPES, Alloc, TensorFile, load_checkpoint, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
@@ -32,7 +37,7 @@ from core.storage import Storage
 META = "islands.contribution"
 SCALE = "::scale"
 INDEX = "::index"
-CODECS = ("fp32", "bf16", "int8")
+CODECS = ("fp32", "bf16", "int8", "topk")
 _STORE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -45,10 +50,16 @@ class Encoding:
     """Fraction of each row's entries kept (by magnitude); 1.0 stores the delta dense."""
     base_digest: str
     """digest of the checkpoint the delta is relative to (weights = base - delta)."""
+    topk: float = 0.0
+    """topk only: fraction of each chunk kept."""
+    bits: int = 0
+    """topk only: bits per kept value (2, 4 or 8)."""
 
     def metadata(self) -> dict[str, str]:
-        return {META: json.dumps({"format": "delta", "codec": self.codec, "keep": self.keep,
-                                  "base_digest": self.base_digest}, sort_keys=True)}
+        d = {"format": "delta", "codec": self.codec, "keep": self.keep, "base_digest": self.base_digest}
+        if self.codec == "topk":
+            d.update(topk=self.topk, bits=self.bits, chunk=sparse_code.CHUNK)
+        return {META: json.dumps(d, sort_keys=True)}
 
 
 def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:
@@ -58,12 +69,17 @@ def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:
         return None
     try:
         d = json.loads(raw)
-        enc = Encoding(str(d["codec"]), float(d["keep"]), str(d["base_digest"]))
-    except (ValueError, KeyError, TypeError):
+        topk = d.get("codec") == "topk"
+        enc = Encoding(str(d["codec"]), float(d["keep"]), str(d["base_digest"]),
+                       float(d["topk"]) if topk else 0.0, int(d["bits"]) if topk else 0)
+        chunk = int(d["chunk"]) if topk else sparse_code.CHUNK
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{label}: metadata {META} is malformed ({raw[:80]!r}): the file is damaged") from None
-    if d.get("format") != "delta" or enc.codec not in CODECS or not 0 < enc.keep <= 1:
-        raise CheckpointError(f"{label}: unknown contribution coding {raw[:120]!r}; this version reads delta "
-                              f"coded as {', '.join(CODECS)} with 0 < keep <= 1")
+    if d.get("format") != "delta" or enc.codec not in CODECS or not 0 < enc.keep <= 1 or \
+            topk and not (0 < enc.topk <= 1 and enc.bits in sparse_code.BITS and chunk == sparse_code.CHUNK):
+        raise CheckpointError(f"{label}: unknown contribution coding {raw[:160]!r}; this version reads delta "
+                              f"coded as {', '.join(CODECS)} with 0 < keep <= 1 (topk: 0 < topk <= 1, bits "
+                              f"2, 4 or 8, chunks of {sparse_code.CHUNK})")
     return enc
 
 
@@ -99,8 +115,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale.to(torch.float32)[:, None]
 
 
-def encode_tensor(name: str, delta: torch.Tensor, codec: str, keep: float) -> dict[str, torch.Tensor]:
+def encode_tensor(name: str, delta: torch.Tensor, enc: Encoding) -> dict[str, torch.Tensor]:
     """The stored entries of one float tensor's delta (see the module docstring)."""
+    if enc.codec == "topk":
+        got = sparse_code.encode(delta, enc.topk, enc.bits)
+        return {name: got["values"], name + INDEX: got["index"], name + SCALE: got["scale"]}
+    codec, keep = enc.codec, enc.keep
     shape = tuple(delta.shape)
     rows, cols = rows_of(shape)
     v = delta.detach().to(torch.float32).reshape(rows, cols)
@@ -119,22 +139,41 @@ def encode_tensor(name: str, delta: torch.Tensor, codec: str, keep: float) -> di
     return out
 
 
-def encode(base: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], codec: str, keep: float,
-           base_digest: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, safetensors metadata) of a delta contribution: float tensors as coded deltas
-    base - weights (computed in fp32), other tensors as the weights have them."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; valid: {', '.join(CODECS)}")
+Feedback = dict[str, torch.Tensor]
+"""Error feedback: per float tensor, fp32, what was not sent yet (a worker's state, like AdamW's)."""
+
+
+def encode(base: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], enc: Encoding,
+           feedback: Feedback | None = None, decay: float = 0.0
+           ) -> tuple[dict[str, torch.Tensor], dict[str, str], Feedback | None]:
+    """(tensors, safetensors metadata, new feedback) of a delta contribution: float tensors as coded
+    deltas base - weights (computed in fp32), other tensors as the weights have them.
+
+    With `feedback` (error feedback; {} at first), each float tensor codes decay x feedback + delta
+    instead, and the new feedback is what that coding left out (the entries not kept and the kept
+    ones' rounding): SparseLoCo's error feedback. `feedback` itself is not changed."""
+    if enc.codec not in CODECS:
+        raise ValueError(f"unknown codec {enc.codec!r}; valid: {', '.join(CODECS)}")
     missing = sorted(set(weights) ^ set(base))
     if missing:
         raise CheckpointError(f"cannot code a delta: the weights and their base differ in tensors {missing[:5]}")
     out: dict[str, torch.Tensor] = {}
+    left: Feedback = {}
     for name, w in weights.items():
-        if w.dtype in _FLOATS:
-            out.update(encode_tensor(name, base[name].to(torch.float32) - w.to(torch.float32), codec, keep))
-        else:
+        if w.dtype not in _FLOATS:
             out[name] = w
-    return out, Encoding(codec, keep, base_digest).metadata()
+            continue
+        d = base[name].to(torch.float32) - w.to(torch.float32)
+        if feedback is not None and name in feedback:
+            if feedback[name].numel() != d.numel():
+                raise CheckpointError(f"error feedback for tensor {name} has {feedback[name].numel()} entries, the "
+                                      f"tensor {d.numel()}: the worker's state file is another model's")
+            d = d.add_(feedback[name].reshape(d.shape), alpha=decay)
+        entries = encode_tensor(name, d, enc)
+        out.update(entries)
+        if feedback is not None:
+            left[name] = d.sub_(decode_tensor(name, tuple(d.shape), enc, entries.__getitem__))
+    return out, enc.metadata(), (left if feedback is not None else None)
 
 
 def stored_specs(ref: Mapping[str, tuple[str, tuple[int, ...]]], enc: Encoding) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -144,6 +183,11 @@ def stored_specs(ref: Mapping[str, tuple[str, tuple[int, ...]]], enc: Encoding) 
     for name, (dtype, shape) in ref.items():
         if dtype not in ("F64", "F32", "F16", "BF16"):
             out[name] = (dtype, shape)
+            continue
+        if enc.codec == "topk":
+            lay = sparse_code.layout(math.prod(shape), enc.topk)
+            out.update({name: ("U8", (lay.packed_len(enc.bits),)), name + INDEX: ("I16", (lay.chunks, lay.k)),
+                        name + SCALE: ("F32", (lay.chunks,))})
             continue
         rows, cols = rows_of(shape)
         k = kept_per_row(cols, enc.keep)
@@ -155,8 +199,17 @@ def stored_specs(ref: Mapping[str, tuple[str, tuple[int, ...]]], enc: Encoding) 
     return out
 
 
+def sparse_tensor(name: str, shape: tuple[int, ...], enc: Encoding, get: Callable[[str], torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A topk delta of tensor `name` (of `shape`) as (flat positions, fp32 values), checked
+    (core.topk.sparse), from its stored entries, fetched with `get`."""
+    return sparse_code.sparse(name, math.prod(shape), enc.topk, enc.bits, get(name), get(name + INDEX), get(name + SCALE))
+
+
 def decode_tensor(name: str, shape: tuple[int, ...], enc: Encoding, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """The fp32 delta of tensor `name` (of `shape`) from its stored entries, fetched with `get`."""
+    if enc.codec == "topk":
+        return sparse_code.dense(math.prod(shape), *sparse_tensor(name, shape, enc, get)).reshape(shape)
     rows, cols = rows_of(shape)
     v = get(name)
     v = dequantize_int8(v.reshape(rows, -1), get(name + SCALE)) if enc.codec == "int8" else v.to(torch.float32)

@@ -183,14 +183,28 @@ class RoundConfig:
     """What a worker publishes: its `weights`, or its outer gradient `delta` = base - weights,
     coded as round.codec (core/codec.py); the merge decodes either. Not with `lte` (which sends
     LoRA heads) nor late_policy `fold`."""
-    codec: Literal["fp32", "bf16", "int8"] = "fp32"
+    codec: Literal["fp32", "bf16", "int8", "topk"] = "fp32"
     """`delta` only: how the delta's values are stored: `fp32` (exact), `bf16` (half the bytes),
-    `int8` with one fp32 scale per row (a quarter; error <= half a step of the row's max / 127)."""
+    `int8` with one fp32 scale per row (a quarter; error <= half a step of the row's max / 127), or
+    `topk`: of each chunk of 4096 entries the round.topk largest, in round.bits bits each with a
+    2-byte offset, plus one fp32 scale per chunk (1/110 of fp32 at the defaults), what is left out
+    carried to the next round by error feedback (round.error_feedback; SparseLoCo, docs/algorithms.md)."""
     prune_keep: float = 1.0
     """`delta` only: fraction of each row's entries kept, the largest by magnitude (the DiLoCo
     paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the kept values are
     stored with their column index (2 bytes each for rows up to 32768 wide): it saves bytes only
     below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
+    topk: float = 0.015625
+    """codec `topk` only: fraction of each chunk of 4096 entries kept, the largest by magnitude
+    (1/64: 64 a chunk)."""
+    bits: int = 2
+    """codec `topk` only: bits per kept value: 2, 4 or 8 (uniform levels between -s and s, s the
+    chunk's largest kept magnitude)."""
+    error_feedback: float = 0.95
+    """codec `topk` only: decay of the error-feedback buffer, in [0, 1]: a worker codes decay x
+    buffer + its delta and keeps what that left out as the buffer, which lives with its AdamW state
+    (state file, in-flight checkpoint, memory of a persistent worker). 0 = no feedback: what is not
+    sent is lost."""
     aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
     """How a round combines its contributions before the outer step: `mean`, weighted by each
     contribution's weight (DiLoCo, FedAvg); `median`, element-wise (Flower's FedMedian); or

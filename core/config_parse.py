@@ -309,6 +309,15 @@ def _check_round(cfg: Config) -> list[str]:
     need(rc.contribution == "delta" or (rc.codec == "fp32" and rc.prune_keep == 1),
          f"round.codec={rc.codec} and round.prune_keep={rc.prune_keep} code the outer gradient: they need "
          "round.contribution=delta (weights are always sent in full)")
+    need(0 < rc.topk <= 1, f"round.topk must be in (0, 1], got {rc.topk}")
+    need(rc.bits in (2, 4, 8), f"round.bits must be 2, 4 or 8, got {rc.bits}")
+    need(0 <= rc.error_feedback <= 1, f"round.error_feedback (the buffer's decay) must be in [0, 1], got {rc.error_feedback}")
+    need(rc.codec != "topk" or rc.prune_keep == 1,
+         "round.prune_keep prunes rows for the fp32, bf16 and int8 codecs; codec topk keeps round.topk of each chunk: "
+         "drop prune_keep")
+    need(rc.codec != "topk" or rc.aggregate == "mean",
+         f"round.aggregate={rc.aggregate} with codec topk: each worker sends a different 1.6% of each chunk, so an "
+         "element's median or trimmed mean over the workers is almost always 0; use aggregate mean (or another codec)")
     need(rc.contribution == "weights" or cfg.algorithm != "lte",
          "round.contribution=delta does not apply to lte, whose workers send LoRA heads: drop it")
     need(rc.contribution == "weights" or rc.late_policy != "fold",

@@ -200,6 +200,10 @@ class RoundRecord:
     """The task's other eval metrics (e.g. accuracy), filled in with eval_loss."""
     worker_train_s: dict[str, float] = field(default_factory=dict)
     """Seconds each contributing worker spent on the round: loading its base, training, writing its contribution."""
+    contribution_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of each merged contribution's file (what crossed storage, once written and once read)."""
+    fp32_bytes: int | None = None
+    """What one contribution's weights take in fp32: the ratio's yardstick."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -183,8 +183,11 @@ class RunningSum:
                 else:
                     groups.setdefault(name, {})[read.tag] = t.clone()
                     if len(groups[name]) == len(entries[name]):
-                        got_all = groups.pop(name)
-                        self._add(c, label, name, codec.decode_tensor(name, self.ref[name].shape, enc, got_all.__getitem__))
+                        got_all, shape = groups.pop(name), self.ref[name].shape
+                        if enc is not None and enc.codec == "topk":  # scattered into S: never a dense copy
+                            self._add_sparse(c, label, name, *codec.sparse_tensor(name, shape, enc, got_all.__getitem__))
+                        else:
+                            self._add(c, label, name, codec.decode_tensor(name, shape, enc, got_all.__getitem__))
                 reader.give_back(buf)
         finally:
             if not reader.close():  # a read still running may yet fill one of them: new ones for the next fold
@@ -205,6 +208,13 @@ class RunningSum:
             raise CheckpointError(nonfinite(label, name))
         self._dirty = True
         s.view(-1)[start:stop].add_(x.reshape(-1).to(torch.float32).mul(float(c.weight)))
+
+    def _add_sparse(self, c: Contribution, label: str, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """S[name] at `positions` (distinct: core.topk.sparse checks them) += w values."""
+        if not finite(values):
+            raise CheckpointError(nonfinite(label, name))
+        self._dirty = True
+        self._sum[name].view(-1).index_add_(0, positions, values.mul(float(c.weight)))
 
     def _fold_whole(self, c: Contribution, label: str, f: TensorFile) -> tuple[str, int]:
         """An input in the other space: decode it whole (codec.load_weights), convert per tensor."""

@@ -90,7 +90,7 @@ class Executor:
         self.kind = resolve_kind(cfg.executor.kind)
         self.folder = Path(folder)
         self._jobs: dict[str, submitit.Job] = {}
-        self._gpus = self._local_gpu_count() if self.kind == "local" else 0
+        self._gpus: int | None = None  # the machine's GPUs, for local jobs: counted at the first submission
         self._ex = self._make(self.folder / "%j")
         self._poller = SlurmPoller()
 
@@ -121,6 +121,8 @@ class Executor:
         return count
 
     def _submit_one(self, task: WorkerTask) -> submitit.Job:
+        if self.kind == "local" and self._gpus is None:  # not before: status and cancel never import torch
+            self._gpus = self._local_gpu_count()
         if self.kind == "local" and self.cfg.executor.gpus_per_node:  # each local worker its own GPUs, if there are enough
             self._ex.update_parameters(visible_gpus=local_gpus(task.worker, self.cfg.executor.gpus_per_node, self._gpus))
         return self._ex.submit(WorkerJob(), task)

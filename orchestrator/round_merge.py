@@ -116,6 +116,8 @@ class RoundMerger:
             contrib_digest={str(w): manifests[w].get("digest") for w in merged}, folded=merged_folds,
             fold_rejected=fold_refused + refused, worker_idle_s=_per_worker(manifests, "waited_s"),
             worker_train_s=_per_worker(manifests, "seconds"),
+            contribution_bytes={str(w): n for w in merged if (n := _count(manifests[w], "bytes")) is not None},
+            fp32_bytes=next((n for w in merged if (n := _count(manifests[w], "fp32_bytes")) is not None), None),
             jobs={str(w): {**final[j].as_dict(), "attempts": jobs.workers[w].attempts} for w, j in jobs.latest().items()})
 
     def commit(self, jobs: RoundJobs, record: RoundRecord) -> None:
@@ -216,6 +218,12 @@ class RoundMerger:
         except CheckpointError as exc:
             return None, refusal(label, exc), m
         return Contribution(w, key, weight), "", m
+
+
+def _count(manifest: dict[str, Any], key: str) -> int | None:
+    """A byte count a worker wrote in its manifest, if it is one (the manifest is a worker's word)."""
+    v = manifest.get(key)
+    return v if type(v) is int and 0 <= v < 1 << 62 else None
 
 
 def _per_worker(manifests: dict[int, dict[str, Any]], key: str) -> dict[str, float]:

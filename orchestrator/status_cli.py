@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from core.layout import RunLayout
+from core.progress import human
 from core.storage import Storage
 from orchestrator.console import console
 from orchestrator.run_view import duration, worker_state
@@ -72,6 +73,18 @@ def status_table(status: dict[str, Any]) -> Any:
     return table
 
 
+def contribution_line(rounds: list[dict[str, Any]]) -> str | None:
+    """Bytes a worker wrote per round (the last round that says), against its weights in fp32."""
+    for r in reversed(rounds):
+        sizes = list(r.get("contribution_bytes", {}).values())
+        if sizes:
+            mean = sum(sizes) / len(sizes)
+            fp32 = r.get("fp32_bytes")
+            ratio = f", 1/{fp32 / mean:.0f} of the weights in fp32 ({human(fp32)}B)" if fp32 and mean else ""
+            return f"contributions: {human(mean)}B per worker-round (round {r['round']}){ratio}"
+    return None
+
+
 def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -103,6 +116,9 @@ def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
     if not args.watch:
         status = status_with_jobs(storage, jobs_folder)
         console.print(status_table(status))
+        sent = contribution_line(status["rounds"])
+        if sent:
+            console.print(sent, markup=False)
         if status["failure"]:
             console.print(f"failed in round {status['failure'].get('round')}: {status['failure']['reason']}", markup=False)
         if status["scheduler"] != "answered":

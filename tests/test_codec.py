@@ -53,7 +53,7 @@ def test_prune_keeps_exactly_the_top_fraction_of_each_row():
     big = torch.randn(16, 300)
     k = codec.kept_per_row(300, 0.1)
     dense = codec.decode_tensor("w", (16, 300), codec.Encoding("fp32", 0.1, "x"),
-                                codec.encode_tensor("w", big, "fp32", 0.1).__getitem__)
+                                codec.encode_tensor("w", big, codec.Encoding("fp32", 0.1, "x")).__getitem__)
     assert k == 30 and all(int((row != 0).sum()) == k for row in dense)
     threshold = big.abs().sort(dim=1, descending=True).values[:, k - 1: k]  # the k-th largest magnitude
     assert torch.equal(dense != 0, big.abs() >= threshold)
@@ -66,7 +66,7 @@ def test_stored_entries_match_their_specs_and_decode(name, keep):
     torch.manual_seed(2)
     base = {"w": torch.randn(6, 40), "b": torch.randn(40), "s": torch.randn(()), "n": torch.arange(3)}
     weights = {k: (v + 0.01 * torch.randn(v.shape) if v.is_floating_point() else v) for k, v in base.items()}
-    tensors, meta = codec.encode(base, weights, name, keep, "abc")
+    tensors, meta, _ = codec.encode(base, weights, codec.Encoding(name, keep, "abc"))
     enc = codec.encoding_of(meta, "t")
     from core.checkpoint import DTYPES
     spec = codec.stored_specs({k: (DTYPES[v.dtype], tuple(v.shape)) for k, v in base.items()}, enc)
@@ -101,7 +101,7 @@ def _publish(mem, key, g, w, sha, name=None, keep=1.0):
     if name is None:
         write_checkpoint(mem, key, w, manifest={"round": 0})
     else:
-        tensors, meta = codec.encode(g, w, name, keep, sha)
+        tensors, meta, _ = codec.encode(g, w, codec.Encoding(name, keep, sha))
         write_checkpoint(mem, key, tensors, metadata=meta, manifest={"round": 0, "base": "g0.safetensors"})
     return key
 
@@ -327,7 +327,7 @@ def test_a_damaged_state_is_not_held_and_the_merge_names_it(mem, caplog):
 def test_a_coded_contribution_with_wrong_entries_is_rejected_with_the_tensor_named(mem):
     g, workers, sha = _setup(mem, k=2, seed=8)
     good = Contribution(0, _publish(mem, "d0.safetensors", g, workers[0], sha, "int8"), 1.0)
-    tensors, meta = codec.encode(g, workers[1], "int8", 1.0, sha)
+    tensors, meta, _ = codec.encode(g, workers[1], codec.Encoding("int8", 1.0, sha))
     del tensors["a.w::scale"]
     write_checkpoint(mem, "d1.safetensors", tensors, metadata=meta, manifest={"round": 0})
     res = _merge(mem, [good, Contribution(1, "d1.safetensors", 1.0)])
@@ -381,7 +381,7 @@ def test_a_delta_against_another_base_is_decoded_whole_and_rebased_on_the_global
     write_checkpoint(mem, "b.safetensors", b, manifest={"round": 0})
     b_sha = read_manifest(mem, "b.safetensors")["digest"]
     c0 = Contribution(0, _publish(mem, "d0.safetensors", g, workers[0], sha, "fp32"), 1.0)
-    tensors, meta = codec.encode(b, workers[1], "fp32", 1.0, b_sha)
+    tensors, meta, _ = codec.encode(b, workers[1], codec.Encoding("fp32", 1.0, b_sha))
     write_checkpoint(mem, "d1.safetensors", tensors, metadata=meta, manifest={"round": 0, "base": "b.safetensors"})
     res = _merge(mem, [c0, Contribution(1, "d1.safetensors", 1.0)])
     assert res.merged == [0, 1] and res.order == [0, 1]

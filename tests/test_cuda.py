@@ -76,11 +76,11 @@ def test_a_local_worker_job_sees_its_gpus_and_none_beyond(tmp_path, monkeypatch,
     ids = ex.submit([WorkerTask("file:///run", 0, w, L.global_weights(0)) for w in range(3)])
     assert [ex._jobs[i].result() for i in ids] == ["0", "1", "2"]
     none = Executor(config_from_dict({"executor": {"kind": "local"}}), tmp_path / "jobs")
-    assert "executor.gpus_per_node=0: local workers see none" in caplog.text
     assert [none._jobs[i].result() for i in none.submit([WorkerTask("file:///run", 0, 0, L.global_weights(0))])] == [""]
+    assert "executor.gpus_per_node=0: local workers see none" in caplog.text
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(RunError, match=r"executor.gpus_per_node=1 but this machine has 0 GPU\(s\)"):
-        Executor(cfg, tmp_path / "jobs")
+        Executor(cfg, tmp_path / "jobs").submit([WorkerTask("file:///run", 0, 0, L.global_weights(0))])
 
 
 @gpu

@@ -17,6 +17,7 @@ import submitit
 import torch
 
 import worker.train as train
+from core import codec
 from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
 from core.config import config_from_dict
@@ -32,9 +33,13 @@ pytestmark = pytest.mark.slow
 MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
 
 
+TOPK = {"contribution": "delta", "codec": "topk", "topk": 0.1}  # error feedback: state beside AdamW's
+
+
 def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp", steps: int = 4,
-         model: dict | None = None, data: dict | None = None, task: str = "lm") -> Storage:
+         model: dict | None = None, data: dict | None = None, task: str = "lm", round_: dict | None = None) -> Storage:
     c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": model or MODEL, "task": task,
+                          "round": round_ or {},
                           "inner": {"steps": steps, "batch_size": 4, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
                           "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache, **(data or {})},
                           "run_dir": str(tmp_path / name)})
@@ -102,12 +107,13 @@ def test_a_sharded_hugging_face_model_with_tied_weights_and_buffers(tmp_path, co
     _assert_close(one, two, L.worker_state(0, 0))
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache, parallel):
+@pytest.mark.parametrize("parallel, round_", [("ddp", None), ("fsdp", None), ("fsdp", TOPK)])
+def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache, parallel, round_):
     """The state a 2-rank job wrote carries on in a 1-rank job (a requeue on fewer GPUs), and the
     other way round: the state file holds the whole AdamW state, whatever wrote it (sharded too:
-    PyTorch's state-dict helpers gather and scatter it)."""
-    runs = {name: _run(tmp_path, corpus_cache, name, parallel=parallel) for name in ("one", "down", "up")}
+    PyTorch's state-dict helpers gather and scatter it), and the whole error-feedback buffer
+    (codec topk: rank 0 codes the gathered weights, and keeps the buffer)."""
+    runs = {name: _run(tmp_path, corpus_cache, name, parallel=parallel, round_=round_) for name in ("one", "down", "up")}
     ranks = {"one": (1, 1), "down": (2, 1), "up": (1, 2)}  # ranks in round 0, in round 1
     for r in range(2):
         for name, s in runs.items():
@@ -116,8 +122,7 @@ def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache, p
             else:
                 train.run_worker(_task(s, r))
             if r == 0:  # round 1 starts from worker 0's own weights: no merge needed to compare
-                tensors, _, _ = load_checkpoint(s, L.contribution(0, 0))
-                write_checkpoint(s, L.global_weights(1), tensors, manifest={"round": 1})
+                write_checkpoint(s, L.global_weights(1), codec.load_weights(s, L.contribution(0, 0)), manifest={"round": 1})
     for name in ("down", "up"):
         _assert_close(runs["one"], runs[name], L.contribution(1, 0))
         _assert_close(runs["one"], runs[name], L.worker_state(0, 1))
@@ -173,6 +178,28 @@ def test_a_worker_signalled_in_the_middle_of_a_step_resumes_bit_for_bit(tmp_path
     assert m["resumed_at_step"] is not None and 1 <= m["resumed_at_step"] < 12, m
     assert m["digest"] == read_manifest(one, L.contribution(0, 0))["digest"]
     assert read_manifest(two, L.worker_state(0, 0))["digest"] == read_manifest(one, L.worker_state(0, 0))["digest"]
+
+
+def test_a_topk_worker_signalled_mid_round_resumes_with_its_error_feedback(tmp_path, corpus_cache, monkeypatch):
+    """Round 1 of a topk run, whose buffer holds what round 0 left out, is signalled mid-round: the
+    in-flight checkpoint holds the buffer the round started with, and the requeued job publishes
+    the contribution and state of an uninterrupted worker, bit for bit."""
+    from orchestrator.executor import _children
+
+    one = _run(tmp_path, corpus_cache, "one", steps=12, round_=TOPK)
+    two = _run(tmp_path, corpus_cache, "two", steps=12, round_=TOPK)
+    for s in (one, two):
+        train.run_worker(_task(s, 0))
+        write_checkpoint(s, L.global_weights(1), codec.load_weights(s, L.contribution(0, 0)), manifest={"round": 1})
+    train.run_worker(_task(one, 1))
+    two.remove(L.worker_progress(0))  # round 0's heartbeat: the wait below is for round 1's first
+    job = _slowed_job_training(tmp_path, two, _task(two, 1), 1, monkeypatch)
+    os.kill(next(iter(_children(int(job.job_id)))), signal.SIGUSR2)
+    job.results()
+    m = read_manifest(two, L.contribution(1, 0))
+    assert m["resumed_at_step"] is not None and 1 <= m["resumed_at_step"] < 12, m
+    assert m["digest"] == read_manifest(one, L.contribution(1, 0))["digest"]
+    assert read_manifest(two, L.worker_state(0, 1))["digest"] == read_manifest(one, L.worker_state(0, 1))["digest"]
 
 
 def _slowed_job_training(tmp_path, storage: Storage, task: WorkerTask, ranks: int, monkeypatch) -> submitit.Job:

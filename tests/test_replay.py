@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import replay
+from core.checkpoint import load_checkpoint
 from core.checkpoint_writer import write_checkpoint
 from core.config import load_config
 from core.errors import ConfigError, RunError
@@ -247,3 +248,29 @@ def test_a_run_on_a_prepared_dataset_is_replayed_bit_for_bit(tmp_path, corpus_ca
     _submit(src, corpus_cache, *TINY, "--workers", "2", "--rounds", "2", "--inner-steps", "4",
             "--set", f"data.source={tmp_path / 'ds'}", "--set", "data.sharding=non-iid")
     _replay_equals(src, corpus_cache, 2, 2)
+
+
+@pytest.mark.slow
+def test_a_topk_run_whose_service_was_killed_is_replayed_bit_for_bit(tmp_path, corpus_cache, capsys):
+    """Top-k contributions with error feedback (round.codec topk): each persistent worker carries
+    its buffer in memory and writes it with its AdamW state. The service dies after round 0's
+    commit and `resume` finishes the run; the replay, in new processes, publishes every global of
+    its source bit for bit, so the buffers were neither lost nor applied twice."""
+    src = tmp_path / "run"
+    _submit(src, corpus_cache, *TINY, "--workers", "3", "--rounds", "3", "--inner-steps", "4",
+            "--set", "round.contribution=delta", "--set", "round.codec=topk", "--set", "round.bits=4",
+            env={"ISLANDS_FAILPOINT": "service.after_record"}, code=137)
+    assert main(["resume", str(src)]) == 0
+    s = Storage(str(src))
+    state = load_checkpoint(s, RunLayout().worker_state(1, 2))[0]
+    assert any(k.startswith("error_feedback/") and t.abs().sum() > 0 for k, t in state.items())
+    m = s.read_json("rounds/00002/contrib/worker_001.json")
+    assert m["contribution"]["codec"] == "topk" and m["fp32_bytes"] > 20 * m["bytes"]
+    capsys.readouterr()
+    assert main(["status", str(src), "--json"]) == 0
+    last = json.loads(capsys.readouterr().out)["rounds"][-1]
+    assert last["contribution_bytes"]["1"] == m["bytes"] and last["fp32_bytes"] == m["fp32_bytes"]
+    assert main(["status", str(src)]) == 0
+    ratio = m["fp32_bytes"] / (sum(last["contribution_bytes"].values()) / 3)
+    assert f"per worker-round (round 2), 1/{ratio:.0f} of the weights in fp32" in capsys.readouterr().out
+    _replay_equals(src, corpus_cache, 3, 3)

@@ -52,10 +52,12 @@ def _digest(storage: Storage, key: str) -> str:
     return read_manifest(storage, key)["digest"]
 
 
-@pytest.mark.parametrize("contribution", ["weights", "delta"])
+@pytest.mark.parametrize("contribution", [{"contribution": "weights"}, {"contribution": "delta"},
+                                          {"contribution": "delta", "codec": "topk", "topk": 0.1}])
 def test_resident_worker_publishes_what_per_round_jobs_publish(tmp_path, corpus_cache, contribution):
-    fresh = _run(tmp_path, corpus_cache, "fresh", round={"contribution": contribution})
-    resident = _run(tmp_path, corpus_cache, "resident", round={"contribution": contribution})
+    """topk: the error-feedback buffer, carried in memory, equals the one read from the state file."""
+    fresh = _run(tmp_path, corpus_cache, "fresh", round=contribution)
+    resident = _run(tmp_path, corpus_cache, "resident", round=contribution)
     carry = None
     for r in range(ROUNDS):
         train.run_worker(_task(fresh, r))

@@ -65,7 +65,7 @@ def _round(mem, coding=None, outlier=50.0):
         if coding is None:
             write_checkpoint(mem, f"c{i}.safetensors", w, manifest={"round": 0})
         else:
-            tensors, meta = codec.encode(g, w, coding, 1.0, sha)
+            tensors, meta, _ = codec.encode(g, w, codec.Encoding(coding, 1.0, sha))
             write_checkpoint(mem, f"c{i}.safetensors", tensors, metadata=meta, manifest={"round": 0, "base": "g0.safetensors"})
         cs.append(Contribution(i, f"c{i}.safetensors", float(i + 1)))
     return g, workers, cs
@@ -99,7 +99,7 @@ def test_a_late_delta_against_another_base_joins_the_median(mem):
     g, workers, cs = _round(mem, "fp32")
     b = {n: (t + 0.2) if t.is_floating_point() else t for n, t in g.items()}
     write_checkpoint(mem, "b.safetensors", b, manifest={"round": 0})
-    tensors, meta = codec.encode(b, workers[1], "fp32", 1.0, read_manifest(mem, "b.safetensors")["digest"])
+    tensors, meta, _ = codec.encode(b, workers[1], codec.Encoding("fp32", 1.0, read_manifest(mem, "b.safetensors")["digest"]))
     write_checkpoint(mem, "late.safetensors", tensors, metadata=meta, manifest={"round": 0, "base": "b.safetensors"})
     cs[1] = Contribution(1, "late.safetensors", 2.0)
     merge_round(mem,

@@ -33,6 +33,16 @@ from worker.tasks import Runner, task_for
 from worker.weights import HostBuffers, load_weights, weights_of
 
 SEP = "::"  # optimizer state keys are `param<SEP>slot`
+FEEDBACK = "error_feedback/"  # round.codec topk: the error-feedback buffer's keys are `FEEDBACK<param>`
+
+
+def take_feedback(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove the error-feedback buffer from a state file's or in-flight checkpoint's tensors; return it."""
+    return {k[len(FEEDBACK):]: tensors.pop(k) for k in [k for k in tensors if k.startswith(FEEDBACK)]}
+
+
+def feedback_tensors(feedback: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    return {FEEDBACK + k: t for k, t in (feedback or {}).items()}
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, list[str]]:

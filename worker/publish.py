@@ -21,6 +21,7 @@ from core import codec
 from core.checkpoint_writer import write_checkpoint
 from core.errors import IslandsError
 from core.layout import RunLayout, manifest_key
+from worker.params import feedback_tensors
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -46,8 +47,6 @@ class Publisher:
         weights = self._weights()
         if not self.ranks.lead:
             return None
-        if not state_later:
-            self._write_state(state, t.round, t.worker)
         manifest = {
             "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
             "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_digest": self.base_sha,
@@ -62,9 +61,15 @@ class Publisher:
             manifest["overlap"] = {"mode": rc.overlap, "adopted_at_step": self.adopted_at, "ahead_s": round(self.ahead_s, 3),
                                    **({"mix": rc.overlap_mix} if rc.overlap == "mix" else {})}
         params.describe(manifest)
-        tensors, metadata = self._contribution(manifest, weights)
+        tensors, metadata, feedback = self._contribution(manifest, weights)
+        state.update(feedback_tensors(feedback))  # the buffer after this contribution: the next round's
+        if not state_later:
+            self._write_state(state, t.round, t.worker)
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
                                manifest=manifest)
+        # only now: an in-flight checkpoint saved before this (a signal during the write) resumes the
+        # round, so it must hold the buffer the round started with
+        self.feedback = feedback
         self.storage.remove(L.worker_inflight(t.worker, t.round))
         if state_later:
             self._state_write = threading.Thread(target=self._write_state, args=(state, t.round, t.worker, True),
@@ -111,7 +116,8 @@ class Publisher:
         writes; sharded, every rank calls it (the gathers are collectives)."""
         t = self.task
         # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
-        tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names)}
+        tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names),
+                   **feedback_tensors(self.feedback)}
         self.inflight_at = self.done
         if not self.ranks.lead:
             return
@@ -127,15 +133,24 @@ class Publisher:
         return self.trained_s if self._t_start is None else time.monotonic() - self._t_start
 
     def _contribution(self, manifest: dict[str, Any], weights: dict[str, torch.Tensor]
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-        """What is published (and its safetensors metadata): `weights`, or the delta base -
-        weights coded as round.codec (core/codec.py; the codec goes into the manifest too)."""
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None, codec.Feedback | None]:
+        """What is published (with its safetensors metadata, and the error feedback it leaves):
+        `weights`, or the delta base - weights coded as round.codec (core/codec.py; the codec goes
+        into the manifest too, with the bytes the weights would take in fp32)."""
         rc = self.cfg.round
+        manifest["fp32_bytes"] = sum(4 * w.numel() if w.is_floating_point() else w.nbytes for w in weights.values())
         if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
-            return weights, None
+            return weights, None, None
         base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
-        manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep}
-        return codec.encode(base, weights, rc.codec, rc.prune_keep, self.base_sha)
+        t0 = time.perf_counter()
+        enc = codec.Encoding(rc.codec, rc.prune_keep, self.base_sha, rc.topk if rc.codec == "topk" else 0.0,
+                             rc.bits if rc.codec == "topk" else 0)
+        tensors, metadata, feedback = codec.encode(base, weights, enc, self.feedback, rc.error_feedback)
+        manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep,
+                                    "encode_s": round(time.perf_counter() - t0, 4),
+                                    **({"topk": rc.topk, "bits": rc.bits, "error_feedback": rc.error_feedback}
+                                       if rc.codec == "topk" else {})}
+        return tensors, metadata, feedback
 
     def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
         """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters.

@@ -39,7 +39,7 @@ from core.failpoints import failpoint, slowpoint
 from core.layout import RunLayout
 from core.storage import Storage
 from core.task import WorkerTask
-from worker.params import SEP
+from worker.params import SEP, take_feedback
 from worker.sharded import params_for
 from worker.publish import Publisher
 from worker.ranks import data_parallel, join, preemption
@@ -129,6 +129,10 @@ class InnerTrainer(Publisher):
         self._host_out = self._host_base if cfg.round.contribution == "weights" else HostBuffers(self.device)
         # a replay (round.replay): the steps and adoption steps its source run recorded
         self.schedule = replay.of_run(self.storage, cfg)
+        # round.codec topk: what this worker's contributions left out, sent with its next ones
+        rc = cfg.round
+        self.feedback: codec.Feedback | None = None
+        self.uses_feedback = rc.contribution == "delta" and rc.codec == "topk" and rc.error_feedback > 0
         self._begin(task, own_state=False)
 
     def _begin(self, task: WorkerTask, own_state: bool) -> None:
@@ -226,6 +230,7 @@ class InnerTrainer(Publisher):
         self._base = base if self.cfg.round.contribution == "delta" else None
         if resuming:
             tensors = params.read(self.storage, inflight, f"worker {t.worker} in-flight checkpoint")
+            self._take_feedback(tensors)
             params.load_trained(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
             params.load_optimizer(self.model, self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k},
                                   "in-flight checkpoint")
@@ -239,12 +244,20 @@ class InnerTrainer(Publisher):
         # rank 0 looks, the others take its answer (and would only repeat its listing)
         state_key = None if own_state else self.ranks.lead_says(
             latest_state_key(self.storage, t.worker, t.round) if self.ranks.lead else None)
+        if not own_state:
+            self.feedback = {} if self.uses_feedback else None
         if state_key is not None:
             state = params.read(self.storage, state_key, f"worker {t.worker} optimizer state")
+            self._take_feedback(state)
             label = self.storage.display(state_key)
             params.load_optimizer(self.model, self.opt, self.names, params.restore_state(self.model, state, label, t.round),
                                   label)
         return base_manifest["digest"]
+
+    def _take_feedback(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The error-feedback buffer out of a state file's tensors (an older run's has none: {})."""
+        feedback = take_feedback(tensors)
+        self.feedback = feedback if self.uses_feedback else None
 
     def train(self, until: Callable[[], bool] | None = None) -> None:
         """Inner steps until the round's steps or time budget are spent, or (round.overlap, training

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from core import codec
 from core.config import Config, DataConfig
 from merge.methods import get_method
 from orchestrator.plan import next_bases
@@ -172,6 +173,24 @@ def run_plain(cfg: Config, data: Data, init: Weights | None = None) -> RunResult
     return RunResult(losses, extra={"weights": w, "worker": worker})
 
 
+def sent(global_w: Weights, weights: Weights, cfg: Config, feedback: dict[int, codec.Feedback], w: int
+         ) -> tuple[Weights, int]:
+    """What worker `w`'s contribution merges as, and its bytes: its weights, or (round.contribution
+    delta) global - its coded delta, decoded as the merge does; codec topk carries `feedback[w]`."""
+    rc = cfg.round
+    if rc.contribution == "weights":
+        return weights, nbytes(weights)
+    enc = codec.Encoding(rc.codec, rc.prune_keep, "", rc.topk if rc.codec == "topk" else 0.0,
+                         rc.bits if rc.codec == "topk" else 0)
+    ef = rc.codec == "topk" and rc.error_feedback > 0
+    tensors, _, left = codec.encode(global_w, weights, enc, feedback.get(w, {}) if ef else None, rc.error_feedback)
+    if left is not None:
+        feedback[w] = left
+    decoded = {n: g - codec.decode_tensor(n, tuple(g.shape), enc, tensors.__getitem__) if g.is_floating_point()
+               else tensors[n] for n, g in global_w.items()}
+    return decoded, nbytes(tensors)
+
+
 def _active_count(schedule: Callable[[int], int] | None, cfg: Config, rnd: int) -> int:
     return cfg.workers if schedule is None else schedule(rnd)
 
@@ -190,6 +209,8 @@ def run_diloco(cfg: Config, data: Data, *, drop: float = 0.0, schedule: Callable
     own: dict[int, Weights] = {}
     bases: dict[int, str] = {}
     rng = random.Random(f"drop:{cfg.seed}:{drop}")
+    feedback: dict[int, codec.Feedback] = {}  # round.codec topk: each worker's error feedback
+    contributions: dict[int, Weights] = {}
     losses, comm, dropped = [evaluate(global_w)], 0, 0
     size = nbytes(global_w)
     for r in range(cfg.rounds):
@@ -202,12 +223,13 @@ def run_diloco(cfg: Config, data: Data, *, drop: float = 0.0, schedule: Callable
                 own[w] = workers[w].run_overlapped(global_w, own[w], r, ahead, cfg.round.overlap, cfg.round.overlap_mix)
             else:
                 own[w] = workers[w].run_round(global_w if base == "global" else own[w], r)
-            comm += (size if base == "global" else 0) + size
+            contributions[w], up = sent(global_w, own[w], cfg, feedback, w)
+            comm += (size if base == "global" else 0) + up
         merged = [w for w in range(active) if not (drop and rng.random() < drop)]
         dropped += active - len(merged)
         if merged:  # every gradient dropped: the global model stays as it is
             tokens = [float(cfg.inner.steps * workers[w].sampler.tokens_per_batch) for w in merged]
-            global_w = outer_merge(global_w, [own[w] for w in merged], tokens, states, cfg)
+            global_w = outer_merge(global_w, [contributions[w] for w in merged], tokens, states, cfg)
         late = {w: f"own:{w}" for w in range(active) if w not in merged}
         bases = next_bases(active, merged, late, cfg.round.late_policy, "global")
         losses.append(evaluate(global_w))

@@ -52,7 +52,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
               "tokens", "train_loss", "utilization", "submitted_at", "merge_started_at", "committed_at"),
     "worker": ("kind", "schema", "t", "round", "worker", "contributed", "merged", "job_id", "attempts", "persistent", "state",
                "submitted_at", "queue_wait_s", "run_s", "seconds", "written_at", "steps", "tokens", "bytes",
-               "loss_first", "loss_last", "waited_s", "ahead_s"),
+               "fp32_bytes", "codec", "loss_first", "loss_last", "waited_s", "ahead_s"),
     "step": ("kind", "schema", "round", "worker", "step", "loss"),
 }
 
@@ -108,8 +108,9 @@ def worker_lines(record: Mapping[str, Any], jobs: Mapping[str, Any], manifests: 
                     "attempts": entry.get("attempts"), "persistent": bool(entry.get("persistent")), "state": sched.get("state"),
                     "submitted_at": entry.get("submitted_at", jobs.get("submitted_at")),
                     "queue_wait_s": sched.get("queue_wait_s"), "run_s": sched.get("run_s"),
-                    **{k: m.get(k) for k in ("seconds", "written_at", "steps", "tokens", "bytes", "loss_first", "loss_last",
-                                             "waited_s")},
+                    **{k: m.get(k) for k in ("seconds", "written_at", "steps", "tokens", "bytes", "fp32_bytes",
+                                             "loss_first", "loss_last", "waited_s")},
+                    "codec": (m.get("contribution") or {}).get("codec", "weights" if m else None),
                     "ahead_s": (m.get("overlap") or {}).get("ahead_s")})
     return out
 

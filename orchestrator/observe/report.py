@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from core.layout import local_cache_root
+from core.progress import human
 from core.storage import Storage
 from orchestrator.observe.metrics import to_jsonl
-from orchestrator.observe.report_data import (RunData, Segment, bytes_series, collect, eval_curve, outer_stats_cached,
-                                      time_budget, timeline, worker_losses, worker_utilization)
+from orchestrator.observe.report_data import (RunData, Segment, bytes_series, collect, contribution_size, eval_curve,
+                                      outer_stats_cached, time_budget, timeline, worker_losses, worker_utilization)
 
 FIGURES = ("loss", "timeline", "bytes", "outer_gradients", "contributions")
 COLORS = {"queued": "#f2b134", "training ahead": "#2a9d8f", "running": "#3b7dd8", "merging": "#d8453b", "evaluating": "#8e5bc7",
@@ -162,7 +163,7 @@ def plot_bytes(data: RunData) -> Any:
     totals = [sum(v) for v in zip(*(s[k] for k in written))]
     scale, unit = _byte_unit(max(totals + s["bytes_read"]))
     bottom = [0.0] * len(xs)
-    labels = {"bytes_contributions": "contributions (workers' weights)", "bytes_global": "global weights",
+    labels = {"bytes_contributions": "contributions (workers' weights or deltas)", "bytes_global": "global weights",
               "bytes_outer_state": "outer-optimizer state", "bytes_worker_states": "workers' optimizer states"}
     for k in written:
         vals = [v / scale for v in s[k]]
@@ -173,7 +174,10 @@ def plot_bytes(data: RunData) -> Any:
     _round_axis(ax, len(xs))
     ax.set_xlabel("round")
     ax.set_ylabel(f"{unit} per round")
-    ax.set_title("Storage traffic per round (workers' optimizer states: 0 where already pruned)")
+    sent = contribution_size(data.kind("worker"))
+    ax.set_title("Storage traffic per round (workers' optimizer states: 0 where already pruned)"
+                 + ("" if sent is None else f"\ncontributions: {human(sent[0])}B per worker-round"
+                    + (f", 1/{sent[1] / sent[0]:.0f} of the weights in fp32" if sent[1] else "")), fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 

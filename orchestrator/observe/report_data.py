@@ -235,6 +235,17 @@ def time_budget(segments: Sequence[Segment], rounds: Sequence[Mapping[str, Any]]
     return out
 
 
+def contribution_size(workers: Sequence[Mapping[str, Any]]) -> tuple[float, int | None] | None:
+    """(mean bytes of a merged contribution, its weights' fp32 bytes or None) over the last round
+    with merged contributions; None if there is none."""
+    merged = [w for w in workers if w.get("merged") and isinstance(w.get("bytes"), int) and w["bytes"] > 0]
+    if not merged:
+        return None
+    last = [w for w in merged if w["round"] == max(x["round"] for x in merged)]
+    fp32 = next((w["fp32_bytes"] for w in last if isinstance(w.get("fp32_bytes"), int)), None)
+    return sum(w["bytes"] for w in last) / len(last), fp32
+
+
 def bytes_series(rounds: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
     """Bytes written per round by kind (None counted as 0), and bytes the merge read."""
     keys = ("bytes_contributions", "bytes_global", "bytes_outer_state", "bytes_worker_states", "bytes_read")

@@ -1,0 +1,205 @@
+"""Top-k contributions with error feedback (core/topk.py, core/codec.py) and their sparse merge.
+
+Hand-worked chunks, hypothesis properties of the coding, error feedback's bookkeeping, the running
+sum against an oracle that decodes densely (plain torch, torch.optim.SGD for the outer step), and
+each kind of damaged file refused with its reason.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core import codec, topk
+from core.checkpoint import load_checkpoint, read_manifest
+from core.checkpoint_writer import write_checkpoint
+from core.config import OuterConfig, load_config
+from core.errors import CheckpointError, ConfigError
+from merge.round_spec import RoundSpec
+from merge.rounds import Contribution, RunningSum, merge_round
+
+NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+
+
+def test_a_chunk_by_hand():
+    """k = 2 of 4: -4 and 3; scale 4; 2 bits: step 2, levels -3, -1, 1, 3; codes 0 and 3 packed
+    low bits first: 0 | 3 << 2 = 12."""
+    got = topk.encode(torch.tensor([0.0, -4.0, 1.0, 3.0]), 0.5, 2)
+    assert got["values"].tolist() == [12] and got["index"].tolist() == [[1, 3]] and got["scale"].tolist() == [4.0]
+    pos, vals = topk.sparse("x", 4, 0.5, 2, got["values"], got["index"], got["scale"])
+    assert pos.tolist() == [1, 3] and vals.tolist() == [-3.0, 3.0]
+
+
+def test_layout_of_large_small_and_ragged_tensors():
+    assert topk.layout(3 * 4096, 1 / 64) == topk.Layout(3 * 4096, 4096, 3, 64)
+    assert topk.layout(128, 1 / 64) == topk.Layout(128, 128, 1, 2)  # smaller than a chunk: one chunk of its own
+    assert topk.layout(4097, 1 / 64) == topk.Layout(4097, 4096, 2, 64)  # the last chunk: 1 real entry, padding
+    assert topk.layout(5, 1.0).k == 5 and topk.layout(1, 0.01).k == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 9000), frac=st.sampled_from([1 / 64, 1 / 8, 0.5, 1.0]), bits=st.sampled_from([2, 4, 8]),
+       seed=st.integers(0, 2**16))
+def test_kept_entries_are_each_chunks_largest_and_within_half_a_step(n, frac, bits, seed):
+    v = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    lay = topk.layout(n, frac)
+    got = topk.encode(v, frac, bits)
+    pos, vals = topk.sparse("v", n, frac, bits, got["values"], got["index"], got["scale"])
+    assert len(set(pos.tolist())) == len(pos) and all(0 <= p < n for p in pos.tolist())
+    for c in range(lay.chunks):
+        chunk = v[c * lay.chunk:(c + 1) * lay.chunk].abs()
+        mine = pos[(pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)] - c * lay.chunk
+        assert len(mine) == min(lay.k, len(chunk))
+        rest = torch.ones(len(chunk), dtype=torch.bool)
+        rest[mine] = False
+        if rest.any():
+            assert chunk[mine].min() >= chunk[rest].max()
+        step = 2 * got["scale"][c] / (1 << bits)
+        sel = (pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)
+        assert torch.all((vals[sel] - v[pos[sel]]).abs() <= step / 2 + 1e-6 * got["scale"][c])  # fp32 rounding
+
+
+def test_error_feedback_sends_what_it_left_out_later():
+    """What is sent plus what is left is what was to be sent (decay x buffer + delta); with decay 1
+    the sums over rounds of what was sent and of the deltas differ by the last buffer alone."""
+    torch.manual_seed(0)
+    base = {"w": torch.randn(64, 64), "n": torch.arange(3)}
+    enc = codec.Encoding("topk", 1.0, "x", 1 / 64, 2)
+    fb: codec.Feedback = {}
+    sent_sum, delta_sum = torch.zeros(64, 64), torch.zeros(64, 64)
+    for r in range(6):
+        delta = torch.randn(64, 64)
+        weights = {"w": base["w"] - delta, "n": base["n"]}
+        before = {k: t.clone() for k, t in fb.items()}
+        tensors, _, new = codec.encode(base, weights, enc, fb, decay=1.0)
+        assert {k: t.tolist() for k, t in fb.items()} == {k: t.tolist() for k, t in before.items()}  # not changed
+        sent = codec.decode_tensor("w", (64, 64), enc, tensors.__getitem__)
+        torch.testing.assert_close(sent + new["w"], delta + before.get("w", torch.zeros(64, 64)))
+        assert tensors["n"].tolist() == [0, 1, 2]  # not a float: as it is
+        fb = new
+        sent_sum += sent
+        delta_sum += delta
+    torch.testing.assert_close(sent_sum + fb["w"], delta_sum, rtol=1e-5, atol=1e-4)
+    tensors, _, decayed = codec.encode(base, base, enc, fb, decay=0.5)  # no delta: half the buffer to send
+    sent = codec.decode_tensor("w", (64, 64), enc, tensors.__getitem__)
+    torch.testing.assert_close(sent + decayed["w"], 0.5 * fb["w"])
+    with pytest.raises(CheckpointError, match="error feedback for tensor w has 8 entries"):
+        codec.encode(base, weights, enc, {"w": torch.zeros(8)}, 1.0)
+
+
+def _setup(mem, k=3, seed=0):
+    torch.manual_seed(seed)
+    g = {"a.w": torch.randn(96, 100), "a.b": torch.randn(100), "c": torch.randn(()), "n": torch.arange(4)}
+    write_checkpoint(mem, "g0.safetensors", g, manifest={"round": 0})
+    workers = [{n: v + 0.05 * torch.randn(v.shape) if v.is_floating_point() else v for n, v in g.items()}
+               for _ in range(k)]
+    return g, workers, read_manifest(mem, "g0.safetensors")["digest"]
+
+
+ENC = dict(codec="topk", keep=1.0, topk=1 / 64, bits=4)
+
+
+def _publish(mem, key, g, w, sha):
+    tensors, meta, _ = codec.encode(g, w, codec.Encoding(**ENC, base_digest=sha))
+    write_checkpoint(mem, key, tensors, metadata=meta, manifest={"round": 0, "base": "g0.safetensors"})
+    return key
+
+
+def _merge(mem, contribs, out="g1.safetensors", accumulator=None):
+    return merge_round(mem, RoundSpec(base="g0.safetensors", out=out, outer=NESTEROV, state_out="state_" + out),
+                       contribs, accumulator)
+
+
+def test_a_topk_round_equals_the_outer_step_on_the_decoded_mean(mem):
+    """The merge scatters each contribution into the running sum; the oracle decodes each densely
+    (codec.load_weights) and steps torch.optim.SGD on the weighted mean delta."""
+    g, workers, sha = _setup(mem)
+    wts = [1.0, 2.0, 0.5]
+    cs = [Contribution(i, _publish(mem, f"d{i}.safetensors", g, w, sha), wts[i]) for i, w in enumerate(workers)]
+    acc = RunningSum(mem, "g0.safetensors")
+    for c in cs:
+        assert acc.add(c)
+    res = _merge(mem, cs, accumulator=acc)
+    assert res.merged == [0, 1, 2] and res.rejected == {}
+    decoded = [codec.load_weights(mem, c.key) for c in cs]
+    floats = [n for n in g if g[n].is_floating_point()]
+    params = {n: torch.nn.Parameter(g[n].clone()) for n in floats}
+    opt = torch.optim.SGD(list(params.values()), lr=0.7, momentum=0.9, nesterov=True)
+    for n, p in params.items():
+        p.grad = sum(wt * (g[n] - d[n]) for wt, d in zip(wts, decoded)) / sum(wts)
+        assert (p.grad != 0).sum() <= 3 * (3 * 64 + 2 + 1)  # sparse: 3 workers x (3 chunks of a.w, a.b, c)
+    opt.step()
+    got = load_checkpoint(mem, "g1.safetensors")[0]
+    for n in floats:
+        torch.testing.assert_close(got[n], params[n].detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got["n"], g["n"])
+
+
+def _hostile(mem, g, w, sha, damage):
+    tensors, meta, _ = codec.encode(g, w, codec.Encoding(**ENC, base_digest=sha))
+    changed = damage(tensors, meta)
+    meta = changed if isinstance(changed, dict) else meta
+    write_checkpoint(mem, "bad.safetensors", tensors, metadata=meta, manifest={"round": 0, "base": "g0.safetensors"})
+    return Contribution(1, "bad.safetensors", 1.0)
+
+
+def _index(tensors, fix):
+    idx = tensors["a.w::index"].clone()
+    fix(idx)
+    tensors["a.w::index"] = idx
+
+
+def _meta(**changes):
+    def damage(tensors, meta):
+        d = json.loads(meta[codec.META])
+        d.update(changes)
+        return {codec.META: json.dumps(d)}
+    return damage
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda t, m: _index(t, lambda i: i.__setitem__((0, 0), 4096)), r"offset is out of range \[0, 4096\)"),
+    (lambda t, m: _index(t, lambda i: i.__setitem__((0, 0), -1)), r"offset is out of range"),
+    (lambda t, m: _index(t, lambda i: i.__setitem__((0, 1), i[0, 0])), "not strictly ascending .*a duplicate"),
+    (lambda t, m: _index(t, lambda i: i[0].copy_(i[0].flip(0))), "not strictly ascending"),
+    (lambda t, m: t.__setitem__("a.w::scale", torch.full_like(t["a.w::scale"], float("nan"))), "scale is negative or not finite"),
+    (lambda t, m: t.__setitem__("a.w::scale", -t["a.w::scale"]), "scale is negative or not finite"),
+    (lambda t, m: t.__setitem__("a.w::index", t["a.w::index"][:, :-1].contiguous()), r"a\.w::index is I16\[3, 63\], a topk delta .* has I16\[3, 64\]"),
+    (lambda t, m: t.__setitem__("a.w", t["a.w"][:-1].contiguous()), r"tensor a\.w is U8\[95\]"),
+    (lambda t, m: t.pop("a.b::scale"), r"a\.b::scale"),
+    (_meta(topk=0), "unknown contribution coding"),
+    (_meta(topk=1.5), "unknown contribution coding"),
+    (_meta(bits=3), "unknown contribution coding"),
+    (_meta(chunk=1024), "chunks of 4096"),
+    (_meta(bits="two"), "malformed"),
+])
+def test_a_damaged_topk_contribution_is_one_rejection_with_its_reason(mem, damage, reason):
+    g, workers, sha = _setup(mem, k=2, seed=4)
+    good = Contribution(0, _publish(mem, "d0.safetensors", g, workers[0], sha), 1.0)
+    bad = _hostile(mem, g, workers[1], sha, damage)
+    acc = RunningSum(mem, "g0.safetensors")
+    assert acc.add(good) and not acc.add(bad)
+    assert re.search(reason, acc.rejected[1][1]), acc.rejected[1][1]
+    res = _merge(mem, [good, bad], accumulator=acc)
+    assert res.merged == [0] and 1 in res.rejected
+    _merge(mem, [good], out="h1.safetensors")  # the bad one left no trace in the sum
+    assert load_checkpoint(mem, "g1.safetensors")[0]["a.w"].equal(load_checkpoint(mem, "h1.safetensors")[0]["a.w"])
+
+
+@pytest.mark.parametrize("sets, msg", [
+    (["round.contribution=delta", "round.codec=topk", "round.topk=0"], r"round.topk must be in \(0, 1\]"),
+    (["round.contribution=delta", "round.codec=topk", "round.topk=1.5"], r"round.topk must be in \(0, 1\]"),
+    (["round.contribution=delta", "round.codec=topk", "round.bits=3"], "round.bits must be 2, 4 or 8"),
+    (["round.contribution=delta", "round.codec=topk", "round.error_feedback=1.5"], "error_feedback .* must be in"),
+    (["round.contribution=delta", "round.codec=topk", "round.aggregate=median"], "almost always 0"),
+    (["round.contribution=delta", "round.codec=topk", "round.prune_keep=0.5"], "drop prune_keep"),
+    (["round.codec=topk"], "need round.contribution=delta"),
+])
+def test_config_refuses_topk_settings_that_mean_nothing(sets, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, None, sets)
+    assert load_config(None, None, ["round.contribution=delta", "round.codec=topk", "round.bits=8"]).round.topk == 1 / 64
