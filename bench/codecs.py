@@ -135,7 +135,7 @@ def main() -> None:
     print("|---|" + "---|" * len(VARIANTS))
     for m in bigger:
         full = shape_bytes(m, "weights (fp32)")
-        print(f"| {m.n_layer} x {m.n_head} x {m.n_embd} ({full / 4e6:.0f}M params) | " + " | ".join(
+        print(f"| {m.n_layer} x {m.n_head} x {m.n_embd} ({full / 4e6:.3g}M params) | " + " | ".join(
             f"{full / shape_bytes(m, v):.1f}x" for v in VARIANTS) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -172,7 +172,7 @@ def encode(base: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
         entries = encode_tensor(name, d, enc)
         out.update(entries)
         if feedback is not None:
-            left[name] = d.sub_(decode_tensor(name, tuple(d.shape), enc, entries.__getitem__))
+            left[name] = d - decode_tensor(name, tuple(d.shape), enc, entries.__getitem__)  # an entry may be d itself
     return out, enc.metadata(), (left if feedback is not None else None)
 
 

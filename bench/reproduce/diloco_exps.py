@@ -229,6 +229,34 @@ def single(ctx: Context) -> Outcome:
     return Outcome(rows, curves, checks, setup)
 
 
+COMPRESS_ROUNDS = 32  # error feedback sends what top-k leaves out over rounds: fewer would not show it
+TOPK = {"round.contribution": "delta", "round.codec": "topk"}
+SPARSE_OUTER = {"outer.optimizer": "sgd", "outer.lr": 3.0}  # SparseLoCo's: the buffer is the momentum
+
+
+def compress(ctx: Context) -> Outcome:
+    s = ctx.size
+    rounds = max(COMPRESS_ROUNDS, s.rounds)
+    variants = [("DiLoCo, fp32 weights (Nesterov lr 0.7, m 0.9)", {}),
+                ("top-k 1/64, 2 bits, error feedback 0.95, outer SGD lr 3", {**TOPK, **SPARSE_OUTER}),
+                ("top-k 1/64, 2 bits, no error feedback, outer SGD lr 3",
+                 {**TOPK, **SPARSE_OUTER, "round.error_feedback": 0.0}),
+                ("top-k 1/32, 2 bits, error feedback 0.95, outer SGD lr 3", {**TOPK, **SPARSE_OUTER, "round.topk": 1 / 32}),
+                ("top-k 1/64, 2 bits, error feedback 0.95, Nesterov lr 0.7, m 0.9", TOPK)]
+    runs = {label: [ctx.diloco(seed, rounds=rounds, **over) for seed in ctx.seeds] for label, over in variants}
+    rows = [_row(ctx, label, rs) for label, rs in runs.items()]
+    base, ef, noef = rows[0], rows[1], rows[2]
+    checks = [check(f"{r.label} ends at most 1% above uncompressed DiLoCo",
+                    [e <= 1.01 * b for e, b in zip(r.finals, base.finals)], r.mean <= 1.01 * base.mean,
+                    f"{100 * (r.mean / base.mean - 1):+.2f}% ({r.mean:.4f} vs {base.mean:.4f})") for r in (ef, rows[3])]
+    checks.append(_below("error feedback beats the same top-k without it", ef, noef))
+    curves = [ctx.curve(r.label, rs, s.steps) for r, rs in zip(rows, runs.values())]
+    setup = (f"{s.workers} workers, iid, T = {rounds} x H = {s.steps}. Contributions coded as round.codec (the worker's "
+             "core.codec.encode, with its error-feedback buffer carried from round to round) and decoded as the merge "
+             "does; communication counts each base read in fp32 and each contribution's coded bytes.")
+    return Outcome(rows, curves, checks, setup)
+
+
 EXPERIMENTS: dict[str, tuple[str, str, Callable[[Context], Outcome]]] = {
     "diloco": ("DiLoCo vs baselines at equal inner steps", "DiLoCo Table 2 / Fig. 2", table2),
     "workers": ("Number of workers, iid and non-iid", "DiLoCo Table 3 / Fig. 5", workers),
@@ -238,4 +266,5 @@ EXPERIMENTS: dict[str, tuple[str, str, Callable[[Context], Outcome]]] = {
     "schedule": ("Changing the number of workers over time", "DiLoCo Fig. 7", schedule),
     "single": ("Single-worker DiLoCo vs plain training", "DiLoCo Fig. 9", single),
     "overlap": ("Overlapped rounds: synchronous vs overlapped at equal inner steps", "Streaming DiLoCo", overlap),
+    "compress": ("Compressed contributions: top-k with error feedback", "SparseLoCo", compress),
 }
