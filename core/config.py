@@ -188,7 +188,8 @@ class RoundConfig:
     `int8` with one fp32 scale per row (a quarter; error <= half a step of the row's max / 127), or
     `topk`: of each chunk of 4096 entries the round.topk largest, in round.bits bits each with a
     2-byte offset, plus one fp32 scale per chunk (1/110 of fp32 at the defaults), what is left out
-    carried to the next round by error feedback (round.error_feedback; SparseLoCo, docs/algorithms.md)."""
+    carried to the next round by error feedback (round.error_feedback; SparseLoCo, docs/algorithms.md);
+    with topk use outer.optimizer sgd and outer.lr 3: the feedback is the momentum."""
     prune_keep: float = 1.0
     """`delta` only: fraction of each row's entries kept, the largest by magnitude (the DiLoCo
     paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the kept values are

@@ -49,7 +49,7 @@ def _task(storage: Storage) -> WorkerTask:
 
 def test_a_rank_without_a_gpu_is_refused(monkeypatch):
     """A job of more ranks than the node's GPUs: one clear error naming the settings (the GPU count is
-    mocked here: no GPU on this machine; test_two_ranks_on_one_gpu_are_refused runs it for real)."""
+    mocked here: no GPU on this machine; test_more_ranks_than_gpus_are_refused runs it for real)."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     worker_ranks._check_gpus("4242", 1)
     with pytest.raises(IslandsError, match=r"worker job 4242 runs 2 ranks on this node but it sees 1 GPU.*"
