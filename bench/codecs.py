@@ -62,8 +62,7 @@ def encoding(over: dict) -> codec.Encoding | None:
     rc = load_config(None, over).round
     if rc.contribution == "weights":
         return None
-    return codec.Encoding(rc.codec, rc.prune_keep, "", rc.topk if rc.codec == "topk" else 0.0,
-                          rc.bits if rc.codec == "topk" else 0)
+    return codec.encoding_for(rc, "")
 
 
 def run_variant(name: str, args: argparse.Namespace, root: Path) -> dict:

@@ -31,6 +31,7 @@ import torch
 
 from core import topk as sparse_code
 from core.checkpoint import DTYPES, Alloc, TensorFile, load_checkpoint, read_manifest
+from core.config import RoundConfig
 from core.errors import CheckpointError
 from core.storage import Storage
 
@@ -60,6 +61,17 @@ class Encoding:
         if self.codec == "topk":
             d.update(topk=self.topk, bits=self.bits, chunk=sparse_code.CHUNK)
         return {META: json.dumps(d, sort_keys=True)}
+
+
+def encoding_for(rc: RoundConfig, base_digest: str) -> Encoding:
+    """How a worker of a run with round config `rc` codes its delta against the base of `base_digest`."""
+    topk = rc.codec == "topk"
+    return Encoding(rc.codec, rc.prune_keep, base_digest, rc.topk if topk else 0.0, rc.bits if topk else 0)
+
+
+def uses_feedback(rc: RoundConfig) -> bool:
+    """Whether a worker of a run with round config `rc` keeps an error-feedback buffer."""
+    return rc.contribution == "delta" and rc.codec == "topk" and rc.error_feedback > 0
 
 
 def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:

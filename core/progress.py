@@ -94,6 +94,13 @@ def human(x: float) -> str:
     return f"{x:.0f}"
 
 
+def bytes_sent(mean: float, fp32: int | None, when: str = "") -> str:
+    """A contribution's size as status and the report say it: `contributions: 25.7kB per
+    worker-round (round 7), 1/75 of the weights in fp32 (1.9MB)`."""
+    ratio = f", 1/{fp32 / mean:.0f} of the weights in fp32 ({human(fp32)}B)" if fp32 and mean else ""
+    return f"contributions: {human(mean)}B per worker-round{when}{ratio}"
+
+
 @contextlib.contextmanager
 def progress(total: float | None, desc: str, *, unit: str = "items") -> Iterator[Task]:
     """The Task of one operation of `total` units (None: unknown), closed when the block ends."""

@@ -50,13 +50,12 @@ def layout(numel: int, topk: float, chunk: int = CHUNK) -> Layout:
 def encode(v: torch.Tensor, topk: float, bits: int) -> dict[str, torch.Tensor]:
     """{"values", "index", "scale"} of the fp32 tensor `v` (see the module docstring)."""
     lay = layout(v.numel(), topk)
-    flat = v.detach().reshape(-1).to(torch.float32)
-    mag = torch.full((lay.chunks * lay.chunk,), -1.0)  # padding: below every real magnitude
-    mag[:lay.numel] = flat.abs()
-    idx = mag.view(lay.chunks, lay.chunk).topk(lay.k, dim=1, sorted=False).indices.sort(dim=1).values
-    padded = torch.zeros(lay.chunks * lay.chunk)
-    padded[:lay.numel] = flat
-    kept = padded.view(lay.chunks, lay.chunk).gather(1, idx)
+    padded = torch.zeros(lay.chunks, lay.chunk)
+    padded.view(-1)[:lay.numel] = v.detach().reshape(-1)
+    mag = padded.abs()
+    mag.view(-1)[lay.numel:] = -1.0  # padding: below every real magnitude
+    idx = mag.topk(lay.k, dim=1, sorted=False).indices.sort(dim=1).values
+    kept = padded.gather(1, idx)
     scale = kept.abs().amax(dim=1) if lay.chunks else torch.zeros(0)
     levels = 1 << bits
     step = torch.where(scale > 0, 2 * scale / levels, torch.ones_like(scale))[:, None]

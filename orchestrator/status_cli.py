@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from core.layout import RunLayout
-from core.progress import human
+from core.progress import bytes_sent
 from core.storage import Storage
 from orchestrator.console import console
 from orchestrator.run_view import duration, worker_state
@@ -78,10 +78,7 @@ def contribution_line(rounds: list[dict[str, Any]]) -> str | None:
     for r in reversed(rounds):
         sizes = list(r.get("contribution_bytes", {}).values())
         if sizes:
-            mean = sum(sizes) / len(sizes)
-            fp32 = r.get("fp32_bytes")
-            ratio = f", 1/{fp32 / mean:.0f} of the weights in fp32 ({human(fp32)}B)" if fp32 and mean else ""
-            return f"contributions: {human(mean)}B per worker-round (round {r['round']}){ratio}"
+            return bytes_sent(sum(sizes) / len(sizes), r.get("fp32_bytes"), f" (round {r['round']})")
     return None
 
 

@@ -20,7 +20,7 @@ from merge.round_spec import RoundSpec
 from merge import rounds
 from merge.rounds import RunningSum
 
-NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+from codec_support import NESTEROV, merge_g0, publish_delta
 
 
 # -- the codec on hand-worked tensors ---------------------------------------------------------
@@ -100,15 +100,11 @@ def _setup(mem, k=3, seed=0):
 def _publish(mem, key, g, w, sha, name=None, keep=1.0):
     if name is None:
         write_checkpoint(mem, key, w, manifest={"round": 0})
-    else:
-        tensors, meta, _ = codec.encode(g, w, codec.Encoding(name, keep, sha))
-        write_checkpoint(mem, key, tensors, metadata=meta, manifest={"round": 0, "base": "g0.safetensors"})
-    return key
+        return key
+    return publish_delta(mem, key, g, w, codec.Encoding(name, keep, sha))
 
 
-def _merge(mem, contribs, out="g1.safetensors", accumulator=None):
-    return merge_round(mem, RoundSpec(base="g0.safetensors", out=out, outer=NESTEROV, state_out="state_" + out),
-                       contribs, accumulator)
+_merge = merge_g0
 
 
 def test_fp32_delta_round_equals_weights_round_and_the_oracle(mem):

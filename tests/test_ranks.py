@@ -166,40 +166,37 @@ def test_a_worker_signalled_in_the_middle_of_a_step_resumes_bit_for_bit(tmp_path
     step ahead of its step count and the resumed round differed (seen once in CI, in the Slurm
     replay test). Acted on after the step, the requeued job (the local controller restarts it)
     publishes exactly what an uninterrupted worker publishes."""
-    from orchestrator.executor import _children
-
     one = _run(tmp_path, corpus_cache, "one", steps=12)
     two = _run(tmp_path, corpus_cache, "two", steps=12)
-    train.run_worker(_task(one, 0))
-    job = _slowed_job_training(tmp_path, two, _task(two, 0), 1, monkeypatch)
-    os.kill(next(iter(_children(int(job.job_id)))), signal.SIGUSR2)
-    job.results()
-    m = read_manifest(two, L.contribution(0, 0))
-    assert m["resumed_at_step"] is not None and 1 <= m["resumed_at_step"] < 12, m
-    assert m["digest"] == read_manifest(one, L.contribution(0, 0))["digest"]
-    assert read_manifest(two, L.worker_state(0, 0))["digest"] == read_manifest(one, L.worker_state(0, 0))["digest"]
+    _signalled_round_is_the_uninterrupted_one(tmp_path, one, two, 0, monkeypatch)
 
 
 def test_a_topk_worker_signalled_mid_round_resumes_with_its_error_feedback(tmp_path, corpus_cache, monkeypatch):
     """Round 1 of a topk run, whose buffer holds what round 0 left out, is signalled mid-round: the
     in-flight checkpoint holds the buffer the round started with, and the requeued job publishes
     the contribution and state of an uninterrupted worker, bit for bit."""
-    from orchestrator.executor import _children
-
     one = _run(tmp_path, corpus_cache, "one", steps=12, round_=TOPK)
     two = _run(tmp_path, corpus_cache, "two", steps=12, round_=TOPK)
     for s in (one, two):
         train.run_worker(_task(s, 0))
         write_checkpoint(s, L.global_weights(1), codec.load_weights(s, L.contribution(0, 0)), manifest={"round": 1})
-    train.run_worker(_task(one, 1))
-    two.remove(L.worker_progress(0))  # round 0's heartbeat: the wait below is for round 1's first
-    job = _slowed_job_training(tmp_path, two, _task(two, 1), 1, monkeypatch)
+    two.remove(L.worker_progress(0))  # round 0's heartbeat: the wait is for round 1's first
+    _signalled_round_is_the_uninterrupted_one(tmp_path, one, two, 1, monkeypatch)
+
+
+def _signalled_round_is_the_uninterrupted_one(tmp_path, one: Storage, two: Storage, r: int, monkeypatch) -> None:
+    """Worker 0's round r: uninterrupted in `one`; in `two` a job signalled (SIGUSR2) mid-round and
+    requeued by the local controller, which must publish the same contribution and state."""
+    from orchestrator.executor import _children
+
+    train.run_worker(_task(one, r))
+    job = _slowed_job_training(tmp_path, two, _task(two, r), 1, monkeypatch)
     os.kill(next(iter(_children(int(job.job_id)))), signal.SIGUSR2)
     job.results()
-    m = read_manifest(two, L.contribution(1, 0))
+    m = read_manifest(two, L.contribution(r, 0))
     assert m["resumed_at_step"] is not None and 1 <= m["resumed_at_step"] < 12, m
-    assert m["digest"] == read_manifest(one, L.contribution(1, 0))["digest"]
-    assert read_manifest(two, L.worker_state(0, 1))["digest"] == read_manifest(one, L.worker_state(0, 1))["digest"]
+    assert m["digest"] == read_manifest(one, L.contribution(r, 0))["digest"]
+    assert read_manifest(two, L.worker_state(0, r))["digest"] == read_manifest(one, L.worker_state(0, r))["digest"]
 
 
 def _slowed_job_training(tmp_path, storage: Storage, task: WorkerTask, ranks: int, monkeypatch) -> submitit.Job:

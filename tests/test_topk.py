@@ -17,12 +17,11 @@ from hypothesis import strategies as st
 from core import codec, topk
 from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
-from core.config import OuterConfig, load_config
+from core.config import load_config
 from core.errors import CheckpointError, ConfigError
-from merge.round_spec import RoundSpec
-from merge.rounds import Contribution, RunningSum, merge_round
+from merge.rounds import Contribution, RunningSum
 
-NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+from codec_support import merge_g0, publish_delta
 
 
 def test_a_chunk_by_hand():
@@ -104,14 +103,10 @@ ENC = dict(codec="topk", keep=1.0, topk=1 / 64, bits=4)
 
 
 def _publish(mem, key, g, w, sha):
-    tensors, meta, _ = codec.encode(g, w, codec.Encoding(**ENC, base_digest=sha))
-    write_checkpoint(mem, key, tensors, metadata=meta, manifest={"round": 0, "base": "g0.safetensors"})
-    return key
+    return publish_delta(mem, key, g, w, codec.Encoding(**ENC, base_digest=sha))
 
 
-def _merge(mem, contribs, out="g1.safetensors", accumulator=None):
-    return merge_round(mem, RoundSpec(base="g0.safetensors", out=out, outer=NESTEROV, state_out="state_" + out),
-                       contribs, accumulator)
+_merge = merge_g0
 
 
 def test_a_topk_round_equals_the_outer_step_on_the_decoded_mean(mem):

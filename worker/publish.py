@@ -143,9 +143,8 @@ class Publisher:
             return weights, None, None
         base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
         t0 = time.perf_counter()
-        enc = codec.Encoding(rc.codec, rc.prune_keep, self.base_sha, rc.topk if rc.codec == "topk" else 0.0,
-                             rc.bits if rc.codec == "topk" else 0)
-        tensors, metadata, feedback = codec.encode(base, weights, enc, self.feedback, rc.error_feedback)
+        tensors, metadata, feedback = codec.encode(base, weights, codec.encoding_for(rc, self.base_sha), self.feedback,
+                                                   rc.error_feedback)
         manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep,
                                     "encode_s": round(time.perf_counter() - t0, 4),
                                     **({"topk": rc.topk, "bits": rc.bits, "error_feedback": rc.error_feedback}

@@ -130,9 +130,8 @@ class InnerTrainer(Publisher):
         # a replay (round.replay): the steps and adoption steps its source run recorded
         self.schedule = replay.of_run(self.storage, cfg)
         # round.codec topk: what this worker's contributions left out, sent with its next ones
-        rc = cfg.round
         self.feedback: codec.Feedback | None = None
-        self.uses_feedback = rc.contribution == "delta" and rc.codec == "topk" and rc.error_feedback > 0
+        self.uses_feedback = codec.uses_feedback(cfg.round)
         self._begin(task, own_state=False)
 
     def _begin(self, task: WorkerTask, own_state: bool) -> None:

@@ -180,9 +180,8 @@ def sent(global_w: Weights, weights: Weights, cfg: Config, feedback: dict[int, c
     rc = cfg.round
     if rc.contribution == "weights":
         return weights, nbytes(weights)
-    enc = codec.Encoding(rc.codec, rc.prune_keep, "", rc.topk if rc.codec == "topk" else 0.0,
-                         rc.bits if rc.codec == "topk" else 0)
-    ef = rc.codec == "topk" and rc.error_feedback > 0
+    enc = codec.encoding_for(rc, "")
+    ef = codec.uses_feedback(rc)
     tensors, _, left = codec.encode(global_w, weights, enc, feedback.get(w, {}) if ef else None, rc.error_feedback)
     if left is not None:
         feedback[w] = left

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.layout import local_cache_root
-from core.progress import human
+from core.progress import bytes_sent
 from core.storage import Storage
 from orchestrator.observe.metrics import to_jsonl
 from orchestrator.observe.report_data import (RunData, Segment, bytes_series, collect, contribution_size, eval_curve,
@@ -176,8 +176,7 @@ def plot_bytes(data: RunData) -> Any:
     ax.set_ylabel(f"{unit} per round")
     sent = contribution_size(data.kind("worker"))
     ax.set_title("Storage traffic per round (workers' optimizer states: 0 where already pruned)"
-                 + ("" if sent is None else f"\ncontributions: {human(sent[0])}B per worker-round"
-                    + (f", 1/{sent[1] / sent[0]:.0f} of the weights in fp32" if sent[1] else "")), fontsize=10)
+                 + ("" if sent is None else "\n" + bytes_sent(*sent)), fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
