@@ -83,6 +83,12 @@ def test_a_local_worker_job_sees_its_gpus_and_none_beyond(tmp_path, monkeypatch,
         Executor(cfg, tmp_path / "jobs").submit([WorkerTask("file:///run", 0, 0, L.global_weights(0))])
 
 
+def test_the_rounds_log_line_names_the_device(tmp_path, corpus_cache, caplog):
+    caplog.set_level("INFO", logger="worker.train")
+    train.run_worker(_task(_run(tmp_path, corpus_cache, "cpu", "cpu")))
+    assert "worker 0 round 0 on cpu: 8 steps" in caplog.text
+
+
 @gpu
 def test_a_worker_round_on_cuda_trains_what_the_cpu_trains(tmp_path, corpus_cache):
     """bf16 autocast and fused AdamW on the GPU against fp32 on the CPU: the same losses to bf16's

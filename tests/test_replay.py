@@ -273,4 +273,8 @@ def test_a_topk_run_whose_service_was_killed_is_replayed_bit_for_bit(tmp_path, c
     assert main(["status", str(src)]) == 0
     ratio = m["fp32_bytes"] / (sum(last["contribution_bytes"].values()) / 3)
     assert f"per worker-round (round 2), 1/{ratio:.0f} of the weights in fp32" in capsys.readouterr().out
+    from orchestrator.observe.metrics import read_metrics
+    from orchestrator.runstate import load_run
+    workers = [ln for ln in read_metrics(s, load_run(s)) if ln["kind"] == "worker" and ln["round"] == 2]
+    assert {(ln["codec"], ln["fp32_bytes"]) for ln in workers} == {("topk", m["fp32_bytes"])}
     _replay_equals(src, corpus_cache, 3, 3)

@@ -17,7 +17,8 @@ from orchestrator.observe.checkpoint_eval import ensemble_losses, evaluate_check
 from orchestrator.cli import main
 from orchestrator.observe.metrics import FIELDS, parse_jsonl, read_metrics, tensorboard_scalars, to_jsonl
 from orchestrator.observe.report import FIGURES, stats_cache, write_report
-from orchestrator.observe.report_data import outer_grad_stats, outer_stats_cached, time_budget, timeline, worker_utilization
+from orchestrator.observe.report_data import (contribution_size, outer_grad_stats, outer_stats_cached, time_budget, timeline,
+                                              worker_utilization)
 from orchestrator.runstate import load_run
 
 L = RunLayout()
@@ -165,6 +166,18 @@ def test_timeline_shows_training_ahead_and_each_persistent_workers_utilization()
 
 # -- metrics --------------------------------------------------------------------------------------
 @slow
+def test_a_contributions_size_is_the_last_merged_rounds_mean_beside_its_fp32_bytes():
+    w = lambda r, b, merged=True, fp32=4000: {"round": r, "bytes": b, "merged": merged, "fp32_bytes": fp32}  # noqa: E731
+    assert contribution_size([w(0, 90), w(1, 40), w(1, 60), w(1, 999, merged=False), w(2, 0)]) == (50.0, 4000)
+    assert contribution_size([w(0, 40, fp32=None)]) == (40.0, None) and contribution_size([w(0, 5, merged=False)]) is None
+
+
+def test_a_workers_byte_counts_are_taken_only_when_they_are_counts():
+    from orchestrator.round_merge import _count
+    assert _count({"bytes": 25662}, "bytes") == 25662
+    assert [_count({"fp32_bytes": v}, "fp32_bytes") for v in ("1e9", -1, 1.5, True, 1 << 70, None)] == [None] * 6
+
+
 def test_metrics_written_by_the_service_round_trip(tiny_run):
     s = Storage(str(tiny_run))
     assert s.list(L.METRICS) == ["round_00000.jsonl", "round_00001.jsonl"]
