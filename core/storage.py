@@ -11,6 +11,10 @@ without blocking (a FIFO would block an open for good), and only a regular file 
 lies inside the run's root is read: a co-tenant's link to elsewhere, a named pipe or a device
 planted in the run is refused with a CheckpointError naming it (`follow_links=True` lifts the
 first and last rule for paths a user names, such as a Hugging Face cache's links to its blobs).
+Everything written, renamed, made or removed in a local run directory is done by name inside a
+folder descriptor reached from the root one name at a time without following a link
+(core/folders.py): a link planted on the way is refused, and one swapped in after the walk
+changes nothing.
 Reliability figures and S3 setup: docs/reliability.md.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import logging
 import os
 import posixpath
+import shutil
 import stat
 import time
 import uuid
@@ -30,13 +35,14 @@ from typing import IO, Any, TypeVar
 
 import fsspec
 
+from core import folders
 from core.errors import CheckpointError, NotARegularFile, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TMP_PREFIX = ".tmp-"
-PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes of what islands creates on a local/shared POSIX filesystem
+PRIVATE_FILE = folders.PRIVATE_FILE
 # Errors no retry can fix: report them at once, with what to do.
 _FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then try again (a run: `orchestrate resume` it)",
                  errno.EDQUOT: "the disk quota is exceeded: free space, then try again (a run: `orchestrate resume` it)",
@@ -48,6 +54,7 @@ _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a"}
 # Where create_exclusive is a real conditional write (S3 `If-None-Match: *`, honoured by AWS S3
 # since 2024-08, MinIO, moto); elsewhere off the local filesystem it is check-then-write.
 _CONDITIONAL_PUT_PROTOCOLS = {"s3", "s3a"}
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DROP_EVERY = 32 << 20
 """Bytes a staged local write writes between two drops of its pages from the page cache."""
 
@@ -107,43 +114,28 @@ class Storage:
         if not self.is_local:
             self.fs.makedirs(path, exist_ok=True)
             return
-        self.confine(posixpath.join(path, "x"))  # the folder itself may be the link
-        missing = []
-        p = path
-        while p and not os.path.isdir(p):
-            missing.append(p)
-            parent = posixpath.dirname(p)
-            if parent == p:
-                break
-            p = parent
-        for d in reversed(missing):
-            with contextlib.suppress(FileExistsError):  # another writer created it first
-                os.mkdir(d, PRIVATE_DIR)
+        with self._folder(path, create=True):
+            pass
 
-    def confine(self, path: str) -> None:
-        """Refuse to write, create, rename or remove at `path` (a filesystem path of this fs) when a
-        link on the way leads out of the run: a co-tenant's link from `final/` or `metrics/` to a
-        folder elsewhere must not receive the run's files. The check every write, rename, folder
-        creation and removal of a local run directory goes through, as `_check_inside` is for reads
-        (a link swapped in between the check and the write is a race this does not close)."""
-        if not self.is_local or self.follow_links:
-            return
-        if self._real_root is None:
-            self._real_root = os.path.realpath(self.root)
-        folder = posixpath.dirname(path)
-        while folder and not os.path.lexists(folder) and folder != posixpath.dirname(folder):
-            folder = posixpath.dirname(folder)  # the nearest folder that exists: what the write goes through
-        if (self.root + "/").startswith(folder.rstrip("/") + "/") and folder != self.root:
-            return  # the run directory itself does not exist yet: all of it is made from here
-        real = os.path.realpath(folder)
-        if real != self._real_root and not real.startswith(self._real_root.rstrip("/") + "/"):
-            raise NotARegularFile(f"{path}: {folder} leads to {real}, outside the run directory {self._real_root} (a "
-                                  "link planted in the run): islands writes only inside the run; remove the link")
+    @contextlib.contextmanager
+    def local_folder(self, key: str) -> Iterator[int]:
+        """A descriptor of the local run's folder `key`, made (0700) if missing and reached through no
+        link (see `_folder`), for a library that writes files there itself (TensorBoard's writer,
+        given `/proc/self/fd/N`: that very folder, whatever is put at its name meanwhile)."""
+        with self._folder(self.path(key), create=True) as fd:
+            yield fd
 
-    def make_private(self, path: str) -> None:
-        """Files of a local run directory are readable and writable by their owner only (0600)."""
-        if self.is_local:
-            os.chmod(path, PRIVATE_FILE)
+    @contextlib.contextmanager
+    def _folder(self, path: str, create: bool = False) -> Iterator[int]:
+        """A descriptor of the local folder `path` inside the run (core.folders.open_folder)."""
+        fd = self._open_folder(path, create)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open_folder(self, path: str, create: bool) -> int:
+        return folders.open_folder(self.root, path, create=create, follow_links=self.follow_links)
 
     def local_path(self, key: str) -> str | None:
         return self.path(key) if self.is_local else None
@@ -297,32 +289,33 @@ class Storage:
 
     def _create_exclusive_local(self, key: str, data: bytes) -> bool:
         path = self.path(key)
-        self.makedirs_path(posixpath.dirname(path))
-        self.confine(path)
-        tmp = posixpath.join(posixpath.dirname(path), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(path)}")
+        name = posixpath.basename(path)
+        tmp = f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}"
         try:
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as f:
-                f.write(data)
-            try:
-                os.link(tmp, path)
-                return True
-            except FileExistsError:
-                return False
-            except OSError as exc:  # a filesystem without hard links: O_EXCL (atomic, not whole-at-once)
-                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                    raise
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return True
+            with self._folder(posixpath.dirname(path), create=True) as d:
+                try:
+                    with open(os.open(tmp, _NEW_FILE, PRIVATE_FILE, dir_fd=d), "wb") as f:
+                        f.write(data)
+                    try:
+                        os.link(tmp, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+                        return True
+                    except FileExistsError:
+                        return False
+                    except OSError as exc:  # a filesystem without hard links: O_EXCL (atomic, not whole-at-once)
+                        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                            raise
+                    try:
+                        fd = os.open(name, _NEW_FILE, PRIVATE_FILE, dir_fd=d)
+                    except FileExistsError:
+                        return False
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    return True
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=d)
         except OSError as exc:
             raise self.error(f"create {key}", exc) from exc
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
     def sweep_temporaries(self, older_than_s: float, skip: tuple[str, ...] = ()) -> list[str]:
         """Delete the `.tmp-*` files that killed writers left anywhere under the root, if last
@@ -344,12 +337,11 @@ class Storage:
             if now - _mtime(info, now) < older_than_s:
                 continue
             try:
-                self.confine(path)  # a walk through a planted link: not the run's temporary
-            except NotARegularFile:
+                with contextlib.suppress(FileNotFoundError):  # another sweeper or its writer's cleanup came first
+                    self._unlink(path)
+                    gone.append(key)
+            except NotARegularFile:  # a walk through a planted link: not the run's temporary
                 continue
-            with contextlib.suppress(FileNotFoundError):  # another sweeper or its writer's cleanup came first
-                self.fs.rm_file(path)
-                gone.append(key)
         if gone:
             log.info("storage: deleted %d temporaries older than %.0fs left by killed writers: %s",
                      len(gone), older_than_s, gone[:5])
@@ -361,10 +353,9 @@ class Storage:
         ETag or modification time."""
         if self.is_local:
             try:
-                st = os.lstat(self.path(key))
+                return _identity(os.lstat(self.path(key)))
             except (FileNotFoundError, NotADirectoryError):
                 return None
-            return st.st_ino, st.st_size, st.st_mtime_ns
         try:
             info = self.fs.info(self.path(key))
         except FileNotFoundError:
@@ -373,11 +364,21 @@ class Storage:
 
     def remove(self, key: str, recursive: bool = False) -> None:
         self.check_fence(key)
-        self.confine(self.path(key) if not recursive else posixpath.join(self.path(key), "x"))
-        try:
-            self._retry(f"remove {key}", lambda: self.fs.rm(self.path(key), recursive=recursive))
-        except FileNotFoundError:
-            pass
+        if not self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                self._retry(f"remove {key}", lambda: self.fs.rm(self.path(key), recursive=recursive))
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(f"remove {key}", lambda: self._unlink(self.path(key), recursive))
+
+    def _unlink(self, path: str, recursive: bool = False) -> None:
+        """Remove the local file (or with `recursive` the folder) at `path`, a link itself, not its target."""
+        with self._folder(posixpath.dirname(path)) as d:
+            name = posixpath.basename(path)
+            if recursive and stat.S_ISDIR(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=d)  # by descriptors, never through a link (Linux)
+            else:
+                os.unlink(name, dir_fd=d)
 
     def move(self, src: str, dst: str) -> None:
         """Rename `src` to `dst` without reading it (whatever it is: a FIFO planted in the run moves
@@ -385,14 +386,40 @@ class Storage:
         self.check_fence(dst)
 
         def mv() -> None:
-            if self.is_local:
-                self.makedirs_path(posixpath.dirname(self.path(dst)))
-                self.confine(self.path(src))
-                self.confine(self.path(dst))
-                os.replace(self.path(src), self.path(dst))
-            else:
+            if not self.is_local:
                 self.fs.mv(self.path(src), self.path(dst))
+                return
+            s, d = self.path(src), self.path(dst)
+            with self._folder(posixpath.dirname(s)) as sd, self._folder(posixpath.dirname(d), create=True) as dd:
+                os.replace(posixpath.basename(s), posixpath.basename(d), src_dir_fd=sd, dst_dir_fd=dd)
         self._retry(f"move {src} to {dst}", mv)
+
+    def move_if(self, src: str, dst: str, seen: tuple | None) -> bool:
+        """Move `src` to `dst` only if it is still the file `identity(src)` was `seen` to be; False,
+        leaving what is at `src` where it is, if another file was put there since (a worker's new
+        contribution landing at the key of a refused one). Locally the file is renamed first and
+        checked after, and a wrong one is linked back under its name (never over a newer one): no
+        window between the check and the move. Object stores, which have no rename, check first."""
+        self.check_fence(dst)
+        if not self.is_local:
+            if self.identity(src) != seen:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                self.move(src, dst)
+            return True
+        s, d = self.path(src), self.path(dst)
+        sname, dname = posixpath.basename(s), posixpath.basename(d)
+        with self._folder(posixpath.dirname(s)) as sd, self._folder(posixpath.dirname(d), create=True) as dd:
+            try:
+                os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
+            except FileNotFoundError:
+                return seen is None
+            if _identity(os.stat(dname, dir_fd=dd, follow_symlinks=False)) == seen:
+                return True
+            with contextlib.suppress(FileExistsError):  # an even newer file is there: it stays
+                os.link(dname, sname, src_dir_fd=dd, dst_dir_fd=sd, follow_symlinks=False)
+            os.unlink(dname, dir_fd=dd)
+            return False
 
     def copy(self, src: str, dst: str) -> None:
         with self.open_read(src) as fin, self.open_atomic(dst) as fout:
@@ -441,8 +468,9 @@ class Staged:
     def __init__(self, storage: Storage, key: str) -> None:
         self.storage, self.key = storage, key
         final = storage.path(key)
-        self._tmp = None if storage.atomic_put else posixpath.join(
-            posixpath.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{posixpath.basename(final)}")
+        self._name = posixpath.basename(final)
+        self._tmp = None if storage.atomic_put else f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{self._name}"
+        self._dir: int | None = None  # a local file's folder (Storage._folder): opened, renamed, removed in it
         self.file: Any = None
         self._fd: int | None = None  # a local file's descriptor, for dropping what is written behind
         self._written = self._dropped = 0
@@ -450,14 +478,26 @@ class Staged:
         def create() -> Any:
             if self._tmp is None:
                 return storage.fs.open(final, "wb")
-            storage.makedirs_path(posixpath.dirname(final))
-            storage.confine(self._tmp)
-            f = storage.fs.open(self._tmp, "wb")
-            storage.make_private(self._tmp)
-            return f
+            if not storage.is_local:
+                storage.makedirs_path(posixpath.dirname(final))
+                return storage.fs.open(self._tmp_path(), "wb")
+            self._dir = storage._open_folder(posixpath.dirname(final), create=True)
+            try:
+                return os.fdopen(os.open(self._tmp, _NEW_FILE, PRIVATE_FILE, dir_fd=self._dir), "wb")
+            except BaseException:
+                self._close_dir()
+                raise
         self.file = storage._retry(f"create {key}", create)
         if storage.is_local:
             self._fd = self.file.fileno()
+
+    def _close_dir(self) -> None:
+        if self._dir is not None:
+            os.close(self._dir)
+            self._dir = None
+
+    def _tmp_path(self) -> str:
+        return posixpath.join(posixpath.dirname(self.storage.path(self.key)), str(self._tmp))
 
     def write(self, data: Any) -> None:
         """Write the next bytes. A local file's pages are dropped from the page cache behind the
@@ -483,9 +523,12 @@ class Staged:
                 self.file.close()  # S3: the single PUT, or the multipart upload's completion
             except OSError as exc:
                 raise s.error(f"write {self.key}", exc) from exc
-            if self._tmp is not None:
-                s.confine(s.path(self.key))
-                s._retry(f"publish {self.key}", lambda: s.fs.mv(self._tmp, s.path(self.key)))
+            if self._dir is not None:
+                d = self._dir
+                s._retry(f"publish {self.key}", lambda: os.rename(str(self._tmp), self._name, src_dir_fd=d, dst_dir_fd=d))
+                self._close_dir()
+            elif self._tmp is not None:
+                s._retry(f"publish {self.key}", lambda: s.fs.mv(self._tmp_path(), s.path(self.key)))
         except BaseException:
             self.discard()
             raise
@@ -499,9 +542,16 @@ class Staged:
                 self.file.closed = True  # so that its __del__ does not upload what is left
             else:
                 self.file.close()
-        if self._tmp is not None:
-            with contextlib.suppress(Exception):
-                self.storage.fs.rm(self._tmp)
+        with contextlib.suppress(Exception):
+            if self._dir is not None:
+                os.unlink(str(self._tmp), dir_fd=self._dir)
+            elif self._tmp is not None:
+                self.storage.fs.rm(self._tmp_path())
+        self._close_dir()
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _mtime(info: dict[str, Any], default: float) -> float:

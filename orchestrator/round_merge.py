@@ -139,16 +139,12 @@ class RoundMerger:
         for w, why in rejected.items():
             e = jobs.workers[w]
             dest, src = L.rejected_contribution(r, w, e.attempts), L.contribution(r, w)
-            seen = self._seen.pop((r, w), None)
-            if seen is not None and self._identity(src) != seen:
+            if not self._move_refused(src, dest, self._seen.pop((r, w), None)):
                 log.warning("round %d worker %d: a new contribution landed after the refused one was read; it is left "
                             "in place, not set aside under the old one's reason", r, w)
                 e.failures.append({"job_id": e.latest, "rejected": why, "left_in_place": "a new file landed at its "
                                    "key after the merge read the refused one: not set aside"})
                 continue
-            for a, b in ((manifest_key(src), manifest_key(dest)), (src, dest)):  # unpublish first
-                with contextlib.suppress(FileNotFoundError):
-                    self.storage.move(a, b)  # a rename: whatever it is (a FIFO too), it is not read
             self.storage.write_json(L.rejected_reason(r, w, e.attempts),
                                     {"worker": w, "reason": why, "job_id": e.latest, "at": time.time()})
             e.failures.append({"job_id": e.latest, "rejected": why})
@@ -156,6 +152,18 @@ class RoundMerger:
 
     def _identity(self, key: str) -> tuple:
         return self.storage.identity(manifest_key(key)), self.storage.identity(key)
+
+    def _move_refused(self, src: str, dest: str, seen: tuple | None) -> bool:
+        """Move the refused contribution at `src` (manifest first: unpublished before the file) to
+        `dest`, each file only if it is still the one the merge read (`seen`, its identities: a rename
+        moves whatever is there, a FIFO too, without reading it); False when a new one landed."""
+        for (a, b), ident in zip(((manifest_key(src), manifest_key(dest)), (src, dest)), seen or (None, None)):
+            if seen is None:  # read before this service started: nothing to tell it from
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.move(a, b)
+            elif not self.storage.move_if(a, b, ident):
+                return False
+        return True
 
     def _why_dropped(self, jobs: RoundJobs, dropped: list[int], states: dict[str, JobStatus]) -> dict[str, str]:
         """For each dropped worker: its job's end state (recorded with its log), or that it is a straggler."""

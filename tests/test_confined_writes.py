@@ -1,10 +1,15 @@
 """Every write, rename, folder creation and removal of a local run directory stays inside it
-(core/storage.py Storage.confine), as its reads do: a co-tenant who replaces `final/`, `metrics/` or
-a round's `rejected/` by a link to a folder elsewhere receives nothing. Real links, real files."""
+(core/folders.py: done by name in a folder descriptor reached from the root without following a
+link), as its reads do: a co-tenant who replaces `final/`, `metrics/` or a round's
+`rejected/` by a link to a folder elsewhere, before a write or while it runs, receives nothing.
+Real links, real files, a real second process swapping them."""
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -54,16 +59,113 @@ def test_the_sweep_of_temporaries_does_not_follow_a_link_out(run_and_outside):
     assert old.exists()
 
 
-def test_a_link_inside_the_run_is_no_escape_and_links_a_user_names_are_followed(tmp_path):
+def test_no_link_is_followed_inside_the_run_and_links_a_user_names_are(tmp_path):
     run = tmp_path / "run"
     (run / "real").mkdir(parents=True)
     os.symlink(run / "real", run / "alias")
     s = Storage(str(run))
-    s.write_bytes("alias/x.json", b"{}")  # resolves inside the run: allowed
-    assert (run / "real" / "x.json").exists()
+    with pytest.raises(NotARegularFile, match="alias is a symbolic link"):
+        s.write_bytes("alias/x.json", b"{}")  # inside the run or not: what it leads to can change
+    assert not (run / "real" / "x.json").exists()
     os.symlink(tmp_path, run / "up")
     Storage(str(run), follow_links=True).write_bytes("up/mine.json", b"{}")  # a path the user named
     assert (tmp_path / "mine.json").exists()
+    linked_root = tmp_path / "linked-run"
+    os.symlink(run, linked_root)
+    Storage(str(linked_root)).write_bytes("real/y.json", b"{}")  # the root itself: the user's path
+    assert (run / "real" / "y.json").read_bytes() == b"{}"
+
+
+SWAPPER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b, stop = (p.encode() for p in sys.argv[1:])
+n = 0
+while not os.path.exists(stop):
+    for _ in range(1000):
+        if libc.renameat2(-100, a, -100, b, 2) != 0:  # AT_FDCWD, RENAME_EXCHANGE: `a` always exists
+            sys.exit(f"renameat2: errno {ctypes.get_errno()}")
+        n += 1
+print(n)
+"""
+
+
+def test_a_link_swapped_in_while_files_are_written_receives_nothing(run_and_outside, tmp_path):
+    """Another process swaps `final/` with a link to a folder outside the run and back, as fast as
+    it can, while files are written and moved there: whatever is refused, nothing lands outside
+    (a check of the path before the write loses this race now and then)."""
+    if not hasattr(ctypes.CDLL(None), "renameat2"):
+        pytest.skip("no renameat2 in this C library")
+    s, outside = run_and_outside
+    final, link, stop = s.path("final"), s.path("final-link"), tmp_path / "stop"
+    os.mkdir(final)
+    os.symlink(outside, link)
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, final, link, str(stop)], stdout=subprocess.PIPE, text=True)
+    try:
+        for i in range(2000):
+            try:
+                s.write_bytes(f"final/{i}.json", b"{}")
+                s.move(f"final/{i}.json", f"final/moved-{i}.json")
+            except (IslandsError, OSError):
+                pass  # refused as a link: what matters is where nothing went
+    finally:
+        stop.touch()
+        out, _ = swapper.communicate(timeout=60)
+    assert swapper.returncode == 0 and int(out) > 2000
+    assert os.listdir(outside) == []
+
+
+def test_a_link_swapped_in_after_the_walk_changes_nothing(run_and_outside, monkeypatch):
+    """The deterministic form of the race above: `final/` is swapped for a link to outside right
+    after the last folder an operation needs was reached, before the file is created and published,
+    moved or removed; each still acts in the folders it reached, inside the run."""
+    s, outside = run_and_outside
+    final, aside = s.path("final"), s.path("final-real")
+    os.mkdir(final)
+    reach, walks, swap_at = Storage._open_folder, [0], [1]
+
+    def reach_then_swap(self, path, create):
+        fd = reach(self, path, create)
+        walks[0] += 1
+        if walks[0] == swap_at[0]:
+            os.rename(final, aside)
+            os.symlink(outside, final)
+        return fd
+    monkeypatch.setattr(Storage, "_open_folder", reach_then_swap)
+
+    def put_back(walks_next_op: int) -> None:
+        os.unlink(final)
+        os.rename(aside, final)
+        walks[0], swap_at[0] = 0, walks_next_op
+    s.write_bytes("final/a.json", b"{}")  # one walk
+    put_back(2)
+    s.move("final/a.json", "final/b.json")  # the source's folder, then the destination's
+    assert os.listdir(aside) == ["b.json"]
+    put_back(1)
+    s.remove("final/b.json")
+    assert os.listdir(outside) == [] and os.listdir(aside) == []
+
+
+def test_a_file_replaced_at_the_moment_it_is_moved_aside_stays_in_place(tmp_path, monkeypatch):
+    """move_if renames first and checks what it renamed: a new file put at the key just before the
+    rename (after its identity was taken) is put back, not moved under the old one's name."""
+    s = Storage(str(tmp_path / "run"))
+    s.write_bytes("contrib/w.bin", b"refused")
+    seen = s.identity("contrib/w.bin")
+    rename = os.rename
+
+    def land_first(src, dst, **kw):
+        if src == "w.bin":  # the new file lands between the identity check and the rename
+            (tmp_path / "new").write_bytes(b"valid")
+            os.replace(tmp_path / "new", s.path("contrib/w.bin"))
+        return rename(src, dst, **kw)
+    monkeypatch.setattr(os, "rename", land_first)
+    assert not s.move_if("contrib/w.bin", "rejected/w.bin", seen)
+    assert s.read_bytes("contrib/w.bin") == b"valid" and not s.exists("rejected/w.bin")
+    monkeypatch.setattr(os, "rename", rename)
+    assert s.move_if("contrib/w.bin", "rejected/w.bin", s.identity("contrib/w.bin"))
+    assert s.read_bytes("rejected/w.bin") == b"valid" and not s.exists("contrib/w.bin")
+    assert s.move_if("contrib/w.bin", "rejected/again.bin", None)  # nothing there, nothing seen: done
 
 
 def test_the_run_log_is_private_and_never_written_through_a_link(tmp_path):

@@ -70,7 +70,7 @@ def test_default_back_off_schedule(tmp_path, monkeypatch):
 
 def test_transient_write_errors_are_retried_and_leave_no_temporary(tmp_path, monkeypatch, caplog):
     s = Storage(str(tmp_path / "run"), backoff_s=0.02)
-    calls = _flaky(monkeypatch, s.fs, "mv", 2)  # the publishing rename fails twice (NFS server hiccup)
+    calls = _flaky(monkeypatch, os, "rename", 2)  # the publishing rename fails twice (NFS server hiccup)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="core.storage"):
         s.write_json("a/b.json", {"k": 1})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import stat
 from pathlib import Path
 
 import pytest
@@ -225,7 +226,9 @@ def test_tensorboard_events_when_available(tiny_run, tmp_path):
     from orchestrator.observe.metrics import write_tensorboard
     s = Storage(str(tmp_path))
     assert write_tensorboard(s, read_metrics(Storage(str(tiny_run)), load_run(Storage(str(tiny_run)))))
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / L.TENSORBOARD).iterdir())
+    events_files = [p for p in (tmp_path / L.TENSORBOARD).iterdir() if p.name.startswith("events.out.tfevents")]
+    assert events_files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in events_files)
+    assert stat.S_IMODE((tmp_path / L.TENSORBOARD).stat().st_mode) == 0o700
     # read the events back with tensorboard's own reader: the eval losses are the run's, round by round
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(tmp_path / L.TENSORBOARD))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import hashlib
 
 import pytest
@@ -153,15 +154,17 @@ class TestCheckpointContract:
 
 
 def test_full_disk_is_reported_at_once_with_the_fix(tmp_path, monkeypatch):
-    # The error injected at the fsspec boundary (the layer that would raise it); test_faults.py
-    # fills a real 1 MiB tmpfs for the same guarantee.
+    # The error injected where it would be raised (the temporary's creation, by descriptor);
+    # test_faults.py fills a real 1 MiB tmpfs for the same guarantee.
     s = Storage(str(tmp_path / "run"))
-    calls = []
+    calls, real_open = [], os.open
 
-    def full(*a, **k):
-        calls.append(1)
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(s.fs, "open", full)
+    def full(path, *a, **k):
+        if str(path).startswith(".tmp-"):
+            calls.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *a, **k)
+    monkeypatch.setattr(os, "open", full)
     with pytest.raises(StorageError, match="disk is full.*orchestrate resume"):
         s.write_bytes("x.bin", b"data")
     assert len(calls) == 1  # not retried

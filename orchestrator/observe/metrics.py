@@ -22,6 +22,7 @@ also go to TensorBoard event files under `tensorboard/` (skipped silently otherw
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -250,15 +251,19 @@ def write_tensorboard(storage: Storage, lines: list[dict[str, Any]]) -> bool:
     except ImportError:
         return False
     try:
-        storage.makedirs_path(folder)  # private (0700), and not through a link out of the run (confine)
-        with SummaryWriter(log_dir=folder) as tb:
-            for line in lines:
-                for tag, step, value in tensorboard_scalars(line):
-                    tb.add_scalar(tag, value, step)
-        with os.scandir(folder) as entries:  # the event files TensorBoard made (by the umask): the run's, private
-            for entry in entries:
-                if entry.is_file(follow_symlinks=False):
-                    os.chmod(entry.path, PRIVATE_FILE)
+        with storage.local_folder(L.TENSORBOARD) as fd:  # private (0700), reached through no link
+            pinned = f"/proc/self/fd/{fd}"  # that folder, whatever is put at its name meanwhile (Linux)
+            with SummaryWriter(log_dir=pinned if os.path.isdir(pinned) else folder) as tb:
+                for line in lines:
+                    for tag, step, value in tensorboard_scalars(line):
+                        tb.add_scalar(tag, value, step)
+            for name in os.listdir(fd):  # the event files TensorBoard made (by the umask): the run's, private
+                with contextlib.suppress(OSError):  # a link or a FIFO someone put there: not ours, left alone
+                    f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+                    try:
+                        os.fchmod(f, PRIVATE_FILE)
+                    finally:
+                        os.close(f)
     except (OSError, ValueError, IslandsError) as exc:  # never fail a run for a dashboard
         log.warning("tensorboard events not written (%s)", exc)
         return False
