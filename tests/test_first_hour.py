@@ -4,6 +4,7 @@ what it can do; `--version` says which islands this is; help with examples that 
 Ctrl-C tells to resume only where there is a run to resume."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,34 @@ def test_ctrl_c_in_a_command_tells_resume_only_where_a_run_can_be_resumed(monkey
     assert cli.main(command) == 130
     out = capsys.readouterr().out
     assert out.startswith("interrupted") and ("orchestrate resume RUN" in out) == resume
+
+
+# `orchestrate` as its console script runs it (orchestrator.launch.main), SIGINT at its default as
+# in a terminal's foreground job, and a Ctrl-C delivered at a chosen moment: while a module of the
+# CLI imports (an import hook), or while the interpreter exits (an exit hook, run last).
+AT_IMPORT = """
+import os, signal, sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "core.config":
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, CtrlC())
+"""
+AT_EXIT = """
+import atexit, os, signal, sys, time
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))
+"""
+
+
+@pytest.mark.parametrize("hook, printed", [(AT_IMPORT, ""), (AT_EXIT, "orchestrate (islands)")])
+def test_ctrl_c_while_the_cli_imports_or_exits_prints_no_traceback(hook, printed):
+    """Python would print a KeyboardInterrupt traceback (at exit: "Exception ignored in atexit
+    callback"); the command ends at once, by the signal, as a C program does, its output kept."""
+    code = hook + "from orchestrator.launch import main\nsys.argv[1:] = ['--version']\nsys.exit(main())\n"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == -signal.SIGINT, (done.returncode, done.stdout, done.stderr)
+    assert done.stderr == "" and done.stdout.startswith(printed), (done.stdout, done.stderr)
 
 
 def test_verbose_records_on_a_terminal_name_their_level_once(monkeypatch):
