@@ -53,7 +53,8 @@ def status_table(status: dict[str, Any]) -> Any:
     extra = list(dict.fromkeys(k for r in status["rounds"] for k in r.get("eval_metrics", {})))  # the task's: accuracy
     table = Table("round", "eval loss", *(Column(k, min_width=len(k)) for k in extra), "merged", "dropped", "rejected", "merge s",
                   "round s", "busy", "MB read",
-                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title_justify="left",
+                  title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
                         f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
                         f"initial eval loss {_num(status['initial_eval_loss'], '{:.4f}')}")
     for r in status["rounds"]:
@@ -63,14 +64,51 @@ def status_table(status: dict[str, Any]) -> Any:
                       f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
                       _ids(r["rejected"]), _num(r["merge_seconds"], "{:.2f}"), wall, _busy(r.get("utilization")),
                       _num(None if r["bytes_read"] is None else r["bytes_read"] / 1e6, "{:.1f}"))
-    current = status["current_round"]
-    if current and status["state"] == "running":
-        table.add_section()
-        for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
-            table.add_row(f"{current['round']} (w{w})", "", *([""] * len(extra)), f"job {v['job_id']} {v.get('state', '')}",
-                          _times(v), "", worker_state(int(w), current["round"], set(current["arrived"]), v.get("progress")),
-                          "", "", "")
     return table
+
+
+def current_table(status: dict[str, Any]) -> Any | None:
+    """The round in progress, a row per worker: its job, how the scheduler sees it, and its step."""
+    from rich import box
+    from rich.table import Table
+
+    current = status["current_round"]
+    if not current or status["state"] != "running":
+        return None
+    r = current["round"]
+    table = Table("worker", "job", "state", "queued", "ran", "progress", box=box.SIMPLE_HEAD, collapse_padding=True,
+                  pad_edge=False, title_justify="left", title=f"round {r} ({r + 1}/{status['rounds_total']}) in progress")
+    for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
+        table.add_row(w, str(v["job_id"]), v.get("state") or "-", _time(v.get("queue_wait_s")), _time(v.get("run_s")),
+                      worker_state(int(w), r, set(current["arrived"]), v.get("progress")))
+    return table
+
+
+def jobs_line(rounds: list[dict[str, Any]], most: int = 4) -> str | None:
+    """How the merged rounds' jobs ended, in the scheduler's words: a count per state (a persistent
+    job that served several rounds once), and the jobs that ended otherwise than COMPLETED by name
+    (their first round, worker, job id), `most` of them."""
+    from orchestrator.jobstatus import ACTIVE
+
+    seen: dict[str, str] = {}
+    odd = []
+    for r in rounds:
+        for w, v in sorted((r.get("jobs") or {}).items(), key=lambda kv: int(kv[0])):
+            job, state = str(v.get("job_id")), str(v.get("state") or "UNKNOWN")
+            if job in seen:
+                continue
+            seen[job] = state
+            if state != "COMPLETED" and state.split()[0] not in ACTIVE:
+                odd.append(f"round {r['round']} worker {w} job {job} {state}")
+    if not seen:
+        return None
+    counts: dict[str, int] = {}
+    for state in seen.values():
+        counts[state] = counts.get(state, 0) + 1
+    line = "jobs: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if odd:
+        line += "; " + "; ".join(odd[:most]) + (f"; and {len(odd) - most} more (--json)" if len(odd) > most else "")
+    return line
 
 
 def contribution_line(rounds: list[dict[str, Any]]) -> str | None:
@@ -95,10 +133,23 @@ def _ids(workers: list[int]) -> str:
     return ", ".join(map(str, workers)) or "-"
 
 
-def _times(job: dict[str, Any]) -> str:
-    parts = [f"{label} {duration(job[k])}" for label, k in (("queued", "queue_wait_s"), ("ran", "run_s"))
-             if job.get(k) is not None]
-    return ", ".join(parts)
+def _time(seconds: float | None) -> str:
+    return "-" if seconds is None else duration(seconds)
+
+
+def status_view(status: dict[str, Any]) -> Any:
+    """What `status` prints: the rounds' table, the round in progress, then a line each for the bytes
+    sent, how the jobs ended, a failure and a scheduler that did not answer."""
+    from rich.console import Group
+    from rich.text import Text
+
+    lines = [contribution_line(status["rounds"]), jobs_line(status["rounds"])]
+    if status["failure"]:
+        lines.append(f"failed in round {status['failure'].get('round')}: {status['failure']['reason']}")
+    if status["scheduler"] != "answered":
+        lines.append(f"scheduler {status['scheduler']}")
+    current = current_table(status)
+    return Group(status_table(status), *([current] if current is not None else []), *(Text(x) for x in lines if x))
 
 
 def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
@@ -110,22 +161,15 @@ def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
     if args.json:
         print(json.dumps(status_with_jobs(storage, jobs_folder), indent=1))
         return 0
+    console.soft_wrap = False  # tables and lines wrap at words to the terminal's width (it would cut them mid-word)
     if not args.watch:
-        status = status_with_jobs(storage, jobs_folder)
-        console.print(status_table(status))
-        sent = contribution_line(status["rounds"])
-        if sent:
-            console.print(sent, markup=False)
-        if status["failure"]:
-            console.print(f"failed in round {status['failure'].get('round')}: {status['failure']['reason']}", markup=False)
-        if status["scheduler"] != "answered":
-            console.print(f"scheduler {status['scheduler']}", markup=False)
+        console.print(status_view(status_with_jobs(storage, jobs_folder)))
         return 0
     from rich.live import Live
-    with Live(status_table(status_with_jobs(storage, jobs_folder)), console=console, auto_refresh=False) as live:
+    with Live(status_view(status_with_jobs(storage, jobs_folder)), console=console, auto_refresh=False) as live:
         while True:
             status = status_with_jobs(storage, jobs_folder)
-            live.update(status_table(status), refresh=True)
+            live.update(status_view(status), refresh=True)
             if status["state"] not in ("running", "finishing"):
                 return 0
             time.sleep(args.watch)

@@ -25,6 +25,7 @@ from orchestrator.executor import CANCELLED_MARK, FAILED_LINE, local_job_status
 from orchestrator.run_models import create_run
 from orchestrator.run_view import duration, round_line
 from orchestrator.runstate import read_heartbeat
+from terminal_support import in_a_terminal
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,15 +155,10 @@ TINY = ["--executor", "local", "--set", "model.n_layer=1", "--set", "model.n_emb
 @pytest.mark.slow
 def test_the_readme_run_on_a_terminal_shows_round_lines_and_a_live_footer(tmp_path, corpus_cache):
     """The README's first command in a pseudo-terminal (pyte reads the screen as a person would)."""
-    import pyte
-
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--workers", "2", "--rounds", "2", "--inner-steps", "60",
            "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY]
-    raw = _in_a_terminal(cmd, cols=100, rows=30)
-    screen = pyte.Screen(100, 30)
-    pyte.ByteStream(screen).feed(raw)
-    lines = [line.rstrip() for line in screen.display if line.strip()]
+    raw, lines = in_a_terminal(cmd, cols=100, rows=30)
     text = raw.decode(errors="replace")
     assert "Traceback" not in text and " INFO " not in text and "WARNING" not in text, text[-3000:]
     assert "running for" in text and "worker 1: " in text  # the live footer was drawn (and is gone at the end)
@@ -175,30 +171,6 @@ def test_the_readme_run_on_a_terminal_shows_round_lines_and_a_live_footer(tmp_pa
     assert lines[4].startswith("done in ") and "".join(lines[4:]).endswith(f"inspect it with: orchestrate status {run}"), lines
     log = (run / "orchestrator.log").read_text()  # what -v would have shown is all in the run's log
     assert "INFO orchestrator.submission: round 0: submitted workers [0, 1]" in log
-
-
-def _in_a_terminal(cmd: list[str], cols: int, rows: int, timeout: float = 300) -> bytes:
-    import fcntl
-    import struct
-    import termios
-
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-                            env={**os.environ, "TERM": "xterm-256color", "COLUMNS": str(cols), "LINES": str(rows)})
-    os.close(slave)
-    out, deadline = bytearray(), time.time() + timeout
-    while time.time() < deadline:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: every writer has gone
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(master)
-    assert proc.wait(timeout=30) == 0, out.decode(errors="replace")[-3000:]
-    return bytes(out)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from orchestrator.observe.report import FIGURES, stats_cache, write_report
 from orchestrator.observe.report_data import (contribution_size, outer_grad_stats, outer_stats_cached, time_budget, timeline,
                                               worker_utilization)
 from orchestrator.runstate import load_run
+from terminal_support import in_a_terminal
 
 L = RunLayout()
 ROOT = Path(__file__).resolve().parent.parent
@@ -404,3 +407,27 @@ def test_a_finished_local_run_leaves_no_empty_job_folder_and_status_shows_no_non
     assert main(["status", str(run)]) == 0
     out = capsys.readouterr().out
     assert "initial eval loss -" in out and "None" not in out
+
+
+def test_status_of_a_run_in_progress_fits_80_columns_and_says_how_jobs_ended(tiny_run, tmp_path):
+    """The real command, as a pipe gives it 80 columns: the rounds' table, then the round in progress
+    in a table of its own (a worker's job, state and step under their own headings), then how the
+    merged rounds' jobs ended, the one that did not complete by name."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    for p in (run / "rounds/00001/record.json", run / "final"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    (run / "run.json").write_text(json.dumps({**json.loads((run / "run.json").read_text()), "finished_at": None}))
+    rec = json.loads((run / "rounds/00000/record.json").read_text())
+    rec["jobs"]["1"]["job_id"] = "999999"  # a job the scheduler no longer knows: as recorded at the commit
+    (run / "rounds/00000/record.json").write_text(json.dumps(rec))
+    raw, lines = in_a_terminal([sys.executable, "-m", "orchestrator.cli", "status", str(run)], cols=80, rows=40)
+    written = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", x) for x in raw.decode().split("\r\n")]
+    assert max(map(len, written)) <= 80, written  # the terminal never had to wrap a line mid-word
+    assert lines[0].startswith(f"{run}: running,") and "1/2 rounds done" in " ".join(lines[:2])
+    at = lines.index("round 1 (2/2) in progress")
+    assert lines[at + 1].split() == ["worker", "job", "state", "queued", "ran", "progress"], lines
+    for w in (0, 1):
+        assert re.fullmatch(rf" {w}\s+\d+\s+COMPLETED\s+\w+\s+\w+\s+published", lines[at + 3 + w]), lines
+    assert lines[-1] == "jobs: 1 COMPLETED, 1 FAILED; round 0 worker 1 job 999999 FAILED", lines
