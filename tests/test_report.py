@@ -431,3 +431,19 @@ def test_status_of_a_run_in_progress_fits_80_columns_and_says_how_jobs_ended(tin
     for w in (0, 1):
         assert re.fullmatch(rf" {w}\s+\d+\s+COMPLETED\s+\w+\s+\w+\s+published", lines[at + 3 + w]), lines
     assert lines[-1] == "jobs: 1 COMPLETED, 1 FAILED; round 0 worker 1 job 999999 FAILED", lines
+
+
+def test_eval_on_an_80_column_terminal_keeps_checkpoint_names_apart(tiny_run, tmp_path):
+    """Two checkpoints deep in one folder: their common folder is said once, and each name is shown
+    whole (cut to the column, `.../worker_000.safetensors` and `.../worker_001...` read the same)."""
+    from safetensors.torch import load_file
+    deep = tmp_path / "experiments-of-the-week" / "a-rather-long-folder-name-for-this-sweep" / "contributions"
+    for w, r in ((0, 1), (1, 2)):
+        write_checkpoint(Storage(str(deep)), f"worker_{w:03d}.safetensors", load_file(tiny_run / f"global/round_{r:05d}.safetensors"))
+    cmd = [sys.executable, "-m", "orchestrator.cli", "eval", str(deep / "worker_000.safetensors"),
+           str(deep / "worker_001.safetensors"), "--run", str(tiny_run), "--batches", "1"]
+    raw, lines = in_a_terminal(cmd, cols=80, rows=40)
+    screen = "\n".join(lines)
+    assert f"checkpoints under {deep}/" in "".join(x.strip() for x in lines).replace("│", ""), screen
+    rows = [x for x in lines if "worker_00" in x]
+    assert len(rows) == 2 and "worker_000.safetensors" in rows[0] and "worker_001.safetensors" in rows[1], screen

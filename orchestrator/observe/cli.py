@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
+from rich.table import Column, Table
 
 from core.storage import Storage
 
@@ -44,13 +45,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _table(rows: list[dict], title: str, *columns: str) -> tuple[Table, list[str]]:
+    """A table of checkpoints for a terminal, and each row's label: the checkpoints' common folder is
+    said once in the title, and a label too long for its column folds onto more lines rather than
+    being cut (cut, `.../worker_000.safetensors` and `.../worker_001.safetensors` read the same)."""
+    labels = [r["checkpoint"] for r in rows]
+    paths = [x for x in labels if x.startswith("/")]
+    common = os.path.commonpath(paths) if len(paths) > 1 else ""
+    if common not in ("", "/"):
+        title += f"; checkpoints under {common}/"
+        labels = [x[len(common) + 1:] if x.startswith(common + "/") else x for x in labels]
+    return Table(Column("checkpoint", overflow="fold"), *columns, title=title), labels
+
+
 def _print_task_rows(rows: list[dict], title: str) -> int:
     from orchestrator.console import console
     names = [k for k in rows[0] if k != "checkpoint"]
     if console.is_terminal:
-        table = Table("checkpoint", *names, title=title)
-        for r in rows:
-            table.add_row(r["checkpoint"], *(f"{r[k]:.4f}" for k in names))
+        table, labels = _table(rows, title, *names)
+        for r, label in zip(rows, labels):
+            table.add_row(label, *(f"{r[k]:.4f}" for k in names))
         console.print(table)
         return 0
     print(title)
@@ -78,9 +92,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     title = (f"held-out eval: {d['batches']} batches x {d['batch_size']} x {d['block_size']} bytes "
              f"({d['tokens']} tokens; data from {d['config']})")
     if console.is_terminal:
-        table = Table("checkpoint", "loss (nats/byte)", "perplexity", "bits/byte", title=title)
-        for r in rows:
-            table.add_row(r["checkpoint"], f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r['bits_per_byte']:.4f}")
+        table, labels = _table(rows, title, "loss (nats/byte)", "perplexity", "bits/byte")
+        for r, label in zip(rows, labels):
+            table.add_row(label, f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r['bits_per_byte']:.4f}")
         console.print(table)
         return 0
     print(title)
