@@ -369,3 +369,27 @@ def test_live_probes_cancelled_on_sigterm(background_load):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert not set(_squeue("-t", "PD,R")) & set(ids), "probes still queued after SIGTERM"
+
+
+def test_tables_on_an_80_column_terminal_have_one_unit_each_and_no_cut_number(tmp_path):
+    """The real command in an 80-column pty: waits of a minute, 98 minutes and 3.1 hours in one table
+    are all in the table's one unit, named in its title; no cell is cut ('…') and no line wraps."""
+    import re
+    import sys
+
+    from terminal_support import in_a_terminal
+    rows = [(1, 60, 1), (2, 5880, 1), (3, 11160, 1), (4, 20, 2), (5, 7200, 4), (6, 300, 8), (7, 90000, 12)]
+    trace = tmp_path / "mixed.swf"
+    trace.write_text("; MaxNodes: 16\n; MaxProcs: 64\n" + "".join(
+        f"{i} {i * 100} {wait} 100 {4 * n} -1 -1 {4 * n} 43200 -1 1 1 1 -1 -1 -1 -1 -1\n" for i, wait, n in rows))
+    raw, lines = in_a_terminal([sys.executable, "-m", "orchestrator.cli", "bench", "queue-wait", "--swf", str(trace),
+                                "--project", "--rounds", "16", "--round-seconds", "5m", "--workers", "4"], cols=80, rows=60)
+    written = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", x) for x in raw.decode().split("\r\n")]
+    assert max(map(len, written)) <= 80 and "…" not in raw.decode(), "\n".join(lines)
+    at = lines.index("queue wait (hours)")
+    head = next(i for i in range(at + 1, at + 4) if lines[i].split()[:1] == ["nodes"])
+    assert " ".join(lines[head].split()).startswith("nodes mean median p90 KM median 95% CI KM p90"), lines
+    first = lines[head + 2].split()  # 1 node: waits 60 s, 98 min, 3.1 h
+    assert first[:4] == ["1", "1.58", "1.63", "2.81"], lines  # mean 5700 s, median 5880 s, p90 10104 s: in hours
+    assert not any(re.search(r"\d(s|min|h|d)\b", x) for x in lines[at:at + 8]), lines
+    assert any(x.startswith("end to end and queue (") for x in lines), lines
