@@ -13,6 +13,7 @@ import datetime as dt
 import io
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -33,6 +34,7 @@ from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, loca
 
 log = logging.getLogger(__name__)
 CANCELLED_MARK = "cancelled"
+_JOB_ID = re.compile(r"\d{1,12}(_\d{1,9})?")  # a Slurm job (array task) id or a local pid
 """Left in a local job's folder by cancel(): its state is CANCELLED, not FAILED."""
 FAILED_LINE = "Submitted job triggered an exception"
 """What submitit's job logs when the function raised (submitit/core/submission.py)."""
@@ -197,13 +199,26 @@ class Executor:
             return
         if self.kind == "slurm":
             subprocess.run(["scancel", *job_ids], check=False, capture_output=True)
+            for j in job_ids:
+                self._mark_cancelled(j)
             return
         for j in job_ids:
             if self._is_ours(j):
-                with contextlib.suppress(OSError):  # what status reads: this job was cancelled, not failed
-                    (self.folder / j / CANCELLED_MARK).touch()
+                self._mark_cancelled(j)
                 kill_local_job(j)
         self._reap()
+
+    def _mark_cancelled(self, job_id: str) -> None:
+        """What status and a later resume read: islands cancelled this job (it did not fail)."""
+        if _JOB_ID.fullmatch(job_id):  # ids are read from the run directory: never a path
+            with contextlib.suppress(OSError):
+                (self.folder / job_id).mkdir(mode=0o700, exist_ok=True)
+                (self.folder / job_id / CANCELLED_MARK).touch()
+
+    def cancelled_here(self, job_id: str) -> bool:
+        """Whether islands itself cancelled the job (Ctrl-C on the service, `orchestrate cancel`, a
+        straggler's cancel): its resubmission is expected, not news for the user."""
+        return bool(_JOB_ID.fullmatch(job_id)) and (self.folder / job_id / CANCELLED_MARK).exists()
 
     def _is_ours(self, job_id: str) -> bool:
         """Whether the local job id (a pid, read from the run directory, which others may write) is a

@@ -105,7 +105,9 @@ class Service:
                 return record
             self.merger.stream(jobs)  # fold what landed; what lands last is folded at the merge
             if decision.action == "resubmit":
-                log.warning("round %d: %s; resubmitting", r, decision.reason)
+                ours = all(self.executor.cancelled_here(jobs.workers[w].latest) for w in decision.workers)
+                log.log(logging.INFO if ours else logging.WARNING, "round %d: %s; resubmitting", r,
+                        decision.reason + (" (islands cancelled them: Ctrl-C or `orchestrate cancel`)" if ours else ""))
                 self.submitter.resubmit(jobs, decision.workers, states)
             elif decision.action == "fail":
                 self._fail(jobs, decision, states)

@@ -69,7 +69,8 @@ class Submitter:
             e = jobs.workers[w]
             state = states.get(e.latest, UNKNOWN).state
             e.failures.append({"job_id": e.latest, "state": state, "log_tail": self.executor.stderr_tail(e.latest)[-2000:]})
-            log.warning("round %d: worker %s job %s ended (%s) without a contribution", jobs.round, w, e.latest, state)
+            level = logging.INFO if self.executor.cancelled_here(e.latest) else logging.WARNING  # the user's own stop
+            log.log(level, "round %d: worker %s job %s ended (%s) without a contribution", jobs.round, w, e.latest, state)
 
     def _adopt_persistent(self, jobs: RoundJobs, bases: dict[int, str]) -> list[int]:
         """Hand round r to persistent jobs of round r-1 that are still alive: no sbatch, no queue."""

@@ -255,6 +255,35 @@ def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, c
     assert "KeyboardInterrupt" not in logs and "Traceback" not in logs, logs[-3000:]
 
 
+@pytest.mark.slow
+def test_resume_after_ctrl_c_does_not_warn_about_the_jobs_ctrl_c_stopped(tmp_path, corpus_cache):
+    """The jobs the interrupted service cancelled end CANCELLED (islands' own mark); `resume` resubmits
+    them as expected business, said in the run's log, not as warnings about lost work."""
+    run, out = tmp_path / "run", tmp_path / "out.txt"
+    args = ["submit", "--workers", "2", "--rounds", "2", "--inner-steps", "400", "--run-dir", str(run),
+            "--set", f"data.cache_dir={corpus_cache}", *TINY]
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        s = Storage(str(run))
+        _wait(lambda: (read_heartbeat(s, 0) or {}).get("step", 0) > 0, 120, out)  # round 0 is training
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, out.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    _wait(lambda: not _processes_of(run), 30, out)
+    resumed = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "done in" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert "WARNING" not in resumed.stderr and "CANCELLED" not in resumed.stdout + resumed.stderr, resumed.stderr
+    log = (run / "orchestrator.log").read_text()
+    assert "(islands cancelled them: Ctrl-C or `orchestrate cancel`); resubmitting" in log, log[-3000:]
+    assert re.search(r"INFO orchestrator.submission: round 0: worker 0 job \d+ ended \(CANCELLED\)", log), log[-3000:]
+
+
 def test_a_planted_heartbeat_is_no_heartbeat(tmp_path, corpus_cache):
     run = _tiny_run(tmp_path, corpus_cache)
     s = Storage(run)

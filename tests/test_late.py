@@ -78,6 +78,9 @@ class ThreadExecutor:
     def stderr_tail(self, job_id: str) -> str:
         return ""
 
+    def cancelled_here(self, job_id: str) -> bool:
+        return job_id in self.cancelled
+
 
 def run_service(s: Storage, cfg, ex) -> Service:
     """The real merge service on `s` (holding its lease) with `ex` for a scheduler, run to the end;
