@@ -204,6 +204,9 @@ class RoundRecord:
     """Bytes of each merged contribution's file (what crossed storage, once written and once read)."""
     fp32_bytes: int | None = None
     """What one contribution's weights take in fp32: the ratio's yardstick."""
+    round_s: float | None = None
+    """The round's time: from the service's previous commit (for the first round it commits, from its
+    start) to this commit. The one round time: the round line, the ETA, status and the report show it."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -62,6 +62,7 @@ class RoundMerger:
         # (round, worker) -> the identity of the contribution's manifest and data when first read: a refused
         # one is set aside only if it is still the file there (a worker's valid one may land meanwhile)
         self._seen: dict[tuple[int, int], tuple] = {}
+        self._since = time.time()  # the service's start, then its last commit: a round's time counts from it
 
     def stream(self, jobs: RoundJobs) -> None:
         """Fold each contribution into the round's running sum as it lands (round.stream_merge)."""
@@ -105,13 +106,15 @@ class RoundMerger:
         why = self._why_dropped(jobs, dropped, states)
         final = self.executor.status(list(jobs.latest().values()))  # one call: queue wait and run time per job
         self._cancel_stragglers(jobs, dropped, why, fold)
+        committed = time.time()
         return RoundRecord(
             round=r, merged=merged, dropped=dropped, rejected=sorted(rejected),
             rejected_reasons={str(w): why for w, why in rejected.items()}, dropped_reasons=why,
             late=sorted(set(dropped) & set(arrived_workers(self.storage, r))), reason=decision.reason,
             merge_seconds=round(result.seconds, 3), bytes_read=result.bytes_read,
             outer_grad_norm=result.outer_grad_norm, weights={str(c.worker): c.weight for c in contribs},
-            submitted_at=jobs.submitted_at or t0, merge_started_at=t0, committed_at=time.time(),
+            submitted_at=jobs.submitted_at or t0, merge_started_at=t0, committed_at=committed,
+            round_s=round(committed - self._since, 3),
             global_digest=result.manifest["digest"], merge_order=result.order,
             contrib_digest={str(w): manifests[w].get("digest") for w in merged}, folded=merged_folds,
             fold_rejected=fold_refused + refused, worker_idle_s=_per_worker(manifests, "waited_s"),
@@ -123,6 +126,7 @@ class RoundMerger:
     def commit(self, jobs: RoundJobs, record: RoundRecord) -> None:
         failpoint("service.before_record")
         record.save(self.storage)  # the commit point of the round
+        self._since = record.committed_at
         failpoint("service.after_record")
         # after the commit: a resumed round finds them where the merge did
         self.set_aside(jobs, {int(w): why for w, why in record.rejected_reasons.items()})

@@ -45,25 +45,31 @@ class RunView:
     def __init__(self, console: Console, storage: Storage, cfg: Config, first_round: int) -> None:
         self.console, self.storage, self.cfg = console, storage, cfg
         self.current = first_round
-        self.last = time.monotonic()
+        self.last = time.time()  # the service's start, then its last commit: the round in progress runs since
         self.measured: list[float] = []
+        """The round times (RoundRecord.round_s) of the rounds this service committed: the ETA's."""
 
     def round_done(self, rec: dict[str, Any]) -> None:
-        now = time.monotonic()
+        wall = None
         if rec["round"] >= self.current:  # not a round committed before a resume, evaluated only now
-            self.measured.append(now - self.last)
-            self.last, self.current = now, rec["round"] + 1
-        wall = self.measured[-1] if self.measured and rec["round"] + 1 == self.current else None
+            self.current = rec["round"] + 1
+            if rec.get("round_s") is not None:
+                wall = rec["round_s"]
+                self.measured.append(wall)
+                self.last = rec["committed_at"]
         # on a terminal narrower than the line, wrapped between words (a pipe or a log gets it whole)
         self.console.print(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), markup=False,
                            soft_wrap=not self.console.is_terminal)
         self.console.file.flush()  # a file or a pipe (a Slurm log, `| tee`) gets each round when it ends
 
     def eta(self) -> float | None:
-        """Seconds left at the mean measured round time; None before a round was measured."""
+        """Seconds left from now: the mean round time of this service's rounds times the rounds left,
+        less the time the round in progress has run; None before a round was measured. The round
+        line and the footer both say this."""
         if not self.measured:
             return None
-        return sum(self.measured) / len(self.measured) * max(0, self.cfg.rounds - self.current)
+        left = sum(self.measured) / len(self.measured) * max(0, self.cfg.rounds - self.current)
+        return max(0.0, left - (time.time() - self.last))
 
     @contextmanager
     def live(self) -> Iterator[None]:
@@ -82,14 +88,14 @@ class RunView:
             return Text(f"round {self.current}: progress unavailable ({type(exc).__name__}: {exc})")
 
     def _footer(self) -> Group:
-        r, total, now = self.current, self.cfg.rounds, time.monotonic()
+        r, total, now = self.current, self.cfg.rounds, time.time()
         if r >= total:  # the last round is committed: the final model is being written
             return Group(Text(f"all {total} rounds done: writing the final model", style="bold"))
         head = f"round {r} ({r + 1}/{total}) running for {duration(now - self.last)}"
         if (eta := self.eta()) is not None:
             spent = sum(self.measured)
             rate = 3600 * len(self.measured) / spent if spent > 0 else 0.0
-            head += f", ETA {duration(max(0.0, eta - (now - self.last)))}, {rate:.0f} rounds/h"
+            head += f", ETA {duration(eta)}, {rate:.0f} rounds/h"
         lines = [Text(head, style="bold")]
         arrived = set(arrived_workers(self.storage, r))
         for w in range(min(self.cfg.workers, SHOWN_WORKERS)):

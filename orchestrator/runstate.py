@@ -68,6 +68,7 @@ def round_line(r: int, rec: Mapping[str, Any]) -> dict[str, Any]:
     line["utilization"] = utilization([{"worker_train_s": line["worker_train_s"], "worker_idle_s": line["worker_idle_s"]}])
     ends = (rec.get("submitted_at"), rec.get("committed_at"))
     line["wall_s"] = round(ends[1] - ends[0], 1) if None not in ends else None
+    line["round_s"] = rec.get("round_s")
     return line
 
 

@@ -59,7 +59,7 @@ def status_table(status: dict[str, Any]) -> Any:
                         f"initial eval loss {_num(status['initial_eval_loss'], '{:.4f}')}")
     for r in status["rounds"]:
         loss = "damaged" if r.get("damaged") else "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
+        wall = _num(r["round_s"] if r.get("round_s") is not None else r["wall_s"], "{:.1f}")  # older records: submit to commit
         table.add_row(str(r["round"]), loss, *(_num(r.get("eval_metrics", {}).get(k), "{:.4f}") for k in extra),
                       f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
                       _ids(r["rejected"]), _num(r["merge_seconds"], "{:.2f}"), wall, _busy(r.get("utilization")),
@@ -161,18 +161,21 @@ def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
     if args.json:
         print(json.dumps(status_with_jobs(storage, jobs_folder), indent=1))
         return 0
-    console.soft_wrap = False  # tables and lines wrap at words to the terminal's width (it would cut them mid-word)
     if not args.watch:
-        console.print(status_view(status_with_jobs(storage, jobs_folder)))
+        console.print(status_view(status_with_jobs(storage, jobs_folder)), soft_wrap=False)  # wrapped at words
         return 0
     from rich.live import Live
-    with Live(status_view(status_with_jobs(storage, jobs_folder)), console=console, auto_refresh=False) as live:
-        while True:
-            status = status_with_jobs(storage, jobs_folder)
-            live.update(status_view(status), refresh=True)
-            if status["state"] not in ("running", "finishing"):
-                return 0
-            time.sleep(args.watch)
+    wrap, console.soft_wrap = console.soft_wrap, False  # Live has no switch of its own: lines wrapped at words
+    try:
+        with Live(status_view(status_with_jobs(storage, jobs_folder)), console=console, auto_refresh=False) as live:
+            while True:
+                status = status_with_jobs(storage, jobs_folder)
+                live.update(status_view(status), refresh=True)
+                if status["state"] not in ("running", "finishing"):
+                    return 0
+                time.sleep(args.watch)
+    finally:
+        console.soft_wrap = wrap
 
 
 def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:

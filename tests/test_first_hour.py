@@ -162,3 +162,25 @@ def test_a_round_line_wider_than_the_terminal_wraps_between_words(tmp_path):
     (whole,) = printed[False]  # a pipe or a log gets it whole
     assert len(whole) > 80 and whole.startswith("round 0 (1/3): eval loss 5.4896, merged 2/2, merge 0.02s, round ")
     assert all(len(line) <= 80 for line in printed[True]) and " ".join(printed[True]) == whole
+
+
+def test_the_round_line_and_the_footer_say_one_eta(tmp_path):
+    """Both are RunView.eta(): the mean round time of this service's rounds (RoundRecord.round_s)
+    times the rounds left, less what the round in progress has run."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from core.config import config_from_dict
+    from orchestrator.run_view import RunView
+    cfg = config_from_dict({"workers": 2, "rounds": 4})
+    out = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
+    view = RunView(out, Storage(str(tmp_path)), cfg, first_round=0)
+    rec = {"round": 0, "eval_loss": 5.0, "merged": [0, 1], "dropped": [], "rejected": [], "merge_seconds": 0.02,
+           "round_s": 100.0, "committed_at": time.time() - 10}  # committed 10 s ago, evaluated since
+    view.round_done(rec)
+    line = out.file.getvalue()
+    assert ", round 1m40s, ETA 4m50s" in line, line  # 3 rounds left x 100 s, less the 10 s since the commit
+    head = view.footer().renderables[0].plain
+    assert head.startswith("round 1 (2/4) running for 10s, ETA 4m50s, 36 rounds/h"), head

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
 import math
 import re
@@ -40,7 +42,10 @@ def tiny_run(tmp_path_factory, corpus_cache) -> Path:
     run = tmp_path_factory.mktemp("obs") / "run"
     argv = ["submit", "--executor", "local", "--run-dir", str(run), "--workers", "2", "--rounds", "2",
             "--inner-steps", "3", "--set", f"data.cache_dir={corpus_cache}", *TINY]
-    assert main(argv) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # what the user saw: its round lines (test_one_round_time...)
+        assert main(argv) == 0
+    (run.parent / "submit.txt").write_text(printed.getvalue())
     return run
 
 
@@ -145,12 +150,25 @@ def test_timeline_uses_scheduler_timings_then_the_workers_clock():
     segs = {(s.row, s.kind): (s.start, s.end) for s in timeline(rounds, workers, None, now=200.0)}
     assert segs[("worker 0", "queued")] == (100.0, 102.0) and segs[("worker 0", "running")] == (102.0, 107.0)
     assert segs[("worker 1", "queued")] == (100.0, 105.0) and segs[("worker 1", "running")] == (105.0, 109.0)
+    assert ("worker 1", "starting") not in segs  # no queue wait from the scheduler: all of the wait is queued
     assert segs[("worker 2", "no contribution")] == (100.0, 110.0)
     assert segs[("merge service", "merging")] == (110.0, 112.0)
     assert segs[("merge service", "evaluating")] == (112.0, 115.0)
     budget = time_budget(timeline(rounds, workers, None, 200.0), rounds)
-    assert budget == [{"round": 0, "wall_s": 12.0, "queued": 7.0, "running": 9.0, "merging": 2.0, "evaluating": 3.0,
-                       "no contribution": 10.0}]
+    assert budget == [{"round": 0, "wall_s": 12.0, "queued": 7.0, "starting": None, "running": 9.0, "merging": 2.0,
+                       "evaluating": 3.0, "no contribution": 10.0}]
+
+
+def test_a_persistent_jobs_start_up_is_starting_not_queued():
+    """A local persistent job: the scheduler says it queued 0 s (`status --json`'s queue_wait_s), its
+    first step came 12 s after the submission (a process starting, loading its base): the report says
+    queued 0 s and starting 12 s; in its next round, handed its global at 120, it queues no more."""
+    job = {"worker": 0, "job_id": "4711", "persistent": True, "queue_wait_s": 0.0, "run_s": 40.0}
+    workers = [{**job, "round": 0, "submitted_at": 100.0, "written_at": 118.0, "seconds": 6.0},
+               {**job, "round": 1, "submitted_at": 120.0, "written_at": 127.0, "seconds": 5.0}]
+    segs = {(s.round, s.kind): (s.start, s.end) for s in timeline([], workers, None, now=200.0)}
+    assert (0, "queued") not in segs and segs[(0, "starting")] == (100.0, 112.0) and segs[(0, "running")] == (112.0, 118.0)
+    assert (1, "queued") not in segs and segs[(1, "starting")] == (120.0, 122.0) and segs[(1, "running")] == (122.0, 127.0)
 
 
 def test_timeline_shows_training_ahead_and_each_persistent_workers_utilization():
@@ -447,3 +465,25 @@ def test_eval_on_an_80_column_terminal_keeps_checkpoint_names_apart(tiny_run, tm
     assert f"checkpoints under {deep}/" in "".join(x.strip() for x in lines).replace("│", ""), screen
     rows = [x for x in lines if "worker_00" in x]
     assert len(rows) == 2 and "worker_000.safetensors" in rows[0] and "worker_001.safetensors" in rows[1], screen
+
+
+@slow
+def test_one_round_time_in_the_round_line_status_json_metrics_and_the_report(tiny_run, capsys):
+    """The round's time is measured once (RoundRecord.round_s, commit to commit) and every view shows
+    that number: the line the user saw, status's table and --json, the metrics the report reads."""
+    from orchestrator.run_view import duration
+    printed = (tiny_run.parent / "submit.txt").read_text().splitlines()
+    assert main(["status", str(tiny_run), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert main(["status", str(tiny_run)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    metrics = {ln["round"]: ln for ln in read_metrics(Storage(str(tiny_run)), load_run(Storage(str(tiny_run))))
+               if ln["kind"] == "round"}
+    for r in (0, 1):
+        rec = json.loads((tiny_run / f"rounds/{r:05d}/record.json").read_text())
+        assert rec["round_s"] > 0 and status["rounds"][r]["round_s"] == rec["round_s"]
+        line = next(x for x in printed if x.startswith(f"round {r} ({r + 1}/2)"))
+        assert f", round {duration(rec['round_s'])}" in line, (line, rec["round_s"])
+        row = next(x.split() for x in table if x.split()[:1] == [str(r)])
+        assert row[6] == f"{rec['round_s']:.1f}", (row, rec["round_s"])  # the "round s" column
+        assert metrics[r]["round_seconds"] == rec["round_s"]

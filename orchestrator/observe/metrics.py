@@ -83,7 +83,8 @@ def round_line(record: Mapping[str, Any], manifests: Mapping[int, Mapping[str, A
         "rejected_reasons": dict(record.get("rejected_reasons", {})),
         "weights": dict(record.get("weights", {})),
         "outer_grad_norm": record.get("outer_grad_norm"), "merge_seconds": record.get("merge_seconds"),
-        "round_seconds": None if sub is None or committed is None else round(committed - sub, 3),
+        "round_seconds": record.get("round_s") if record.get("round_s") is not None else
+        None if sub is None or committed is None else round(committed - sub, 3),
         "bytes_read": record.get("bytes_read"),
         "bytes_contributions": sum(int(m.get("bytes", 0)) for m in manifests.values()),
         "bytes_global": sizes.get("global"), "bytes_outer_state": sizes.get("outer_state"),

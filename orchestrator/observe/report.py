@@ -24,12 +24,14 @@ from orchestrator.observe.report_data import (RunData, Segment, bytes_series, co
                                       outer_stats_cached, time_budget, timeline, worker_losses, worker_utilization)
 
 FIGURES = ("loss", "timeline", "bytes", "outer_gradients", "contributions")
-COLORS = {"queued": "#f2b134", "training ahead": "#2a9d8f", "running": "#3b7dd8", "merging": "#d8453b", "evaluating": "#8e5bc7",
+COLORS = {"queued": "#f2b134", "starting": "#f7d794", "training ahead": "#2a9d8f", "running": "#3b7dd8", "merging": "#d8453b", "evaluating": "#8e5bc7",
           "in flight": "#9cc3f0", "no contribution": "#b0b0b0"}
 CAPTIONS = {
     "loss": "Eval loss of the global model (held-out data) after each round, and against inner steps with each "
             "worker's own training loss: the gap between the workers' curves and the global model is what merging buys.",
-    "timeline": "Every job per worker per round: queued (submitted, not started), training ahead (round.overlap: "
+    "timeline": "Every job per worker per round: queued (the scheduler's queue wait), starting (the job's process "
+                "starting and loading its base, or a persistent worker taking its next round, until its first step), "
+                "training ahead (round.overlap: "
                 "the round's steps taken before it was submitted), running (training until its contribution was "
                 "published), and the merge service merging and evaluating. Gaps are idle time; a persistent "
                 "worker's label gives its utilization, busy / (busy + idle waiting for a global).",
@@ -305,7 +307,7 @@ def round_rows(data: RunData, budget: Sequence[Mapping[str, Any]]) -> list[list[
         written = sum(line.get(k) or 0 for k in ("bytes_contributions", "bytes_global", "bytes_outer_state",
                                                  "bytes_worker_states"))
         rows.append([_cell(r), _cell(line["eval_loss"], "{:.4f}"), _cell(line["merged"]), _cell(line["dropped"]),
-                     _cell(line["rejected"]), _cell(line["round_seconds"], "{:.1f}"), _cell(b.get("queued"), "{:.1f}"),
+                     _cell(line["rejected"]), _cell(line["round_seconds"], "{:.1f}"), _cell(b.get("queued"), "{:.1f}"), _cell(b.get("starting"), "{:.1f}"),
                      _cell(b.get("running"), "{:.1f}"), _cell(_pct(line.get("utilization")), "{:.0f}%"),
                      _cell(line["merge_seconds"], "{:.2f}"),
                      _cell(b.get("evaluating"), "{:.2f}"), _cell(written / 1e6, "{:.2f}"),
@@ -356,7 +358,7 @@ def render_html(data: RunData, images: Mapping[str, bytes], budget: Sequence[Map
         b64 = base64.b64encode(images[name]).decode()
         parts += [f"<h2>{html.escape(name.replace('_', ' '))}</h2><p class='cap'>{html.escape(CAPTIONS[name])}</p>",
                   f"<img alt='{name}' src='data:image/png;base64,{b64}'>"]
-    head = ["round", "eval loss", "merged", "dropped", "rejected", "wall s", "queued s (sum)", "running s (sum)",
+    head = ["round", "eval loss", "merged", "dropped", "rejected", "round s", "queued s (sum)", "starting s (sum)", "running s (sum)",
             "workers busy", "merge s", "eval s", "MB written", "outer grad norm", "mean cosine"]
     parts += ["<h2>Rounds</h2>", _table(head, round_rows(data, budget))]
     problems = problem_items(data)

@@ -162,7 +162,11 @@ class Segment:
     round: int
 
 
-def _worker_segments(line: Mapping[str, Any], end_if_lost: float | None) -> list[Segment]:
+def _worker_segments(line: Mapping[str, Any], end_if_lost: float | None, first_round: bool = True) -> list[Segment]:
+    """A worker's round: queued (the scheduler's queue wait, the one `status --json` says), starting
+    (from the job's start to its first step: a process starting, loading its base; the whole wait for
+    a persistent job's later rounds, which queue no more), running. `first_round`: the job was
+    submitted for this round (a persistent job's queue wait is its first round's)."""
     row, r, sub = f"worker {line['worker']}", line["round"], line.get("submitted_at")
     if sub is None:
         return []
@@ -179,14 +183,22 @@ def _worker_segments(line: Mapping[str, Any], end_if_lost: float | None) -> list
         start = max(sub, end - line["seconds"])
     else:
         return [Segment(row, "no contribution", sub, end_if_lost, r)] if end_if_lost and end_if_lost > sub else []
-    return [s for s in (Segment(row, "queued", sub, start, r), Segment(row, "running", start, end, r)) if s.end > s.start]
+    wait = line.get("queue_wait_s") if first_round else 0.0
+    began = start if wait is None else min(start, sub + wait)  # the scheduler did not say: all of it queued
+    return [s for s in (Segment(row, "queued", sub, began, r), Segment(row, "starting", began, start, r),
+                        Segment(row, "running", start, end, r)) if s.end > s.start]
 
 
 def timeline(rounds: Sequence[Mapping[str, Any]], workers: Sequence[Mapping[str, Any]],
              current: Mapping[str, Any] | None, now: float) -> list[Segment]:
     """Every job's queued / running span per worker, and the merge service's merging / evaluating."""
     ends = {line["round"]: line.get("merge_started_at") for line in rounds}
-    segs = [s for w in workers for s in _worker_segments(w, ends.get(w["round"]))]
+    first: dict[Any, int] = {}  # job id -> the round it was submitted for
+    for w in workers:
+        if w.get("job_id") is not None:
+            first[w["job_id"]] = min(first.get(w["job_id"], w["round"]), w["round"])
+    segs = [s for w in workers
+            for s in _worker_segments(w, ends.get(w["round"]), first.get(w.get("job_id"), w["round"]) == w["round"])]
     for line in rounds:
         r, m0, m1, ev = line["round"], line.get("merge_started_at"), line.get("committed_at"), line.get("evaluated_at")
         if m0 is not None and m1 is not None:
@@ -223,14 +235,14 @@ def worker_utilization(workers: Sequence[Mapping[str, Any]]) -> dict[int, float]
 
 
 def time_budget(segments: Sequence[Segment], rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per round: wall time (submit to commit) and, summed over workers, seconds queued and running,
-    plus the service's merge and eval seconds: where the wall time went (None: nothing of that kind)."""
+    """Per round: its time (RoundRecord.round_s) and, summed over workers, seconds queued, starting
+    and running, plus the service's merge and eval seconds: where the time went (None: nothing of that kind)."""
     out = []
     for line in rounds:
         r = line["round"]
         mine = [s for s in segments if s.round == r]
         total = {k: round(sum(s.end - s.start for s in mine if s.kind == k), 2) if any(s.kind == k for s in mine)
-                 else None for k in ("queued", "running", "merging", "evaluating", "no contribution")}
+                 else None for k in ("queued", "starting", "running", "merging", "evaluating", "no contribution")}
         out.append({"round": r, "wall_s": line.get("round_seconds"), **total})
     return out
 
