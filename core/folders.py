@@ -57,12 +57,22 @@ def _open_sub(fd: int, name: str, flags: int, create: bool) -> int | None:
         if not create:
             raise
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+        # O_NOFOLLOW | O_DIRECTORY on a link: ELOOP or ENOTDIR, whatever is at the name a moment later
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and not _plain_non_folder(fd, name)):
             return None
         raise
     with contextlib.suppress(FileExistsError):  # another writer made it first
         os.mkdir(name, PRIVATE_DIR, dir_fd=fd)
     return _open_sub(fd, name, flags, create=False)
+
+
+def _plain_non_folder(fd: int, name: str) -> bool:
+    """`name` in folder `fd` is there and neither a folder nor a link (a file where a folder is due)."""
+    try:
+        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
 
 
 def make_private_dirs(path: str) -> None:

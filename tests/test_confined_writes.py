@@ -102,7 +102,7 @@ def test_a_link_swapped_in_while_files_are_written_receives_nothing(run_and_outs
     os.symlink(outside, link)
     swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, final, link, str(stop)], stdout=subprocess.PIPE, text=True)
     try:
-        for i in range(2000):
+        for i in range(5000):
             try:
                 s.write_bytes(f"final/{i}.json", b"{}")
                 s.move(f"final/{i}.json", f"final/moved-{i}.json")
@@ -111,7 +111,7 @@ def test_a_link_swapped_in_while_files_are_written_receives_nothing(run_and_outs
     finally:
         stop.touch()
         out, _ = swapper.communicate(timeout=60)
-    assert swapper.returncode == 0 and int(out) > 2000
+    assert swapper.returncode == 0 and int(out) > 5000
     assert os.listdir(outside) == []
 
 
