@@ -226,12 +226,11 @@ def _processes_of(run: Path) -> list[str]:
     return found
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, corpus_cache):
-    """SIGINT to the whole process group, as a terminal sends it: the workers (started with SIGINT
-    ignored) print no KeyboardInterrupt; the service stops them itself and says how to go on."""
+def _interrupted_run(tmp_path, corpus_cache, rounds: int, steps: int, worker: int) -> tuple[Path, Path]:
+    """A local run sent SIGINT to its whole process group, as a terminal sends it, once `worker` is
+    training; (its run directory, what it printed) once every process of it has gone."""
     run, out = tmp_path / "run", tmp_path / "out.txt"
-    args = ["submit", "--workers", "2", "--rounds", "50", "--inner-steps", "300", "--run-dir", str(run),
+    args = ["submit", "--workers", "2", "--rounds", str(rounds), "--inner-steps", str(steps), "--run-dir", str(run),
             "--set", f"data.cache_dir={corpus_cache}", *TINY]
     with open(out, "wb") as f:
         # as a terminal's foreground job: SIGINT at its default (a test run in the background of a
@@ -241,13 +240,21 @@ def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, c
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         s = Storage(str(run))
-        _wait(lambda: (read_heartbeat(s, 1) or {}).get("step", 0) > 0, 120, out)  # the workers are training
+        _wait(lambda: (read_heartbeat(s, worker) or {}).get("step", 0) > 0, 120, out)  # it is training
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130, out.read_text()[-3000:]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     _wait(lambda: not _processes_of(run), 30, out)
+    return run, out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, corpus_cache):
+    """The workers (started with SIGINT ignored) print no KeyboardInterrupt; the service stops them
+    itself and says how to go on."""
+    run, out = _interrupted_run(tmp_path, corpus_cache, rounds=50, steps=300, worker=1)
     text = out.read_text()
     assert f"interrupted: this run's local jobs are stopped; `orchestrate resume {run}` continues the run" in text
     assert "Traceback" not in text, text[-3000:]
@@ -259,22 +266,7 @@ def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, c
 def test_resume_after_ctrl_c_does_not_warn_about_the_jobs_ctrl_c_stopped(tmp_path, corpus_cache):
     """The jobs the interrupted service cancelled end CANCELLED (islands' own mark); `resume` resubmits
     them as expected business, said in the run's log, not as warnings about lost work."""
-    run, out = tmp_path / "run", tmp_path / "out.txt"
-    args = ["submit", "--workers", "2", "--rounds", "2", "--inner-steps", "400", "--run-dir", str(run),
-            "--set", f"data.cache_dir={corpus_cache}", *TINY]
-    with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        s = Storage(str(run))
-        _wait(lambda: (read_heartbeat(s, 0) or {}).get("step", 0) > 0, 120, out)  # round 0 is training
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130, out.read_text()[-3000:]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    _wait(lambda: not _processes_of(run), 30, out)
+    run, _ = _interrupted_run(tmp_path, corpus_cache, rounds=2, steps=400, worker=0)  # in round 0
     resumed = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "done in" in resumed.stdout, resumed.stdout + resumed.stderr
