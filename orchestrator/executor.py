@@ -34,8 +34,8 @@ from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, loca
 
 log = logging.getLogger(__name__)
 CANCELLED_MARK = "cancelled"
+"""Left in a job's folder by cancel(): islands cancelled it (a local job's state is CANCELLED, not FAILED)."""
 _JOB_ID = re.compile(r"\d{1,12}(_\d{1,9})?")  # a Slurm job (array task) id or a local pid
-"""Left in a local job's folder by cancel(): its state is CANCELLED, not FAILED."""
 FAILED_LINE = "Submitted job triggered an exception"
 """What submitit's job logs when the function raised (submitit/core/submission.py)."""
 
