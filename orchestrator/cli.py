@@ -176,7 +176,8 @@ def _executor_kind(cfg: Config) -> str:
             raise IslandsError(f"--executor slurm: Slurm refuses the worker jobs: {refused}. {FIX_REQUEST}, or run "
                                "here with --executor local")
         console.print(f"not using Slurm: it refuses the worker jobs: {refused}; running on this machine (--executor "
-                      "local; set executor.* to what the cluster has to run there)", markup=False)
+                      "local; set executor.* to what the cluster has to run there)", markup=False,
+                      soft_wrap=not console.is_terminal)  # a terminal: wrapped at words; a pipe: whole
         return "local"
     if why is None:
         return "slurm"
@@ -184,7 +185,8 @@ def _executor_kind(cfg: Config) -> str:
         raise IslandsError(f"--executor slurm: {why}. Start it (docs/slurm.md: `bash slurm_templates/local-cluster.sh "
                            "up` for a one-machine cluster) or run here with --executor local")
     if shutil.which("sbatch"):  # installed but down: say why the run is not on Slurm
-        console.print(f"not using Slurm: {why}; running on this machine (--executor local)", markup=False)
+        console.print(f"not using Slurm: {why}; running on this machine (--executor local)", markup=False,
+                      soft_wrap=not console.is_terminal)
     return "local"
 
 
