@@ -409,15 +409,25 @@ class Storage:
             return True
         s, d = self.path(src), self.path(dst)
         sname, dname = posixpath.basename(s), posixpath.basename(d)
-        with self._folder(posixpath.dirname(s)) as sd, self._folder(posixpath.dirname(d), create=True) as dd:
+        with contextlib.ExitStack() as stack:
+            try:
+                sd = stack.enter_context(self._folder(posixpath.dirname(s)))
+            except FileNotFoundError:
+                return seen is None
+            dd = stack.enter_context(self._folder(posixpath.dirname(d), create=True))
             try:
                 os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
             except FileNotFoundError:
                 return seen is None
             if _identity(os.stat(dname, dir_fd=dd, follow_symlinks=False)) == seen:
                 return True
-            with contextlib.suppress(FileExistsError):  # an even newer file is there: it stays
+            try:
                 os.link(dname, sname, src_dir_fd=dd, dst_dir_fd=sd, follow_symlinks=False)
+            except FileExistsError:
+                pass  # an even newer file is there: it stays
+            except OSError:  # no hard links here: renamed back (over a newer one only if it landed just now)
+                os.rename(dname, sname, src_dir_fd=dd, dst_dir_fd=sd)
+                return False
             os.unlink(dname, dir_fd=dd)
             return False
 

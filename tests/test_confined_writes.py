@@ -6,6 +6,7 @@ Real links, real files, a real second process swapping them."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 import subprocess
@@ -166,6 +167,13 @@ def test_a_file_replaced_at_the_moment_it_is_moved_aside_stays_in_place(tmp_path
     assert s.move_if("contrib/w.bin", "rejected/w.bin", s.identity("contrib/w.bin"))
     assert s.read_bytes("rejected/w.bin") == b"valid" and not s.exists("contrib/w.bin")
     assert s.move_if("contrib/w.bin", "rejected/again.bin", None)  # nothing there, nothing seen: done
+    s.write_bytes("contrib/w.bin", b"newer")  # where hard links are refused, it is renamed back instead
+
+    def no_links(*a, **kw):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_links)
+    assert not s.move_if("contrib/w.bin", "rejected/w2.bin", seen) and s.read_bytes("contrib/w.bin") == b"newer"
+    assert not s.exists("rejected/w2.bin")
 
 
 def test_the_run_log_is_private_and_never_written_through_a_link(tmp_path):
