@@ -9,11 +9,21 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 console = Console(highlight=False, soft_wrap=True)
 PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def narrow_table(*columns: Any, title: str, fold: bool = False) -> Any:
+    """A table for an 80-column terminal: no column rules or edge padding, its title on the left
+    (wrapped at words); `fold`: a cell too long for its column folds onto more lines, never cut."""
+    from rich import box
+    from rich.table import Column, Table
+    cols = [Column(c, overflow="fold") if fold and isinstance(c, str) else c for c in columns]
+    return Table(*cols, title=title, title_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
 
 
 def setup_logging(verbose: bool) -> None:

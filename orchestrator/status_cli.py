@@ -12,12 +12,13 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from core.layout import RunLayout
 from core.progress import bytes_sent
 from core.storage import Storage
-from orchestrator.console import console
+from orchestrator.console import console, narrow_table
 from orchestrator.run_view import duration, worker_state
 from orchestrator.runstate import load_run, run_status
 
@@ -46,17 +47,15 @@ def status_with_jobs(storage: Storage, jobs_folder: str) -> dict[str, Any]:
 
 
 def status_table(status: dict[str, Any]) -> Any:
-    from rich import box
-    from rich.table import Column, Table
+    from rich.table import Column
 
     # no column rules: nine columns fit an 80-column terminal
     extra = list(dict.fromkeys(k for r in status["rounds"] for k in r.get("eval_metrics", {})))  # the task's: accuracy
-    table = Table("round", "eval loss", *(Column(k, min_width=len(k)) for k in extra), "merged", "dropped", "rejected", "merge s",
-                  "round s", "busy", "MB read",
-                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title_justify="left",
-                  title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
-                        f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
-                        f"initial eval loss {_num(status['initial_eval_loss'], '{:.4f}')}")
+    table = narrow_table("round", "eval loss", *(Column(k, min_width=len(k)) for k in extra), "merged", "dropped",
+                         "rejected", "merge s", "round s", "busy", "MB read",
+                         title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
+                               f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
+                               f"initial eval loss {_num(status['initial_eval_loss'], '{:.4f}')}")
     for r in status["rounds"]:
         loss = "damaged" if r.get("damaged") else "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = _num(r["round_s"] if r.get("round_s") is not None else r["wall_s"], "{:.1f}")  # older records: submit to commit
@@ -69,15 +68,12 @@ def status_table(status: dict[str, Any]) -> Any:
 
 def current_table(status: dict[str, Any]) -> Any | None:
     """The round in progress, a row per worker: its job, how the scheduler sees it, and its step."""
-    from rich import box
-    from rich.table import Table
-
     current = status["current_round"]
     if not current or status["state"] != "running":
         return None
     r = current["round"]
-    table = Table("worker", "job", "state", "queued", "ran", "progress", box=box.SIMPLE_HEAD, collapse_padding=True,
-                  pad_edge=False, title_justify="left", title=f"round {r} ({r + 1}/{status['rounds_total']}) in progress")
+    table = narrow_table("worker", "job", "state", "queued", "ran", "progress",
+                         title=f"round {r} ({r + 1}/{status['rounds_total']}) in progress")
     for w, v in sorted(current["workers"].items(), key=lambda kv: int(kv[0])):
         table.add_row(w, str(v["job_id"]), v.get("state") or "-", _time(v.get("queue_wait_s")), _time(v.get("run_s")),
                       worker_state(int(w), r, set(current["arrived"]), v.get("progress")))
@@ -102,10 +98,7 @@ def jobs_line(rounds: list[dict[str, Any]], most: int = 4) -> str | None:
                 odd.append(f"round {r['round']} worker {w} job {job} {state}")
     if not seen:
         return None
-    counts: dict[str, int] = {}
-    for state in seen.values():
-        counts[state] = counts.get(state, 0) + 1
-    line = "jobs: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    line = "jobs: " + ", ".join(f"{n} {state}" for state, n in Counter(seen.values()).most_common())
     if odd:
         line += "; " + "; ".join(odd[:most]) + (f"; and {len(odd) - most} more (--json)" if len(odd) > most else "")
     return line

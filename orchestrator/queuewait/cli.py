@@ -8,14 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
+from orchestrator.console import console, narrow_table  # the one console
 from orchestrator.queuewait.waits import slurm_duration  # torch-free, stdlib only
 
-console = Console(highlight=False, soft_wrap=True)
 _LIVE_SACCT = "<live sacct>"
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
@@ -214,11 +212,15 @@ def _km(b: dict[str, Any]) -> str:
     """'5.6h [4.1h, 7.0h]': the Kaplan-Meier median and its interval ('not reached' where the data does not)."""
     lo, hi = b["median_ci_s"]
     ci = f" [{fmt_s(lo)}, {fmt_s(hi) if hi is not None else 'not reached'}]" if lo is not None else ""
-    return (fmt_s(b["km_median_wait_s"]) if b["km_median_wait_s"] is not None else "not reached") + ci
+    return _km_median(b, fmt_s) + ci
 
 
-def _p90(b: dict[str, Any]) -> str:
-    return fmt_s(b["km_p90_wait_s"]) if b["km_p90_wait_s"] is not None else ("not reached" if b["jobs"] else "-")
+def _km_median(b: dict[str, Any], fmt: Callable[[float], str]) -> str:
+    return fmt(b["km_median_wait_s"]) if b["km_median_wait_s"] is not None else "not reached"
+
+
+def _p90(b: dict[str, Any], fmt: Callable[[float], str] = fmt_s) -> str:
+    return fmt(b["km_p90_wait_s"]) if b["km_p90_wait_s"] is not None else ("not reached" if b["jobs"] else "-")
 
 
 def _print_tables(report: dict[str, Any]) -> None:
@@ -227,44 +229,43 @@ def _print_tables(report: dict[str, Any]) -> None:
     for 80 columns, no number ever cut."""
     console.print(_headline(report), soft_wrap=False)
     buckets = report["buckets"]
-    table = _table("jobs by size (nodes)", "nodes", "jobs", "users", "censored", "days")
+    table = narrow_table("nodes", "jobs", "users", "censored", "days", title="jobs by size (nodes)", fold=True)
     for b in buckets:
         table.add_row(b["nodes"], str(b["jobs"]), str(b["users"] if b["users"] is not None else "-"), str(b["censored"]),
                       str(b["days"]))
     console.print(table)
     keys = ("mean_wait_s", "median_wait_s", "p90_wait_s", "km_median_wait_s", "km_p90_wait_s", "per_day_median_wait_s")
     unit, size = _unit([b[k] for b in buckets for k in keys] + [x for b in buckets for x in b["median_ci_s"]])
-    table = _table(f"queue wait ({unit})", "nodes", "mean", "median", "p90", "KM median", "95% CI", "KM p90", "per-day median")
+    table = narrow_table("nodes", "mean", "median", "p90", "KM median", "95% CI", "KM p90", "per-day median",
+                         title=f"queue wait ({unit})", fold=True)
+    def at(seconds: float | None) -> str:
+        return _in(seconds, size)
     for b in buckets:
         lo, hi = b["median_ci_s"]
-        ci = "-" if lo is None else f"{_in(lo, size)}-{_in(hi, size) if hi is not None else 'not reached'}"
-        km = _in(b["km_median_wait_s"], size) if b["km_median_wait_s"] is not None else "not reached"
-        p90 = _in(b["km_p90_wait_s"], size) if b["km_p90_wait_s"] is not None else ("not reached" if b["jobs"] else "-")
-        table.add_row(b["nodes"], *(_in(b[k], size) for k in keys[:3]), km, ci, p90, _in(b["per_day_median_wait_s"], size))
+        ci = "-" if lo is None else f"{at(lo)}-{at(hi) if hi is not None else 'not reached'}"
+        table.add_row(b["nodes"], *(at(b[k]) for k in keys[:3]), _km_median(b, at), ci, _p90(b, at),
+                      at(b["per_day_median_wait_s"]))
     console.print(table)
     for w in report["warnings"]:
         console.print(f"warning: {w}", soft_wrap=False)
-    proj = report.get("projection")
-    if proj:
-        console.print(_projection_title(proj), soft_wrap=False)
-        ms = proj["models"]
-        unit, size = _unit([m[k] for m in ms for k in ("median_s", "p10_s", "p90_s", "queue_median_s")])
-        table = _table(f"end to end and queue ({unit})", "model", "jobs", "median", "p10-p90", "queue", "idle node-h")
-        for m in ms:
-            table.add_row(m["label"], str(m["job_submissions"]), _in(m["median_s"], size),
-                          f"{_in(m['p10_s'], size)}-{_in(m['p90_s'], size)}", _in(m["queue_median_s"], size),
-                          f"{m['idle_node_hours_median']:.1f}")
-        console.print(table)
-        console.print(_pools(proj), soft_wrap=False)
+    if proj := report.get("projection"):
+        _print_projection(proj)
     if report.get("plot"):
         console.print(f"plot: {report['plot']}", soft_wrap=False)
 
 
-def _table(title: str, *columns: str) -> Table:
-    from rich import box
-    from rich.table import Column
-    return Table(*(Column(c, overflow="fold") for c in columns), title=title, title_justify="left",
-                 box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+def _print_projection(proj: dict[str, Any]) -> None:
+    console.print(_projection_title(proj), soft_wrap=False)
+    ms = proj["models"]
+    unit, size = _unit([m[k] for m in ms for k in ("median_s", "p10_s", "p90_s", "queue_median_s")])
+    table = narrow_table("model", "jobs", "median", "p10-p90", "queue", "idle node-h",
+                         title=f"end to end and queue ({unit})", fold=True)
+    for m in ms:
+        table.add_row(m["label"], str(m["job_submissions"]), _in(m["median_s"], size),
+                      f"{_in(m['p10_s'], size)}-{_in(m['p90_s'], size)}", _in(m["queue_median_s"], size),
+                      f"{m['idle_node_hours_median']:.1f}")
+    console.print(table)
+    console.print(_pools(proj), soft_wrap=False)
 
 
 def _unit(seconds: list[float | None]) -> tuple[str, float]:
