@@ -47,7 +47,8 @@ PRIVATE_FILE = folders.PRIVATE_FILE
 _FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then try again (a run: `orchestrate resume` it)",
                  errno.EDQUOT: "the disk quota is exceeded: free space, then try again (a run: `orchestrate resume` it)",
                  errno.EACCES: "permission denied: check the run directory's owner and mode",
-                 errno.EROFS: "the filesystem is read-only"}
+                 errno.EROFS: "the filesystem is read-only",
+                 errno.ENOTDIR: "a file stands where a folder of that path is due: move the file aside"}
 # Object stores where a PUT is atomic (an object appears whole or not at all) and fsspec's file
 # can abort its upload: open_atomic writes straight to the key there instead of copy + delete.
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a"}

@@ -308,3 +308,18 @@ def test_the_footer_after_the_last_round_says_the_run_is_finishing(tmp_path):
     console = Console(file=io.StringIO(), width=100)
     console.print(view.footer())
     assert console.file.getvalue().strip() == "all 3 rounds done: writing the final model"  # not "round 3 (4/3)"
+
+
+def test_only_a_job_id_names_a_cancelled_mark(tmp_path):
+    """Job ids are read from the run directory: a Slurm id (an array task's too) gets islands' mark,
+    anything path-like never touches the filesystem."""
+    from orchestrator.executor import Executor
+    ex = Executor(config_from_dict({"executor": {"kind": "slurm"}}), tmp_path / "jobs")
+    (tmp_path / "jobs").mkdir()
+    for job in ("4711", "4712_3"):
+        ex._mark_cancelled(job)
+        assert ex.cancelled_here(job)
+    for job in ("../escape", "/etc", "12/x"):
+        ex._mark_cancelled(job)
+        assert not ex.cancelled_here(job)
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["4711", "4712_3"] and not (tmp_path / "escape").exists()

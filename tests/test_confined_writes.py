@@ -12,12 +12,13 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from core.checkpoint_writer import write_checkpoint
-from core.errors import IslandsError, NotARegularFile
+from core.errors import IslandsError, NotARegularFile, StorageError
 from core.storage import Storage
 
 
@@ -193,3 +194,12 @@ def test_the_run_log_is_private_and_never_written_through_a_link(tmp_path):
     finally:
         for h in root.handlers[len(before):]:
             root.removeHandler(h)
+
+
+def test_a_file_where_a_folder_is_due_is_one_clear_error_at_once(run_and_outside):
+    s, _ = run_and_outside
+    (Path(s.root) / "final").write_bytes(b"not a folder")
+    with pytest.raises(StorageError, match="Not a directory; a file stands where a folder of that path is due: move the file aside") as info:
+        s.write_bytes("final/model.json", b"{}")
+    assert "attempts" not in str(info.value)  # not retried: no wait makes it a folder
+    assert s.move_if("nowhere/w.bin", "rejected/w.bin", None)  # no source folder: nothing to set aside

@@ -487,3 +487,12 @@ def test_one_round_time_in_the_round_line_status_json_metrics_and_the_report(tin
         row = next(x.split() for x in table if x.split()[:1] == [str(r)])
         assert row[6] == f"{rec['round_s']:.1f}", (row, rec["round_s"])  # the "round s" column
         assert metrics[r]["round_seconds"] == rec["round_s"]
+
+
+def test_the_jobs_line_counts_each_job_once_and_names_a_few_that_did_not_complete():
+    from orchestrator.status_cli import jobs_line
+    persistent = {"0": {"job_id": "7", "state": "RUNNING"}}  # one job serving every round
+    rounds = [{"round": r, "jobs": {**persistent, "1": {"job_id": str(100 + r), "state": "FAILED"}}} for r in range(6)]
+    assert jobs_line(rounds, most=2) == ("jobs: 6 FAILED, 1 RUNNING; round 0 worker 1 job 100 FAILED; "
+                                         "round 1 worker 1 job 101 FAILED; and 4 more (--json)")
+    assert jobs_line([{"round": 0, "jobs": {}}]) is None
