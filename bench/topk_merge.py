@@ -27,13 +27,13 @@ from bench.merge_throughput import evict, llama_shapes
 from core import codec
 from core.checkpoint import read_manifest
 from core.checkpoint_writer import write_checkpoint
-from core.config import OuterConfig
+from core.config import OuterConfig, RoundConfig
 from core.storage import Storage
 from merge.round_spec import RoundSpec
 from merge.rounds import Contribution, merge_round
 
 OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
-CODINGS = {"int8": codec.Encoding("int8", 1.0, ""), "topk": codec.Encoding("topk", 1.0, "", 1 / 64, 2)}
+CODINGS = {"int8": codec.Encoding("int8", 1.0, ""), "topk": codec.Encoding("topk", 1.0, "", RoundConfig().topk, RoundConfig().bits)}  # defaults
 
 
 def setup(root: Path, k: int, dims: tuple[int, int, int, int]) -> tuple[Storage, dict[str, list[Contribution]], dict]:

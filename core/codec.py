@@ -12,7 +12,7 @@ safetensors; for a float tensor `name`:
     int8, dense           name            I8, the tensor's shape; name::scale F32 [rows]
     any, pruned           name            [rows, k] kept values (I8/F32/BF16); name::index I16/I32 [rows, k]
                           (+ name::scale for int8)
-    topk                  name            U8 packed codes; name::index I16 [chunks, k]; name::scale F32 [chunks]
+    topk                  name            U8 [chunks, row bytes]: per chunk its scale, codes and offsets (Elias-Fano)
 
 Rows are the first dimension (a 1-D or 0-D tensor is one row); int8 is symmetric per row:
 q = round(v / s), s = max|v| / 127, so |v - q s| <= s / 2. Non-float tensors are stored as they are.
@@ -59,7 +59,7 @@ class Encoding:
     def metadata(self) -> dict[str, str]:
         d = {"format": "delta", "codec": self.codec, "keep": self.keep, "base_digest": self.base_digest}
         if self.codec == "topk":
-            d.update(topk=self.topk, bits=self.bits, chunk=sparse_code.CHUNK)
+            d.update(topk=self.topk, bits=self.bits, chunk=sparse_code.CHUNK, layout=sparse_code.LAYOUT)
         return {META: json.dumps(d, sort_keys=True)}
 
 
@@ -88,10 +88,12 @@ def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:
     except (ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{label}: metadata {META} is malformed ({raw[:80]!r}): the file is damaged") from None
     if d.get("format") != "delta" or enc.codec not in CODECS or not 0 < enc.keep <= 1 or \
-            topk and not (0 < enc.topk <= 1 and enc.bits in sparse_code.BITS and chunk == sparse_code.CHUNK):
+            topk and not (0 < enc.topk <= 1 and enc.bits in sparse_code.BITS and chunk == sparse_code.CHUNK
+                     and d.get("layout") == sparse_code.LAYOUT):
         raise CheckpointError(f"{label}: unknown contribution coding {raw[:160]!r}; this version reads delta "
                               f"coded as {', '.join(CODECS)} with 0 < keep <= 1 (topk: 0 < topk <= 1, bits "
-                              f"2, 4 or 8, chunks of {sparse_code.CHUNK})")
+                              f"2, 4 or 8, chunks of {sparse_code.CHUNK}, layout {sparse_code.LAYOUT}; a topk file without a "
+                              "layout was written by an older islands: finish that run with it)")
     return enc
 
 
@@ -130,8 +132,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def encode_tensor(name: str, delta: torch.Tensor, enc: Encoding) -> dict[str, torch.Tensor]:
     """The stored entries of one float tensor's delta (see the module docstring)."""
     if enc.codec == "topk":
-        got = sparse_code.encode(delta, enc.topk, enc.bits)
-        return {name: got["values"], name + INDEX: got["index"], name + SCALE: got["scale"]}
+        return {name: sparse_code.encode(delta, enc.topk, enc.bits)}
     codec, keep = enc.codec, enc.keep
     shape = tuple(delta.shape)
     rows, cols = rows_of(shape)
@@ -198,8 +199,7 @@ def stored_specs(ref: Mapping[str, tuple[str, tuple[int, ...]]], enc: Encoding) 
             continue
         if enc.codec == "topk":
             lay = sparse_code.layout(math.prod(shape), enc.topk)
-            out.update({name: ("U8", (lay.packed_len(enc.bits),)), name + INDEX: ("I16", (lay.chunks, lay.k)),
-                        name + SCALE: ("F32", (lay.chunks,))})
+            out[name] = ("U8", (lay.chunks, lay.row_bytes(enc.bits)))
             continue
         rows, cols = rows_of(shape)
         k = kept_per_row(cols, enc.keep)
@@ -215,7 +215,7 @@ def sparse_tensor(name: str, shape: tuple[int, ...], enc: Encoding, get: Callabl
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A topk delta of tensor `name` (of `shape`) as (flat positions, fp32 values), checked
     (core.topk.sparse), from its stored entries, fetched with `get`."""
-    return sparse_code.sparse(name, math.prod(shape), enc.topk, enc.bits, get(name), get(name + INDEX), get(name + SCALE))
+    return sparse_code.sparse(name, math.prod(shape), enc.topk, enc.bits, get(name))
 
 
 def decode_tensor(name: str, shape: tuple[int, ...], enc: Encoding, get: Callable[[str], torch.Tensor]) -> torch.Tensor:

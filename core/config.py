@@ -186,8 +186,8 @@ class RoundConfig:
     codec: Literal["fp32", "bf16", "int8", "topk"] = "fp32"
     """`delta` only: how the delta's values are stored: `fp32` (exact), `bf16` (half the bytes),
     `int8` with one fp32 scale per row (a quarter; error <= half a step of the row's max / 127), or
-    `topk`: of each chunk of 4096 entries the round.topk largest, in round.bits bits each with a
-    2-byte offset, plus one fp32 scale per chunk (1/110 of fp32 at the defaults), what is left out
+    `topk`: of each chunk of 4096 entries the round.topk largest, in round.bits bits each with its
+    offset in about 6 bits, plus one fp32 scale per chunk (1/63 of fp32 at the defaults), what is left out
     carried to the next round by error feedback (round.error_feedback; SparseLoCo, docs/algorithms.md);
     with topk use outer.optimizer sgd and outer.lr 3: the feedback is the momentum."""
     prune_keep: float = 1.0
@@ -195,9 +195,9 @@ class RoundConfig:
     paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the kept values are
     stored with their column index (2 bytes each for rows up to 32768 wide): it saves bytes only
     below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
-    topk: float = 0.015625
+    topk: float = 0.0625
     """codec `topk` only: fraction of each chunk of 4096 entries kept, the largest by magnitude
-    (1/64: 64 a chunk)."""
+    (1/16: 256 a chunk; 1/64 halves the bytes and costs more loss, docs/benchmarks.md)."""
     bits: int = 2
     """codec `topk` only: bits per kept value: 2, 4 or 8 (uniform levels between -s and s, s the
     chunk's largest kept magnitude)."""

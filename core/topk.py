@@ -2,16 +2,26 @@
 
 A tensor is seen flat and cut into chunks of CHUNK consecutive entries (a tensor smaller than that
 is one chunk of its own size; the last chunk is padded with entries never chosen over a real one).
-Each chunk keeps its k entries of largest magnitude, k = ceil(topk x chunk), stored as
+Each chunk keeps its k entries of largest magnitude, k = ceil(topk x chunk), stored as one row of
+the tensor's single entry `name`, U8 [chunks, Layout.row_bytes(bits)]:
 
-    name          U8   [ceil(chunks x k x bits / 8)]  the kept values' codes, packed low bits first
-    name::index   I16  [chunks, k]                    their offsets in the chunk, strictly ascending
-    name::scale   F32  [chunks]                       the chunk's largest kept magnitude, a
+    4 bytes                   the chunk's largest kept magnitude a, F32 little-endian
+    ceil(k x bits / 8) bytes  the kept values' codes, packed low bits first
+    index_bytes               their offsets in the chunk, ascending, in Elias-Fano's code
+
+(One entry a tensor, not three: a safetensors header costs about 90 bytes an entry, which for the
+built-in model's 29 tensors was a fifth of the file.)
 
 A code q in [0, 2^bits) stands for -a + (q + 1/2) 2a / 2^bits (uniform, symmetric, no zero level:
 a kept entry is never small), so a value is off by at most a / 2^bits. Flat chunks rather than
 SparseLoCo's 2-D tiles: with plain top-k (no DCT, as DeMo has) a tile's 2-D locality buys nothing,
-while a flat chunk is a view of any tensor, whatever its rank, and its offsets fit 16 bits.
+while a flat chunk is a view of any tensor, whatever its rank.
+
+Offsets, ascending, in Elias-Fano's code (a fixed size for a given chunk and k, so the reader
+checks a file's shapes before it decodes a byte): with l = floor(log2(chunk / k)), each offset's
+low l bits, packed, then its high part o >> l in unary, a bit set at (o >> l) + i for the i-th
+offset in a field of k + (chunk >> l) bits. That is about 2 + log2(chunk / k) bits an offset
+(8 at 1/64, 6 at 1/16) instead of 16, and no more than a bitmap of the chunk where k is large.
 Pure logic, no I/O; decoding checks everything a damaged or hostile file could get wrong.
 """
 from __future__ import annotations
@@ -24,8 +34,11 @@ import torch
 from core.errors import CheckpointError
 
 CHUNK = 4096
-"""Entries per chunk (SparseLoCo's 64 x 64): offsets fit int16."""
+"""Entries per chunk (SparseLoCo's 64 x 64)."""
 BITS = (2, 4, 8)
+LAYOUT = "rows/elias-fano"
+"""How chunks are stored, named in a file's metadata (files without it hold three entries a
+tensor, with int16 offsets: an older islands wrote them)."""
 
 
 @dataclass(frozen=True)
@@ -37,8 +50,30 @@ class Layout:
     chunks: int
     k: int
 
-    def packed_len(self, bits: int) -> int:
-        return math.ceil(self.chunks * self.k * bits / 8)
+    def code_bytes(self, bits: int) -> int:
+        return math.ceil(self.k * bits / 8)
+
+    def row_bytes(self, bits: int) -> int:
+        """Bytes of one chunk's row: scale, codes, offsets."""
+        return 4 + self.code_bytes(bits) + self.index_bytes
+
+    @property
+    def low_bits(self) -> int:
+        """Elias-Fano's l: the bits of each offset stored as they are."""
+        return (self.chunk // self.k).bit_length() - 1
+
+    @property
+    def high_bits(self) -> int:
+        """Bits of the unary field of the offsets' high parts."""
+        return self.k + (self.chunk >> self.low_bits)
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of one chunk's coded offsets: its low bits, then its high field, each whole bytes."""
+        return math.ceil(self.k * self.low_bits / 8) + math.ceil(self.high_bits / 8)
+
+
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def layout(numel: int, topk: float, chunk: int = CHUNK) -> Layout:
@@ -47,8 +82,8 @@ def layout(numel: int, topk: float, chunk: int = CHUNK) -> Layout:
     return Layout(numel, size, chunks, min(size, max(1, math.ceil(topk * size - 1e-9))))
 
 
-def encode(v: torch.Tensor, topk: float, bits: int) -> dict[str, torch.Tensor]:
-    """{"values", "index", "scale"} of the fp32 tensor `v` (see the module docstring)."""
+def encode(v: torch.Tensor, topk: float, bits: int) -> torch.Tensor:
+    """U8 [chunks, row_bytes] of the fp32 tensor `v` (see the module docstring)."""
     lay = layout(v.numel(), topk)
     padded = torch.zeros(lay.chunks, lay.chunk)
     padded.view(-1)[:lay.numel] = v.detach().reshape(-1)
@@ -60,26 +95,79 @@ def encode(v: torch.Tensor, topk: float, bits: int) -> dict[str, torch.Tensor]:
     levels = 1 << bits
     step = torch.where(scale > 0, 2 * scale / levels, torch.ones_like(scale))[:, None]
     codes = torch.floor((kept + scale[:, None]) / step).clamp_(0, levels - 1).to(torch.uint8)
-    return {"values": pack(codes.reshape(-1), bits), "index": idx.to(torch.int16), "scale": scale}
+    code_bits = (codes[:, :, None] >> _SHIFTS[:bits]) & 1
+    return torch.cat([scale.to(torch.float32).view(torch.uint8).view(lay.chunks, 4),
+                      to_bytes(code_bits.reshape(lay.chunks, lay.k * bits)), encode_offsets(idx, lay)], dim=1)
 
 
-def sparse(name: str, numel: int, topk: float, bits: int, values: torch.Tensor, index: torch.Tensor,
-           scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_offsets(idx: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """U8 [chunks, index_bytes]: each row of `idx` ([chunks, k], ascending, in [0, chunk]) in
+    Elias-Fano's code (module docstring)."""
+    low = lay.low_bits
+    lows = (idx[:, :, None] >> torch.arange(low)) & 1  # [chunks, k, l]
+    high = torch.zeros(lay.chunks, lay.high_bits, dtype=torch.int64)
+    high.scatter_(1, (idx >> low) + torch.arange(lay.k), 1)
+    return torch.cat([to_bytes(lows.reshape(lay.chunks, lay.k * low)), to_bytes(high)], dim=1)
+
+
+def decode_offsets(name: str, coded: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """int32 [chunks, k] offsets from their code (encode_offsets); CheckpointError where a chunk's
+    high field does not hold exactly k set bits (positions are otherwise checked by the caller)."""
+    low_len = math.ceil(lay.k * lay.low_bits / 8)
+    high = to_bits(coded[:, low_len:], lay.high_bits)
+    if lay.chunks and not bool((high.sum(dim=1, dtype=torch.int32) == lay.k).all()):
+        raise CheckpointError(f"tensor {name}: a chunk's coded offsets do not hold exactly {lay.k} entries: "
+                              "the file is damaged")
+    # set bits in reading order: each chunk's k, ascending; less each bit's row start and rank
+    at = high.reshape(-1).nonzero().view(lay.chunks, lay.k).to(torch.int32)
+    his = at - (torch.arange(lay.chunks, dtype=torch.int32) * lay.high_bits)[:, None] - torch.arange(lay.k, dtype=torch.int32)
+    if not lay.low_bits:  # k > chunk / 2: the high field alone is the offsets
+        return his
+    return his << lay.low_bits | unpack(coded[:, :low_len], lay.k, lay.low_bits, torch.int32)
+
+
+def to_bytes(bits: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, ceil(n / 8)] of 0/1 entries [rows, n], the first in the lowest bit."""
+    rows, n = bits.shape
+    padded = torch.zeros(rows, math.ceil(n / 8), 8, dtype=torch.uint8)
+    padded.view(rows, padded.shape[1] * 8)[:, :n] = bits
+    return (padded << _SHIFTS).sum(dim=2, dtype=torch.uint8)  # no two bits overlap: a sum is an or
+
+
+def to_bits(coded: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 0/1 [rows, n] of uint8 [rows, >= n / 8] (to_bytes undone)."""
+    return ((coded[:, :, None] >> _SHIFTS) & 1).reshape(coded.shape[0], coded.shape[1] * 8)[:, :n]
+
+
+def unpack(coded: torch.Tensor, count: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, count] numbers of `width` bits each, packed low bits first in the uint8 rows `coded`."""
+    rows = coded.shape[0]
+    if width and 8 % width == 0:  # whole fields in each byte: shift them out of the bytes
+        fields = (coded[:, :, None] >> _SHIFTS[::width]) & ((1 << width) - 1)
+        return fields.reshape(rows, coded.shape[1] * (8 // width))[:, :count].to(dtype)
+    bits = to_bits(coded, count * width).reshape(rows, count, width)
+    out = torch.zeros(rows, count, dtype=dtype)
+    for j in range(width):  # one pass a bit: cheaper than a tensor of every bit's weight
+        out |= bits[:, :, j].to(dtype) << j
+    return out
+
+def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(flat positions int64, fp32 values) of the kept entries of tensor `name`, from its stored
-    entries (shapes already checked against the header); positions in padding are dropped.
+    rows (shape already checked against the header); positions in padding are dropped.
     Raises CheckpointError for offsets out of range or not strictly ascending (a duplicate), and for
     scales that are negative or not finite."""
     lay = layout(numel, topk)
-    idx = index.to(torch.int64)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= lay.chunk):
+    code_end = 4 + lay.code_bytes(bits)
+    idx = decode_offsets(name, rows[:, code_end:], lay)
+    if idx.numel() and int(idx.max()) >= lay.chunk:  # never below 0 from Elias-Fano's code
         raise CheckpointError(f"tensor {name}: a kept entry's offset is out of range [0, {lay.chunk}): the file is damaged")
     if lay.k > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
         raise CheckpointError(f"tensor {name}: kept entries' offsets are not strictly ascending in each chunk "
                               "(a duplicate, or out of order): the file is damaged")
-    scale = scale.to(torch.float32)
+    scale = rows[:, :4].reshape(-1).clone().view(torch.float32)  # a fresh buffer: aligned for F32
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise CheckpointError(f"tensor {name}: a chunk's scale is negative or not finite: the file is damaged")
-    codes = unpack(values, bits, lay.chunks * lay.k).view(lay.chunks, lay.k).to(torch.float32)
+    codes = unpack(rows[:, 4:code_end], lay.k, bits, torch.float32)
     step = (2 * scale / (1 << bits))[:, None]
     vals = (codes + 0.5) * step - scale[:, None]
     pos = (idx + torch.arange(lay.chunks)[:, None] * lay.chunk).reshape(-1)
@@ -90,20 +178,3 @@ def sparse(name: str, numel: int, topk: float, bits: int, values: torch.Tensor, 
 
 def dense(numel: int, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.zeros(numel).index_put_((positions,), values)
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes < 2^bits, 8 / bits to a byte, the first in the lowest bits."""
-    per = 8 // bits
-    padded = torch.zeros(math.ceil(codes.numel() / per) * per, dtype=torch.uint8)
-    padded[:codes.numel()] = codes
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    return (padded.view(-1, per) << shifts).sum(dim=1, dtype=torch.uint8) if per > 1 else padded
-
-
-def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    per = 8 // bits
-    if per == 1:
-        return packed[:n]
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]

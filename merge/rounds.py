@@ -160,8 +160,9 @@ class RunningSum:
 
     def _stream(self, c: Contribution, label: str, f: TensorFile, enc: codec.Encoding | None) -> None:
         """Add `f` as it is read in file order: a tensor stored alone (plain, or a dense fp32/bf16
-        delta, whose decoding is the cast) slice by slice; one stored with its indices or scales
-        once all its entries are in (they are copied out of the read buffers, being small)."""
+        delta, whose decoding is the cast) slice by slice; a topk delta's chunk rows scattered as
+        read; one stored with its indices or scales once all its entries are in (they are copied
+        out of the read buffers, being small)."""
         entries = {n: [e for e in (n, n + codec.INDEX, n + codec.SCALE) if e in f.specs] for n in self.ref}
         owner = {e: n for n, es in entries.items() for e in es}
         plan = []
@@ -173,21 +174,22 @@ class RunningSum:
             else:
                 plan.append([Read(e, f, e, 0, numel, sp.shape)])
         groups: dict[str, dict[str, torch.Tensor]] = {}
+        topk = enc is not None and enc.codec == "topk"
         reader = Prefetch(label, c.worker, plan, buffers=self._buffers)
         try:
             for (read,) in plan:
                 buf, got = reader.take()
                 name, t = owner[read.tag], got[read.tag]
-                if entries[name] == [read.tag]:
+                if topk and self.ref[name].dtype in FLOATS:  # one entry, scattered into S: never a dense copy
+                    kept = codec.sparse_tensor(name, self.ref[name].shape, enc, {name: t}.__getitem__)
+                    self._add_sparse(c, label, name, *kept)
+                elif entries[name] == [read.tag]:
                     self._add(c, label, name, t, read.start, read.stop)
                 else:
                     groups.setdefault(name, {})[read.tag] = t.clone()
                     if len(groups[name]) == len(entries[name]):
                         got_all, shape = groups.pop(name), self.ref[name].shape
-                        if enc is not None and enc.codec == "topk":  # scattered into S: never a dense copy
-                            self._add_sparse(c, label, name, *codec.sparse_tensor(name, shape, enc, got_all.__getitem__))
-                        else:
-                            self._add(c, label, name, codec.decode_tensor(name, shape, enc, got_all.__getitem__))
+                        self._add(c, label, name, codec.decode_tensor(name, shape, enc, got_all.__getitem__))
                 reader.give_back(buf)
         finally:
             if not reader.close():  # a read still running may yet fill one of them: new ones for the next fold

@@ -90,3 +90,22 @@ def test_methods_of_an_experiment_share_the_eval_data(ctx: Context) -> None:
     small, big = ctx.cfg(0), ctx.cfg(0, **{"inner.batch_size": 4 * SIZES["test"].batch_size})
     a, b = ctx.data(small).eval_set(small), ctx.data(big).eval_set(big)
     assert len(a) == len(b) and all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
+
+
+def test_runs_trained_in_parallel_processes_equal_runs_trained_here() -> None:
+    """Context.prefetch (--jobs): each run in a process of its own, one torch thread; the same runs
+    trained in this process with one thread end at the same losses, and the experiment's own call
+    then finds the prefetched run instead of training it again."""
+    runs = [(0, {}), (0, {"round.contribution": "delta", "round.codec": "topk", "outer.optimizer": "sgd", "outer.lr": 3.0})]
+    par = Context(SIZES["test"], [0], jobs=2)
+    par.prefetch(runs)
+    assert len(par._memo) == 2  # trained there: no pre-training here either
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        here = Context(SIZES["test"], [0])
+        for seed, kw in runs:
+            got = par.diloco(seed, **kw)
+            assert got is par.diloco(seed, **kw) and got.losses == here.diloco(seed, **kw).losses
+    finally:
+        torch.set_num_threads(threads)

@@ -26,10 +26,12 @@ from codec_support import merge_g0, publish_delta
 
 def test_a_chunk_by_hand():
     """k = 2 of 4: -4 and 3; scale 4; 2 bits: step 2, levels -3, -1, 1, 3; codes 0 and 3 packed
-    low bits first: 0 | 3 << 2 = 12."""
+    low bits first: 0 | 3 << 2 = 12. Offsets 1 and 3 in Elias-Fano's code, l = log2(4 / 2) = 1:
+    low bits 1, 1 -> 0b11 = 3; high parts 0, 1 set bits 0 + 0 and 1 + 1 of a 2 + (4 >> 1) = 4-bit
+    field -> 0b101 = 5. The row: 4.0 as F32 little-endian (0x40800000), 12, 3, 5."""
     got = topk.encode(torch.tensor([0.0, -4.0, 1.0, 3.0]), 0.5, 2)
-    assert got["values"].tolist() == [12] and got["index"].tolist() == [[1, 3]] and got["scale"].tolist() == [4.0]
-    pos, vals = topk.sparse("x", 4, 0.5, 2, got["values"], got["index"], got["scale"])
+    assert got.dtype == torch.uint8 and got.tolist() == [[0, 0, 0x80, 0x40, 12, 3, 5]]
+    pos, vals = topk.sparse("x", 4, 0.5, 2, got)
     assert pos.tolist() == [1, 3] and vals.tolist() == [-3.0, 3.0]
 
 
@@ -47,7 +49,9 @@ def test_kept_entries_are_each_chunks_largest_and_within_half_a_step(n, frac, bi
     v = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     lay = topk.layout(n, frac)
     got = topk.encode(v, frac, bits)
-    pos, vals = topk.sparse("v", n, frac, bits, got["values"], got["index"], got["scale"])
+    assert tuple(got.shape) == (lay.chunks, lay.row_bytes(bits))
+    scales = got[:, :4].reshape(-1).clone().view(torch.float32)
+    pos, vals = topk.sparse("v", n, frac, bits, got)
     assert len(set(pos.tolist())) == len(pos) and all(0 <= p < n for p in pos.tolist())
     for c in range(lay.chunks):
         chunk = v[c * lay.chunk:(c + 1) * lay.chunk].abs()
@@ -57,9 +61,9 @@ def test_kept_entries_are_each_chunks_largest_and_within_half_a_step(n, frac, bi
         rest[mine] = False
         if rest.any():
             assert chunk[mine].min() >= chunk[rest].max()
-        step = 2 * got["scale"][c] / (1 << bits)
+        step = 2 * scales[c] / (1 << bits)
         sel = (pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)
-        assert torch.all((vals[sel] - v[pos[sel]]).abs() <= step / 2 + 1e-6 * got["scale"][c])  # fp32 rounding
+        assert torch.all((vals[sel] - v[pos[sel]]).abs() <= step / 2 + 1e-6 * scales[c])  # fp32 rounding
 
 
 def test_error_feedback_sends_what_it_left_out_later():
@@ -142,10 +146,38 @@ def _hostile(mem, g, w, sha, damage):
     return Contribution(1, "bad.safetensors", 1.0)
 
 
+# a.w: 3 chunks of 4096, 64 kept in 4 bits: rows of 4 bytes of scale, 32 of codes, 64 of offsets
+# (48 of low bits, then 16 of the high parts' 128-bit field)
+A_W = topk.layout(3 * 4096, 1 / 64)
+
+
 def _index(tensors, fix):
-    idx = tensors["a.w::index"].clone()
+    """Offsets of a.w decoded, changed by `fix`, coded again."""
+    rows = tensors["a.w"].clone()
+    idx = topk.decode_offsets("a.w", rows[:, 36:], A_W)
     fix(idx)
-    tensors["a.w::index"] = idx
+    rows[:, 36:] = topk.encode_offsets(idx, A_W)
+    tensors["a.w"] = rows
+
+
+def _high_bit(tensors):
+    """One more bit set in the first chunk's unary field of high parts: 65 entries for 64."""
+    rows = tensors["a.w"].clone()
+    field = topk.to_bits(rows[:, 84:], 128)
+    field[0, field[0].argmin()] = 1
+    rows[:, 84:] = topk.to_bytes(field)
+    tensors["a.w"] = rows
+
+
+def _scale(tensors, value):
+    rows = tensors["a.w"].clone()
+    rows[1, :4] = torch.tensor([value]).view(torch.uint8)
+    tensors["a.w"] = rows
+
+
+def _descending(i):
+    i[0] = torch.arange(64) * 64
+    i[0, :2] = torch.tensor([5, 3])  # one high part (0), low bits going down
 
 
 def _meta(**changes):
@@ -157,20 +189,21 @@ def _meta(**changes):
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (lambda t, m: _index(t, lambda i: i.__setitem__((0, 0), 4096)), r"offset is out of range \[0, 4096\)"),
-    (lambda t, m: _index(t, lambda i: i.__setitem__((0, 0), -1)), r"offset is out of range"),
+    (lambda t, m: _index(t, lambda i: i.__setitem__((0, -1), 4096)), r"offset is out of range \[0, 4096\)"),
+    (lambda t, m: _high_bit(t), "do not hold exactly 64 entries"),
     (lambda t, m: _index(t, lambda i: i.__setitem__((0, 1), i[0, 0])), "not strictly ascending .*a duplicate"),
-    (lambda t, m: _index(t, lambda i: i[0].copy_(i[0].flip(0))), "not strictly ascending"),
-    (lambda t, m: t.__setitem__("a.w::scale", torch.full_like(t["a.w::scale"], float("nan"))), "scale is negative or not finite"),
-    (lambda t, m: t.__setitem__("a.w::scale", -t["a.w::scale"]), "scale is negative or not finite"),
-    (lambda t, m: t.__setitem__("a.w::index", t["a.w::index"][:, :-1].contiguous()), r"a\.w::index is I16\[3, 63\], a topk delta .* has I16\[3, 64\]"),
-    (lambda t, m: t.__setitem__("a.w", t["a.w"][:-1].contiguous()), r"tensor a\.w is U8\[95\]"),
-    (lambda t, m: t.pop("a.b::scale"), r"a\.b::scale"),
+    (lambda t, m: _index(t, _descending), "not strictly ascending"),
+    (lambda t, m: _scale(t, float("nan")), "scale is negative or not finite"),
+    (lambda t, m: _scale(t, -1.0), "scale is negative or not finite"),
+    (lambda t, m: t.__setitem__("a.w", t["a.w"][:, :-1].contiguous()), r"a\.w is U8\[3, 99\], a topk delta .* has U8\[3, 100\]"),
+    (lambda t, m: t.__setitem__("a.w", t["a.w"][:-1].contiguous()), r"tensor a\.w is U8\[2, 100\]"),
+    (lambda t, m: t.pop("a.b"), r"a\.b"),
     (_meta(topk=0), "unknown contribution coding"),
     (_meta(topk=1.5), "unknown contribution coding"),
     (_meta(bits=3), "unknown contribution coding"),
     (_meta(chunk=1024), "chunks of 4096"),
     (_meta(bits="two"), "malformed"),
+    (_meta(layout=None), "without a layout was written by an older islands"),
 ])
 def test_a_damaged_topk_contribution_is_one_rejection_with_its_reason(mem, damage, reason):
     g, workers, sha = _setup(mem, k=2, seed=4)
@@ -197,4 +230,25 @@ def test_a_damaged_topk_contribution_is_one_rejection_with_its_reason(mem, damag
 def test_config_refuses_topk_settings_that_mean_nothing(sets, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, None, sets)
-    assert load_config(None, None, ["round.contribution=delta", "round.codec=topk", "round.bits=8"]).round.topk == 1 / 64
+    assert load_config(None, None, ["round.contribution=delta", "round.codec=topk", "round.bits=8"]).round.topk == 1 / 16
+
+
+@settings(max_examples=80, deadline=None)
+@given(chunk=st.integers(1, 4096), data=st.data())
+def test_offsets_round_trip_through_elias_fano_at_any_density(chunk, data):
+    """Any k of a chunk, any rows: decode(encode(offsets)) is the offsets, in the bytes the layout says."""
+    k = data.draw(st.integers(1, chunk))
+    rows = data.draw(st.integers(1, 3))
+    lay = topk.Layout(rows * chunk, chunk, rows, k)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    idx = torch.stack([torch.randperm(chunk, generator=g)[:k].sort().values for _ in range(rows)])
+    coded = topk.encode_offsets(idx, lay)
+    assert coded.dtype == torch.uint8 and tuple(coded.shape) == (rows, lay.index_bytes)
+    assert torch.equal(topk.decode_offsets("t", coded, lay), idx)
+
+
+def test_offsets_cost_about_two_bits_more_than_their_share_of_the_chunk():
+    """l = log2(chunk / k); bytes a chunk = k l / 8 + (k + chunk >> l) / 8."""
+    assert topk.layout(4096, 1 / 64).index_bytes == 64 * 6 // 8 + (64 + 64) // 8 == 64  # 8 bits an offset
+    assert topk.layout(4096, 1 / 16).index_bytes == 256 * 4 // 8 + (256 + 256) // 8 == 192  # 6 bits
+    assert topk.layout(4096, 1.0).index_bytes == 2 * 4096 // 8  # all kept: no low bits, 2 bits an entry

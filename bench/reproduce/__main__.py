@@ -45,6 +45,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", choices=list(SIZES), default="tiny", help="model width and steps (default tiny)")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per configuration (default 2)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="train the runs of experiment compress in this many processes at once, one CPU thread each "
+                        "(on a GPU, where one small run leaves it mostly idle; default 1: one after another)")
     p.add_argument("--out", type=Path, default=DOCS, help="folder for results.md and img/results/ (default docs/)")
     p.add_argument("--cache-dir", help="corpus cache (default: islands' own)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every run")
@@ -57,6 +60,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("name experiments to run, or --all (--list shows them)")
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
+    if args.jobs < 1:
+        p.error("--jobs must be at least 1")
     return args
 
 
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python -m bench.reproduce " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    ctx = Context(SIZES[args.size], range(args.seeds), args.cache_dir)
+    ctx = Context(SIZES[args.size], range(args.seeds), args.cache_dir, args.jobs)
     t_all = time.perf_counter()
     for name in args.selected:
         title, paper, fn = EXPERIMENTS[name]
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         outcome = fn(ctx)
         outcome.seconds = time.perf_counter() - t0
         meta = {"title": title, "paper": paper, "size": args.size, "seeds": ctx.seeds, "device": device_name(),
-                "command": f"python -m bench.reproduce {name} --size {args.size} --seeds {args.seeds}"}
+                "command": f"python -m bench.reproduce {name} --size {args.size} --seeds {args.seeds}"
+                           + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
         record = report.save(args.out, name, meta, outcome)
         for row in outcome.rows:
             print(f"   {row.label:60s} {row.mean:.4f} ± {row.spread:.4f}")

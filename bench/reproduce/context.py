@@ -6,8 +6,10 @@ Runs are memoised by (kind, seed, config overrides, options), so a run two exper
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +106,8 @@ def check(claim: str, per_seed: Sequence[bool], on_means: bool, detail: str) -> 
 class Context:
     """Configs of one size and seeds, with memoised data, pre-trained weights and runs."""
 
-    def __init__(self, size: Size, seeds: Sequence[int], cache_dir: str | None = None) -> None:
-        self.size, self.seeds, self.cache_dir = size, list(seeds), cache_dir
+    def __init__(self, size: Size, seeds: Sequence[int], cache_dir: str | None = None, jobs: int = 1) -> None:
+        self.size, self.seeds, self.cache_dir, self.jobs = size, list(seeds), cache_dir, jobs
         self._memo: dict[Any, sim.RunResult] = {}
         self._data: dict[Any, sim.Data] = {}
 
@@ -142,11 +144,34 @@ class Context:
         """DiLoCo from the pre-trained model; `schedule` names one of SCHEDULES; `ahead`: steps an
         overlapped worker takes before adopting each global (with round.overlap)."""
         cfg = self.cfg(seed, **overrides)
-        key = ("diloco", drop, schedule, ahead, repr(cfg))  # the resolved config: equal runs asked differently are one
+        key = self._diloco_key(cfg, drop, schedule, ahead)
         sched = None if schedule is None else SCHEDULES[schedule](cfg)
         return self.memo(key, lambda: sim.run_diloco(cfg, self.data(cfg), drop=drop, schedule=sched,
                                                     init=self.pretrained(seed), ahead=ahead),
                          f"diloco seed {seed} drop {drop} schedule {schedule} ahead {ahead} {overrides}")
+
+    @staticmethod
+    def _diloco_key(cfg: Config, drop: float, schedule: str | None, ahead: int) -> tuple:
+        return ("diloco", drop, schedule, ahead, repr(cfg))  # the resolved config: equal runs asked differently are one
+
+    def prefetch(self, runs: Sequence[tuple[int, dict[str, Any]]]) -> None:
+        """Train the DiLoCo runs (seed, ctx.diloco's keyword arguments) not yet memoised in `jobs`
+        processes at once (each pre-trains its seed's model again: cheap next to the runs), so that
+        the experiment's own calls find them. Nothing happens with jobs = 1."""
+        todo = {}
+        for seed, kw in runs:
+            cfg = self.cfg(seed, **{k: v for k, v in kw.items() if k not in ("drop", "schedule", "ahead")})
+            key = self._diloco_key(cfg, kw.get("drop", 0.0), kw.get("schedule"), kw.get("ahead", 0))
+            if key not in self._memo:
+                todo[key] = (seed, kw)
+        if self.jobs <= 1 or not todo:
+            return
+        # spawn: a forked child cannot use CUDA that its parent has started
+        with ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {key: pool.submit(_diloco_alone, self.size, self.cache_dir, seed, kw) for key, (seed, kw) in todo.items()}
+            for key, f in futures.items():
+                self._memo[key] = f.result()
+                log.info("%s: final eval loss %.4f", todo[key], self._memo[key].final)
 
     def plain(self, seed: int, **overrides: Any) -> sim.RunResult:
         """One worker, no merges, from the pre-trained model."""
@@ -159,6 +184,13 @@ class Context:
         """Eval losses of a run's global model at every round (x: inner steps per worker)."""
         n = len(runs[0].losses)
         return Curve(label, [i * steps for i in range(n)], [r.losses for r in runs])
+
+
+def _diloco_alone(size: Size, cache_dir: str | None, seed: int, kw: dict[str, Any]) -> sim.RunResult:
+    """One DiLoCo run in a process of its own (Context.prefetch); one torch thread, as the runs share the cores."""
+    import torch
+    torch.set_num_threads(1)
+    return Context(size, [seed], cache_dir).diloco(seed, **kw)
 
 
 def _ramp(lo: int, hi: int, rounds: int) -> Callable[[int], int]:
