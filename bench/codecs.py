@@ -49,12 +49,12 @@ VARIANTS: dict[str, dict] = {  # name: config overrides
     "delta bf16": {**D, "round.codec": "bf16"},
     "delta int8": {**D, "round.codec": "int8"},
     "delta int8, keep 0.25": {**D, "round.codec": "int8", "round.prune_keep": 0.25},
-    "topk 1/16, 2 bits, feedback 0.95 (default)": T,
+    "topk 1/16, 2 bits, feedback 0.9 (default)": T,
     "topk 1/16, 2 bits, no feedback": {**T, "round.error_feedback": 0.0},
-    "topk 1/16, 4 bits, feedback 0.95": {**T, "round.bits": 4},
-    "topk 1/32, 2 bits, feedback 0.95": {**T, "round.topk": 1 / 32},
-    "topk 1/64, 2 bits, feedback 0.95": {**T, "round.topk": 1 / 64},
-    "topk 1/128, 2 bits, feedback 0.95": {**T, "round.topk": 1 / 128},
+    "topk 1/16, 4 bits, feedback 0.9": {**T, "round.bits": 4},
+    "topk 1/32, 2 bits, feedback 0.9": {**T, "round.topk": 1 / 32},
+    "topk 1/64, 2 bits, feedback 0.9": {**T, "round.topk": 1 / 64},
+    "topk 1/128, 2 bits, feedback 0.9": {**T, "round.topk": 1 / 128},
 }
 
 

@@ -105,8 +105,8 @@ def encode_offsets(idx: torch.Tensor, lay: Layout) -> torch.Tensor:
     Elias-Fano's code (module docstring)."""
     low = lay.low_bits
     lows = (idx[:, :, None] >> torch.arange(low)) & 1  # [chunks, k, l]
-    high = torch.zeros(lay.chunks, lay.high_bits, dtype=torch.int64)
-    high.scatter_(1, (idx >> low) + torch.arange(lay.k), 1)
+    high = torch.zeros(lay.chunks, lay.high_bits, dtype=torch.uint8)
+    high.scatter_(1, (idx.to(torch.int64) >> low) + torch.arange(lay.k), 1)
     return torch.cat([to_bytes(lows.reshape(lay.chunks, lay.k * low)), to_bytes(high)], dim=1)
 
 
@@ -119,8 +119,8 @@ def decode_offsets(name: str, coded: torch.Tensor, lay: Layout) -> torch.Tensor:
         raise CheckpointError(f"tensor {name}: a chunk's coded offsets do not hold exactly {lay.k} entries: "
                               "the file is damaged")
     # set bits in reading order: each chunk's k, ascending; less each bit's row start and rank
-    at = high.reshape(-1).nonzero().view(lay.chunks, lay.k).to(torch.int32)
-    his = at - (torch.arange(lay.chunks, dtype=torch.int32) * lay.high_bits)[:, None] - torch.arange(lay.k, dtype=torch.int32)
+    at = high.reshape(-1).nonzero().view(lay.chunks, lay.k)  # int64: a field of a big tensor passes 2^31 bits
+    his = (at - torch.arange(lay.chunks)[:, None] * lay.high_bits - torch.arange(lay.k)).to(torch.int32)
     if not lay.low_bits:  # k > chunk / 2: the high field alone is the offsets
         return his
     return his << lay.low_bits | unpack(coded[:, :low_len], lay.k, lay.low_bits, torch.int32)
@@ -167,13 +167,14 @@ def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor) ->
     scale = rows[:, :4].reshape(-1).clone().view(torch.float32)  # a fresh buffer: aligned for F32
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise CheckpointError(f"tensor {name}: a chunk's scale is negative or not finite: the file is damaged")
-    codes = unpack(rows[:, 4:code_end], lay.k, bits, torch.float32)
     step = (2 * scale / (1 << bits))[:, None]
-    vals = (codes + 0.5) * step - scale[:, None]
+    vals = torch.addcmul(0.5 * step - scale[:, None], unpack(rows[:, 4:code_end], lay.k, bits, torch.float32), step)
     pos = (idx + torch.arange(lay.chunks)[:, None] * lay.chunk).reshape(-1)
     vals = vals.reshape(-1)
+    if lay.chunks * lay.chunk == numel:  # no padding
+        return pos, vals
     real = pos < numel
-    return (pos, vals) if bool(real.all()) else (pos[real], vals[real])
+    return pos[real], vals[real]
 
 
 def dense(numel: int, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ Writes docs/img/results/NAME.{json,png} per experiment and re-renders docs/resul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -43,6 +44,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     p.add_argument("--render", action="store_true", help="only rewrite results.md from the saved results")
     p.add_argument("--size", choices=list(SIZES), default="tiny", help="model width and steps (default tiny)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="rounds of every run (default: the size's; compress takes at least 32)")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per configuration (default 2)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--jobs", type=int, default=1,
@@ -60,6 +63,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("name experiments to run, or --all (--list shows them)")
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
+    if args.rounds < 0:
+        p.error("--rounds must be at least 1 (0: the size's)")
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
     return args
@@ -69,6 +74,12 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return f"CUDA ({torch.cuda.get_device_name(0)})"
     return f"CPU ({torch.get_num_threads()} torch threads)"
+
+
+def _command(name: str, args: argparse.Namespace) -> str:
+    """The command that reruns experiment `name` as this run did."""
+    extra = (f" --rounds {args.rounds}" if args.rounds else "") + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+    return f"python -m bench.reproduce {name} --size {args.size} --seeds {args.seeds}{extra}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python -m bench.reproduce " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    ctx = Context(SIZES[args.size], range(args.seeds), args.cache_dir, args.jobs)
+    size = dataclasses.replace(SIZES[args.size], rounds=args.rounds) if args.rounds else SIZES[args.size]
+    ctx = Context(size, range(args.seeds), args.cache_dir, args.jobs)
     t_all = time.perf_counter()
     for name in args.selected:
         title, paper, fn = EXPERIMENTS[name]
@@ -94,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = fn(ctx)
         outcome.seconds = time.perf_counter() - t0
         meta = {"title": title, "paper": paper, "size": args.size, "seeds": ctx.seeds, "device": device_name(),
-                "command": f"python -m bench.reproduce {name} --size {args.size} --seeds {args.seeds}"
-                           + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
+                "command": _command(name, args)}
         record = report.save(args.out, name, meta, outcome)
         for row in outcome.rows:
             print(f"   {row.label:60s} {row.mean:.4f} ± {row.spread:.4f}")
