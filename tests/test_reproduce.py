@@ -67,8 +67,10 @@ def test_test_docs_are_a_separate_domain(ctx: Context) -> None:
 
 
 def test_one_experiment_end_to_end_keeps_notes(tmp_path) -> None:
-    assert main(["single", "--size", "test", "--seeds", "1", "--out", str(tmp_path)]) == 0
+    assert main(["single", "--size", "test", "--seeds", "1", "--rounds", "3", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / report.IMG / "single.json").read_text())
+    assert record["command"] == "python -m bench.reproduce single --size test --seeds 1 --rounds 3"
+    assert [len(c["per_seed"][0]) for c in record["curves"]] == [4, 4]  # the initial loss, then 3 rounds
     labels = [r["label"] for r in record["rows"]]
     assert labels[0] == "plain training (1 worker)" and labels[1].startswith("DiLoCo, K = 1")
     assert all(math.isfinite(v) and v < math.log(256) + 0.5 for r in record["rows"] for v in r["finals"])

@@ -9,8 +9,8 @@ import logging
 import multiprocessing
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
