@@ -242,8 +242,8 @@ def _watch_before_run(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    parser = parser or build_parser()
     args = parser.parse_args(_watch_before_run(sys.argv[1:] if argv is None else argv))
     if args.command is None:  # bare `orchestrate`: what it can do, as pip and git print
         parser.print_help()

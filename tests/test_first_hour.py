@@ -95,13 +95,13 @@ def test_ctrl_c_in_a_command_tells_resume_only_where_a_run_can_be_resumed(monkey
 
 
 # `orchestrate` as its console script runs it (orchestrator.launch.main), SIGINT at its default as
-# in a terminal's foreground job, and a Ctrl-C delivered at a chosen moment: while a module of the
-# CLI imports (an import hook), or while the interpreter exits (an exit hook, run last).
+# in a terminal's foreground job, and a Ctrl-C delivered at a chosen moment: while a module imports
+# (an import hook), or while the interpreter exits (an exit hook, run last).
 AT_IMPORT = """
 import os, signal, sys
 class CtrlC:
     def find_spec(self, name, path=None, target=None):
-        if name == "core.config":
+        if name == {module!r}:
             os.kill(os.getpid(), signal.SIGINT)
 sys.meta_path.insert(0, CtrlC())
 """
@@ -111,11 +111,16 @@ atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))
 """
 
 
-@pytest.mark.parametrize("hook, printed", [(AT_IMPORT, ""), (AT_EXIT, "orchestrate (islands)")])
-def test_ctrl_c_while_the_cli_imports_or_exits_prints_no_traceback(hook, printed):
+@pytest.mark.parametrize("hook, argv, printed", [
+    (AT_IMPORT.format(module="core.config"), ["--version"], ""),  # the CLI's own modules
+    (AT_IMPORT.format(module="fsspec"), ["--version"], ""),  # a subcommand's, imported to build the parser
+    # torch's C init imports numpy and would drop the KeyboardInterrupt: `eval` then ran on, its error printed
+    (AT_IMPORT.format(module="numpy"), ["eval", "x.safetensors"], ""),
+    (AT_EXIT, ["--version"], "orchestrate (islands)")])
+def test_ctrl_c_while_the_cli_imports_or_exits_prints_no_traceback(hook, argv, printed):
     """Python would print a KeyboardInterrupt traceback (at exit: "Exception ignored in atexit
     callback"); the command ends at once, by the signal, as a C program does, its output kept."""
-    code = hook + "from orchestrator.launch import main\nsys.argv[1:] = ['--version']\nsys.exit(main())\n"
+    code = hook + f"from orchestrator.launch import main\nsys.argv[1:] = {argv!r}\nsys.exit(main())\n"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert done.returncode == -signal.SIGINT, (done.returncode, done.stdout, done.stderr)
