@@ -4,11 +4,12 @@ The examples are read from where a user reads them (README.md's code blocks, `or
 --help`), not copied here: an example that no longer parses, names a key that does not exist or a
 value the config refuses fails this test. Each is parsed by the real parser and, for `submit`, its
 config built and checked as `submit` builds it (every --set key and value), before anything would
-run. The ones whose inputs a test can make here are then run as written (merges of real
-checkpoints, a corpus prepared and checked); `/shared/$USER` is the only placeholder replaced, by a
-temporary folder. Runs on Slurm partitions, Hugging Face models and S3 buckets of the examples are
-not started here (other tests run those paths on the local cluster, a local S3 server and a
-generated model).
+run. Every merge and `data prepare` example on local paths then runs as written, by bash (merges
+of checkpoints, fine-tunes and LoRA adapters, corpora prepared from a file, a glob and prompt /
+response pairs with a Hugging Face tokenizer, each checked with `data check`); `/shared/$USER` and
+`/models` are the only paths replaced, by a temporary folder. Not run here: the `submit` examples
+(whole runs; test_cli runs the README's main one with a smaller model, other tests the Slurm, task
+and Hugging Face paths) and the two S3 examples (test_storage runs S3 on a local server).
 """
 from __future__ import annotations
 
@@ -91,34 +92,49 @@ def test_every_documented_command_parses_and_its_config_is_valid(command, monkey
 
 
 def _checkpoints(folder: Path) -> None:
-    """What the merge examples name: two checkpoints, three fine-tunes of one base, in `folder`."""
-    base = {"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), "b": torch.zeros(8)}
+    """What the merge examples name: two checkpoints, three fine-tunes of one base and two LoRA
+    adapters of it (PEFT's layout, test_merge_lora's), in `folder`."""
+    from test_merge_lora import _adapter
+    base = {"proj.weight": torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), "proj.bias": torch.zeros(8)}
     for i, name in enumerate(("a.safetensors", "b.safetensors")):
         write_checkpoint(Storage(str(folder)), name, {k: v + i for k, v in base.items()})
     write_checkpoint(Storage(str(folder / "pretrained")), "model.safetensors", base)
     for i in (1, 2, 3):
         tuned = {k: v + 0.1 * i * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in base.items()}
         write_checkpoint(Storage(str(folder / f"ft{i}")), "model.safetensors", tuned)
+    for i in (1, 2):
+        g = torch.Generator().manual_seed(10 + i)
+        _adapter(folder / f"lora{i}", {"proj": (torch.randn(2, 8, generator=g), torch.randn(8, 2, generator=g))}, r=2, alpha=4)
 
 
 def _corpus(folder: Path) -> None:
+    """corpus.jsonl.zst, corpus/ of two such files, and pairs.jsonl of prompts and responses."""
     import zstandard
     lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20, "source": f"site{i % 3}"}) for i in range(60)]
-    (folder / "corpus.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress("\n".join(lines).encode()))
+    data = zstandard.ZstdCompressor().compress("\n".join(lines).encode())
+    (folder / "corpus.jsonl.zst").write_bytes(data)
+    (folder / "corpus").mkdir()
+    for name in ("a.jsonl.zst", "b.jsonl.zst"):
+        (folder / "corpus" / name).write_bytes(data)
+    pairs = [json.dumps({"prompt": f"What is {i} + {i}?", "response": f"{2 * i}."}) for i in range(80)]
+    (folder / "pairs.jsonl").write_text("\n".join(pairs) + "\n")
 
 
-RUNNABLE = [c for c in EXAMPLES if (c.startswith("orchestrate merge ") and "s3://" not in c and "lora" not in c)
-            or c.startswith("orchestrate data prepare corpus.jsonl.zst")]
+RUNNABLE = [c for c in EXAMPLES if c.startswith(("orchestrate merge ", "orchestrate data prepare ")) and "s3://" not in c]
 
 
 @pytest.mark.parametrize("command", RUNNABLE)
 def test_documented_commands_with_inputs_made_here_run_as_written(command, tmp_path):
+    """Run by bash, as typed (its globs too); a prepared corpus is then checked with `data check`,
+    as the help shows."""
     _checkpoints(tmp_path)
     _corpus(tmp_path)
+    if "hf:/models/llama" in command:  # the SFT example's tokenizer: a tiny one saved there
+        pytest.importorskip("test_hf")._tiny_hf(tmp_path / "models" / "llama")
     shared = tmp_path / "shared"
-    line = os.path.expandvars(command.replace("/shared/$USER", str(shared)))
+    line = os.path.expandvars(command.replace("/shared/$USER", str(shared)).replace("hf:/models/", f"hf:{tmp_path}/models/"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    done = subprocess.run(shlex.split(line), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, (line, done.stdout, done.stderr)
     out = shlex.split(line)[shlex.split(line).index("--out") + 1]
     assert (tmp_path / out).exists(), (line, done.stdout)
