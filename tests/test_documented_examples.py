@@ -9,7 +9,7 @@ of checkpoints, fine-tunes and LoRA adapters, corpora prepared from a file, a gl
 response pairs with a Hugging Face tokenizer, each checked with `data check`); `/shared/$USER` and
 `/models` are the only paths replaced, by a temporary folder. Not run here: the `submit` examples
 (whole runs; test_cli runs the README's main one with a smaller model, other tests the Slurm, task
-and Hugging Face paths) and the two S3 examples (test_storage runs S3 on a local server).
+and Hugging Face paths) and the two S3 examples (test_storage_s3 runs S3 on a local server).
 """
 from __future__ import annotations
 
