@@ -15,7 +15,7 @@ EXAMPLES = """examples:
   orchestrate merge ft1/ ft2/ --base pretrained/ --method dare-ties --density 0.3 --seed 7 --out merged/
   orchestrate merge lora1/ lora2/ --weights 1,2 --out lora_merged/     # one adapter, ranks concatenated
   orchestrate merge lora1/ --base pretrained/ --out merged/            # the adapter folded into its base
-  orchestrate merge s3://b/w0.safetensors s3://b/w1.safetensors --method outer --base g.safetensors \\
+  orchestrate merge s3://bucket/w0.safetensors s3://bucket/w1.safetensors --method outer --base g.safetensors \\
       --outer-state outer_state.safetensors --out g_next.safetensors
 """
 

@@ -6,10 +6,10 @@ value the config refuses fails this test. Each is parsed by the real parser and,
 config built and checked as `submit` builds it (every --set key and value), before anything would
 run. Every merge and `data prepare` example on local paths then runs as written, by bash (merges
 of checkpoints, fine-tunes and LoRA adapters, corpora prepared from a file, a glob and prompt /
-response pairs with a Hugging Face tokenizer, each checked with `data check`); `/shared/$USER` and
-`/models` are the only paths replaced, by a temporary folder. Not run here: the `submit` examples
-(whole runs; test_cli runs the README's main one with a smaller model, other tests the Slurm, task
-and Hugging Face paths) and the two S3 examples (test_storage_s3 runs S3 on a local server).
+response pairs with a Hugging Face tokenizer, each checked with `data check`; to and from S3); `/shared/$USER` and
+`/models` are the only paths replaced, by a temporary folder; the S3 examples' buckets are made on
+the suite's local S3 server. Not run here: the `submit` examples (whole runs; test_cli runs the
+README's main one with a smaller model, other tests the Slurm, task and Hugging Face paths).
 """
 from __future__ import annotations
 
@@ -107,6 +107,28 @@ def _checkpoints(folder: Path) -> None:
         _adapter(folder / f"lora{i}", {"proj": (torch.randn(2, 8, generator=g), torch.randn(8, 2, generator=g))}, r=2, alpha=4)
 
 
+def _s3_inputs(s3, folder: Path) -> dict[str, str]:
+    """The S3 examples' bucket and inputs: two workers' weights in s3://bucket, their base
+    g.safetensors here, and web.parquet here. Returns the environment that reaches the server."""
+    import boto3
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    client = boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id=s3.key, aws_secret_access_key=s3.secret,
+                          region_name="us-east-1")
+    if "bucket" not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket="bucket")
+    g = {"proj.weight": torch.zeros(8, 8), "proj.bias": torch.zeros(8)}
+    write_checkpoint(Storage(str(folder)), "g.safetensors", g)
+    remote = Storage("s3://bucket", key=s3.key, secret=s3.secret, client_kwargs={"endpoint_url": s3.endpoint_url,
+                                                                            "region_name": "us-east-1"})
+    for w in (0, 1):
+        write_checkpoint(remote, f"w{w}.safetensors", {k: v + 0.1 * (w + 1) for k, v in g.items()})
+    texts = [f"<p>page {i}: " + "lorem ipsum dolor sit amet " * 20 + "</p>" for i in range(60)]
+    pq.write_table(pa.table({"text": texts, "url": [f"https://site{i % 3}.example/{i}" for i in range(60)]}),
+                   folder / "web.parquet")
+    return s3.env()
+
+
 def _corpus(folder: Path) -> None:
     """corpus.jsonl.zst, corpus/ of two such files, and pairs.jsonl of prompts and responses."""
     import zstandard
@@ -120,24 +142,27 @@ def _corpus(folder: Path) -> None:
     (folder / "pairs.jsonl").write_text("\n".join(pairs) + "\n")
 
 
-RUNNABLE = [c for c in EXAMPLES if c.startswith(("orchestrate merge ", "orchestrate data prepare ")) and "s3://" not in c]
+RUNNABLE = [c for c in EXAMPLES if c.startswith(("orchestrate merge ", "orchestrate data prepare "))]
 
 
 @pytest.mark.parametrize("command", RUNNABLE)
-def test_documented_commands_with_inputs_made_here_run_as_written(command, tmp_path):
+def test_documented_commands_with_inputs_made_here_run_as_written(command, tmp_path, request):
     """Run by bash, as typed (its globs too); a prepared corpus is then checked with `data check`,
-    as the help shows."""
+    as the help shows. An s3:// example's buckets are made on the suite's local S3 server, which the
+    command reaches through the environment (AWS_ENDPOINT_URL), as a user's reaches theirs."""
     _checkpoints(tmp_path)
     _corpus(tmp_path)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    if "s3://" in command:
+        env.update(_s3_inputs(request.getfixturevalue("s3_server"), tmp_path))
     if "hf:/models/llama" in command:  # the SFT example's tokenizer: a tiny one saved there
         pytest.importorskip("test_hf")._tiny_hf(tmp_path / "models" / "llama")
     shared = tmp_path / "shared"
     line = os.path.expandvars(command.replace("/shared/$USER", str(shared)).replace("hf:/models/", f"hf:{tmp_path}/models/"))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, (line, done.stdout, done.stderr)
     out = shlex.split(line)[shlex.split(line).index("--out") + 1]
-    assert (tmp_path / out).exists(), (line, done.stdout)
+    assert "s3://" in out or (tmp_path / out).exists(), (line, done.stdout)
     if "data prepare" in line:
         check = subprocess.run(["orchestrate", "data", "check", out], cwd=tmp_path, env=env, capture_output=True,
                                text=True, timeout=300)
