@@ -252,3 +252,26 @@ def test_offsets_cost_about_two_bits_more_than_their_share_of_the_chunk():
     assert topk.layout(4096, 1 / 64).index_bytes == 64 * 6 // 8 + (64 + 64) // 8 == 64  # 8 bits an offset
     assert topk.layout(4096, 1 / 16).index_bytes == 256 * 4 // 8 + (256 + 256) // 8 == 192  # 6 bits
     assert topk.layout(4096, 1.0).index_bytes == 2 * 4096 // 8  # all kept: no low bits, 2 bits an entry
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 9000), frac=st.sampled_from([1 / 64, 1 / 16, 0.5, 1.0]), bits=st.sampled_from([2, 4, 8]),
+       data=st.data())
+def test_any_bytes_of_the_right_shape_decode_to_kept_entries_or_one_refusal(n, frac, bits, data):
+    """What the header check lets through (the row shape) is decoded or refused by CheckpointError:
+    never another exception, never a position outside the tensor or twice, never a value that is not
+    finite. Rows are random bytes, or a real coding with one byte changed."""
+    lay = topk.layout(n, frac)
+    if data.draw(st.booleans()):
+        rows = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=lay.chunks * lay.row_bytes(bits),
+                                               max_size=lay.chunks * lay.row_bytes(bits))), dtype=torch.uint8)
+        rows = rows.view(lay.chunks, lay.row_bytes(bits))
+    else:
+        rows = topk.encode(torch.randn(n, generator=torch.Generator().manual_seed(n)), frac, bits)
+        rows.view(-1)[data.draw(st.integers(0, rows.numel() - 1))] = data.draw(st.integers(0, 255))
+    try:
+        pos, vals = topk.sparse("t", n, frac, bits, rows)
+    except CheckpointError:
+        return
+    assert pos.dtype == torch.int64 and len(set(pos.tolist())) == len(pos)
+    assert bool(((pos >= 0) & (pos < n)).all()) and bool(torch.isfinite(vals).all())
