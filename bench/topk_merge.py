@@ -33,7 +33,8 @@ from merge.round_spec import RoundSpec
 from merge.rounds import Contribution, merge_round
 
 OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
-CODINGS = {"int8": codec.Encoding("int8", 1.0, ""), "topk": codec.Encoding("topk", 1.0, "", RoundConfig().topk, RoundConfig().bits)}  # defaults
+_DEFAULT = RoundConfig()
+CODINGS = {"int8": codec.Encoding("int8", 1.0, ""), "topk": codec.Encoding("topk", 1.0, "", _DEFAULT.topk, _DEFAULT.bits)}
 
 
 def setup(root: Path, k: int, dims: tuple[int, int, int, int]) -> tuple[Storage, dict[str, list[Contribution]], dict]:

@@ -95,19 +95,17 @@ def encode(v: torch.Tensor, topk: float, bits: int) -> torch.Tensor:
     levels = 1 << bits
     step = torch.where(scale > 0, 2 * scale / levels, torch.ones_like(scale))[:, None]
     codes = torch.floor((kept + scale[:, None]) / step).clamp_(0, levels - 1).to(torch.uint8)
-    code_bits = (codes[:, :, None] >> _SHIFTS[:bits]) & 1
-    return torch.cat([scale.to(torch.float32).view(torch.uint8).view(lay.chunks, 4),
-                      to_bytes(code_bits.reshape(lay.chunks, lay.k * bits)), encode_offsets(idx, lay)], dim=1)
+    return torch.cat([scale.to(torch.float32).view(torch.uint8).view(lay.chunks, 4), pack(codes, bits),
+                      encode_offsets(idx, lay)], dim=1)
 
 
 def encode_offsets(idx: torch.Tensor, lay: Layout) -> torch.Tensor:
     """U8 [chunks, index_bytes]: each row of `idx` ([chunks, k], ascending, in [0, chunk]) in
     Elias-Fano's code (module docstring)."""
-    low = lay.low_bits
-    lows = (idx[:, :, None] >> torch.arange(low)) & 1  # [chunks, k, l]
+    idx = idx.to(torch.int64)
     high = torch.zeros(lay.chunks, lay.high_bits, dtype=torch.uint8)
-    high.scatter_(1, (idx.to(torch.int64) >> low) + torch.arange(lay.k), 1)
-    return torch.cat([to_bytes(lows.reshape(lay.chunks, lay.k * low)), to_bytes(high)], dim=1)
+    high.scatter_(1, (idx >> lay.low_bits) + torch.arange(lay.k), 1)
+    return torch.cat([pack(idx & ((1 << lay.low_bits) - 1), lay.low_bits), to_bytes(high)], dim=1)
 
 
 def decode_offsets(name: str, coded: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -139,8 +137,15 @@ def to_bits(coded: torch.Tensor, n: int) -> torch.Tensor:
     return ((coded[:, :, None] >> _SHIFTS) & 1).reshape(coded.shape[0], coded.shape[1] * 8)[:, :n]
 
 
+def pack(values: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 [rows, ceil(count x width / 8)] of [rows, count] numbers below 2^width, low bits first."""
+    rows, count = values.shape
+    bits = (values.to(torch.int32)[:, :, None] >> torch.arange(width, dtype=torch.int32)) & 1
+    return to_bytes(bits.reshape(rows, count * width))
+
+
 def unpack(coded: torch.Tensor, count: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, count] numbers of `width` bits each, packed low bits first in the uint8 rows `coded`."""
+    """[rows, count] numbers of `width` bits each, packed low bits first in the uint8 rows `coded` (pack undone)."""
     rows = coded.shape[0]
     if width and 8 % width == 0:  # whole fields in each byte: shift them out of the bytes
         fields = (coded[:, :, None] >> _SHIFTS[::width]) & ((1 << width) - 1)
@@ -150,6 +155,7 @@ def unpack(coded: torch.Tensor, count: int, width: int, dtype: torch.dtype) -> t
     for j in range(width):  # one pass a bit: cheaper than a tensor of every bit's weight
         out |= bits[:, :, j].to(dtype) << j
     return out
+
 
 def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(flat positions int64, fp32 values) of the kept entries of tensor `name`, from its stored

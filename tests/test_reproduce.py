@@ -87,6 +87,21 @@ def test_unknown_experiment_is_refused() -> None:
         main(["nope"])
 
 
+@pytest.mark.parametrize("argv, said", [(["--jobs", "0"], "--jobs must be at least 1"),
+                                        (["--rounds", "-1"], "--rounds must be at least 1")])
+def test_a_bad_count_is_refused_with_its_option(argv, said, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["compress", *argv])
+    assert said in capsys.readouterr().err
+
+
+def test_the_recorded_command_names_rounds_and_jobs_when_given() -> None:
+    from bench.reproduce.__main__ import _command, parse
+    assert _command("compress", parse(["compress", "--size", "small", "--seeds", "8", "--rounds", "64", "--jobs", "14"])) == \
+        "python -m bench.reproduce compress --size small --seeds 8 --rounds 64 --jobs 14"
+    assert _command("compress", parse(["compress"])) == "python -m bench.reproduce compress --size tiny --seeds 2"
+
+
 def test_methods_of_an_experiment_share_the_eval_data(ctx: Context) -> None:
     """A 4x-batch baseline or an LTE head's small batch must not change what it is scored on."""
     small, big = ctx.cfg(0), ctx.cfg(0, **{"inner.batch_size": 4 * SIZES["test"].batch_size})

@@ -143,28 +143,26 @@ class Context:
                **overrides: Any) -> sim.RunResult:
         """DiLoCo from the pre-trained model; `schedule` names one of SCHEDULES; `ahead`: steps an
         overlapped worker takes before adopting each global (with round.overlap)."""
-        cfg = self.cfg(seed, **overrides)
-        key = self._diloco_key(cfg, drop, schedule, ahead)
+        cfg, key = self._diloco_key(seed, drop=drop, schedule=schedule, ahead=ahead, **overrides)
         sched = None if schedule is None else SCHEDULES[schedule](cfg)
         return self.memo(key, lambda: sim.run_diloco(cfg, self.data(cfg), drop=drop, schedule=sched,
                                                     init=self.pretrained(seed), ahead=ahead),
                          f"diloco seed {seed} drop {drop} schedule {schedule} ahead {ahead} {overrides}")
 
-    @staticmethod
-    def _diloco_key(cfg: Config, drop: float, schedule: str | None, ahead: int) -> tuple:
-        return ("diloco", drop, schedule, ahead, repr(cfg))  # the resolved config: equal runs asked differently are one
+    def _diloco_key(self, seed: int, drop: float = 0.0, schedule: str | None = None, ahead: int = 0,
+                    **overrides: Any) -> tuple[Config, tuple]:
+        """The config and memo key of ctx.diloco(seed, ...)'s run."""
+        cfg = self.cfg(seed, **overrides)
+        return cfg, ("diloco", drop, schedule, ahead, repr(cfg))  # the resolved config: equal runs asked differently are one
 
     def prefetch(self, runs: Sequence[tuple[int, dict[str, Any]]]) -> None:
         """Train the DiLoCo runs (seed, ctx.diloco's keyword arguments) not yet memoised in `jobs`
         processes at once (each pre-trains its seed's model again: cheap next to the runs), so that
         the experiment's own calls find them. Nothing happens with jobs = 1."""
-        todo = {}
-        for seed, kw in runs:
-            cfg = self.cfg(seed, **{k: v for k, v in kw.items() if k not in ("drop", "schedule", "ahead")})
-            key = self._diloco_key(cfg, kw.get("drop", 0.0), kw.get("schedule"), kw.get("ahead", 0))
-            if key not in self._memo:
-                todo[key] = (seed, kw)
-        if self.jobs <= 1 or not todo:
+        if self.jobs <= 1:
+            return
+        todo = {key: (seed, kw) for seed, kw in runs if (key := self._diloco_key(seed, **kw)[1]) not in self._memo}
+        if not todo:
             return
         # spawn: a forked child cannot use CUDA that its parent has started
         with ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
