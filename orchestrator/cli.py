@@ -19,8 +19,8 @@ SUBMIT_EXAMPLES = """examples:
   orchestrate submit --algorithm lofi --workers 4 --rounds 1
   orchestrate submit --executor slurm --run-dir /shared/$USER/runs/r1 \\
       --set executor.partition=gpu --set executor.gpus_per_node=1
-  orchestrate submit --set model=hf:/shared/models/my-llama \\
-      --set data.source=/shared/$USER/data/corpus
+  orchestrate submit --set model=hf:/models/llama \\
+      --set data.source=/shared/$USER/data/sft   # made with its tokenizer
   orchestrate submit --set task=digits --algorithm lte --workers 4 --rounds 8
 every --set KEY=VALUE: docs/config.md"""
 RUN_HELP = "the run directory (a path or any fsspec URL), as `submit` printed it"

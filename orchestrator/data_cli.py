@@ -7,7 +7,8 @@ from typing import Any
 from orchestrator.console import console
 
 EXAMPLES = """examples:
-  orchestrate data prepare corpus/*.jsonl.zst --out /shared/$USER/data/c4 --procs 8
+  orchestrate data prepare corpus/*.jsonl.zst --out /shared/$USER/data/c4 \\
+      --procs 8 --group-field url                                 # groups: each URL's host
   orchestrate data prepare web.parquet --group-field url --out s3://bucket/data/web      # non-iid by domain
   orchestrate data prepare pairs.jsonl --prompt-field prompt --response-field response \\
       --tokenizer hf:/models/llama --out /shared/$USER/data/sft                         # loss on responses only

@@ -14,6 +14,10 @@ set -euo pipefail
 NODES=${SLURM_NODES:-4}
 NODE_CPUS=${SLURM_NODE_CPUS:-4}            # may exceed the real core count (config_overrides)
 NODE_MEM=${SLURM_NODE_MEM:-4000}           # RealMemory (MB) each node claims
+GPU_NODES=${SLURM_GPU_NODES:-2}            # nodes g1..gN of partition gpu; their GPUs are declared, not real
+GPU_NODE_GPUS=${SLURM_GPU_NODE_GPUS:-4}
+GPU_NODE_CPUS=${SLURM_GPU_NODE_CPUS:-32}
+GPU_NODE_MEM=${SLURM_GPU_NODE_MEM:-262144}
 DEF_MEM_PER_CPU=${SLURM_DEF_MEM_PER_CPU:-500}
 CRED_EXPIRE=${SLURM_CRED_EXPIRE:-10}
 REQUEUE_EXIT=${SLURM_REQUEUE_EXIT:-}        # e.g. "75": batch jobs exiting with it are requeued
@@ -50,11 +54,15 @@ environment (default):
   SLURM_NODES (4)              emulated nodes n1..nN on this host
   SLURM_NODE_CPUS (4)          CPUs each node claims (may exceed the real cores)
   SLURM_NODE_MEM (4000)        RealMemory in MB each node claims
+  SLURM_GPU_NODES (2)          nodes g1..gN of partition gpu, for the documented GPU examples; 0: none
+  SLURM_GPU_NODE_GPUS (4)      GPUs each gpu node declares (no device behind them: jobs train on the CPU)
+  SLURM_GPU_NODE_CPUS (32)     CPUs each gpu node claims
+  SLURM_GPU_NODE_MEM (262144)  RealMemory in MB each gpu node claims
   SLURM_DEF_MEM_PER_CPU (500)  memory a job gets per CPU when it asks for none
   SLURM_CRED_EXPIRE (10)       seconds; also the least delay before a requeued job runs again
   SLURM_REQUEUE_EXIT ()        exit codes that requeue a batch job (slurm.conf RequeueExit)
   SLURM_CGROUP (0)             1 = cgroup v1 proctrack/task plugins with memory limits
-  SLURM_NODE_BASE_PORT (17200) node nI's slurmd listens on this port + I
+  SLURM_NODE_BASE_PORT (17200) node nI's slurmd listens on this port + I, gI's on this port + 100 + I
   SLURM_START_TIMEOUT (60)     seconds to wait for each daemon to become ready
 EOF
 }
@@ -209,8 +217,23 @@ AccountingStorageHost=localhost
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
 NodeName=n[1-$NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[$((BASE_PORT + 1))-$((BASE_PORT + NODES))] CPUs=$NODE_CPUS RealMemory=$NODE_MEM State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP
 EOF
+    [ "$GPU_NODES" -gt 0 ] || return 0
+    cat <<EOF
+GresTypes=gpu
+NodeName=g[1-$GPU_NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[$((BASE_PORT + 101))-$((BASE_PORT + 100 + GPU_NODES))] CPUs=$GPU_NODE_CPUS RealMemory=$GPU_NODE_MEM Gres=gpu:$GPU_NODE_GPUS State=UNKNOWN
+PartitionName=gpu Nodes=g[1-$GPU_NODES] MaxTime=INFINITE State=UP
+EOF
+}
+
+# The gpu nodes' GPUs are empty files (slurmd drops a GPU without a file): the scheduler grants
+# them, which is what a job's request and sbatch's answer depend on, and a job's torch sees no CUDA
+# device, so it trains on the CPU.
+GPU_FILES=/var/lib/slurm/gpu
+gres_conf() {
+    [ "$GPU_NODES" -gt 0 ] || return 0
+    printf 'AutoDetect=off\nNodeName=g[1-%s] Name=gpu File=%s[0-%s]\n' "$GPU_NODES" "$GPU_FILES" $((GPU_NODE_GPUS - 1))
 }
 # Why these settings (details in docs/slurm.md):
 #   cred_expire=10 + sched_interval=2: a requeued job runs again after ~11 s instead of ~2 minutes.
@@ -253,9 +276,14 @@ replace_if_changed() {
 # slurmctld and slurmd read slurm.conf only at start, so a changed config means restarting them.
 write_slurm_conf() {
     install -d -o slurm -g slurm -m 755 /var/lib/slurm "$STATE_DIR" "$LOG_DIR"
+    local g
+    for g in $(seq 0 $((GPU_NODE_GPUS - 1))); do touch "$GPU_FILES$g"; done
     if [ "$CGROUP" = 1 ]; then cgroup_conf | replace_if_changed /etc/slurm/cgroup.conf root 644 || true; fi
-    if slurm_conf | sed '/^$/d' | replace_if_changed /etc/slurm/slurm.conf root 644; then
-        log "slurm.conf written; restarting slurmctld/slurmd if they were running"
+    local changed=1
+    gres_conf | replace_if_changed /etc/slurm/gres.conf root 644 && changed=0
+    slurm_conf | sed '/^$/d' | replace_if_changed /etc/slurm/slurm.conf root 644 && changed=0
+    if [ "$changed" = 0 ]; then
+        log "slurm.conf/gres.conf written; restarting slurmctld/slurmd if they were running"
         stop_slurmds
         stop_daemon "$CTLD_PID" slurmctld
     fi
@@ -314,15 +342,17 @@ start_slurmctld() {
     wait_for slurmctld "$LOG_DIR/slurmctld.log" bash -c 'scontrol ping | grep -q "is UP"'
 }
 
+node_names() { seq -f 'n%g' 1 "$NODES"; [ "$GPU_NODES" -gt 0 ] && seq -f 'g%g' 1 "$GPU_NODES"; return 0; }
+
 start_slurmds() {
-    local i
-    for i in $(seq 1 "$NODES"); do
-        if running "/run/slurmd-n$i.pid" slurmd; then
-            log "slurmd n$i already running"
+    local n
+    for n in $(node_names); do
+        if running "/run/slurmd-$n.pid" slurmd; then
+            log "slurmd $n already running"
         else
-            rm -f "/run/slurmd-n$i.pid"
-            /usr/sbin/slurmd -N "n$i"    # the stock build allows several slurmd per host (MULTIPLE_SLURMD)
-            log "slurmd n$i started"
+            rm -f "/run/slurmd-$n.pid"
+            /usr/sbin/slurmd -N "$n"    # the stock build allows several slurmd per host (MULTIPLE_SLURMD)
+            log "slurmd $n started"
         fi
     done
 }
@@ -342,7 +372,7 @@ stop_slurmds() {
 
 nodes_usable() {
     [ -z "$(sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 !~ /^(idle|mix|alloc|comp)$/')" ] &&
-        [ "$(sinfo -h -N -o %N 2>/dev/null | sort -u | wc -l)" -eq "$NODES" ]
+        [ "$(sinfo -h -N -o %N 2>/dev/null | sort -u | wc -l)" -eq "$(node_names | wc -l)" ]
 }
 
 # Nodes drained by an earlier config (e.g. "Low CPUs") stay drained after the fix until resumed.

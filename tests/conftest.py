@@ -12,6 +12,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `bench` and `tests` helpers import from the checkout
+# The local cluster's nodes claim more CPUs than this machine has, so a Slurm job's torch threads
+# (executor.cpus_per_task) outnumber the cores; OpenMP's default busy-wait between parallel regions
+# then burns the cores the other threads need (a documented example's first round: 48 s, 20 s
+# without). Every job inherits this (sbatch exports the environment); it changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from core.storage import Storage  # noqa: E402
 

@@ -136,7 +136,7 @@ def test_a_window_is_a_slice_of_one_shard(stdlib):
 def test_too_many_workers_or_groups_are_clear_errors(tmp_path):
     src = write_tree(tmp_path / "src", {"a/x.txt": b"a" * 300, "b/y.txt": b"b" * 300, "c/z.txt": b"c" * 300})
     ds = dataset_for(_cfg(tmp_path / "cache", source=str(src), heldout_fraction=0.3))
-    with pytest.raises(DatasetError, match="groups over 5 workers"):
+    with pytest.raises(DatasetError, match=r"the 2 group\(s\) of .*'s train split over 5 workers"):
         BatchSampler(ds, 16, 2, seed=0, worker=0, num_workers=5, mode="non-iid")
     with pytest.raises(DatasetError, match="over 500 workers"):
         BatchSampler(ds, 16, 2, seed=0, worker=0, num_workers=500)

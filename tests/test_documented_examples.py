@@ -6,10 +6,9 @@ value the config refuses fails this test. Each is parsed by the real parser and,
 config built and checked as `submit` builds it (every --set key and value), before anything would
 run. Every merge and `data prepare` example on local paths then runs as written, by bash (merges
 of checkpoints, fine-tunes and LoRA adapters, corpora prepared from a file, a glob and prompt /
-response pairs with a Hugging Face tokenizer, each checked with `data check`; to and from S3); `/shared/$USER` and
-`/models` are the only paths replaced, by a temporary folder; the S3 examples' buckets are made on
-the suite's local S3 server. Not run here: the `submit` examples (whole runs; test_cli runs the
-README's main one with a smaller model, other tests the Slurm, task and Hugging Face paths).
+response pairs with a Hugging Face tokenizer, each checked with `data check`; to and from S3); `/shared/`
+and `/models/` are the only paths replaced, by a temporary folder; the S3 examples' buckets are made
+on the suite's local S3 server. The `submit` examples run as written in test_documented_runs.
 """
 from __future__ import annotations
 
@@ -77,14 +76,20 @@ def test_the_examples_are_found_where_users_read_them():
     assert len(EXAMPLES) >= 15, EXAMPLES
 
 
+def local(command: str, folder: Path) -> str:
+    """`command` with the examples' absolute folders (/shared/..., /models/...) moved under `folder`."""
+    return command.replace("/shared/", f"{folder}/shared/").replace("hf:/models/", f"hf:{folder}/models/")
+
+
 @pytest.mark.parametrize("command", EXAMPLES)
+
 def test_every_documented_command_parses_and_its_config_is_valid(command, monkeypatch, tmp_path):
     monkeypatch.setenv("USER", "alice")
-    model = tmp_path / "shared/models/my-llama"  # `model=hf:DIR` is checked to hold a config.json
+    model = tmp_path / "models/llama"  # `model=hf:DIR` is checked to hold a config.json
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
                                                    "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256}))
-    argv = shlex.split(os.path.expandvars(command.replace("/shared/", f"{tmp_path}/shared/")))[1:]
+    argv = shlex.split(os.path.expandvars(local(command, tmp_path)))[1:]
     args = build_parser().parse_args(argv)  # argparse exits (SystemExit) on anything it does not take
     if args.command == "submit":
         cfg = load_config(args.config, _overrides(args), args.sets)  # every --set key and value checked
@@ -132,13 +137,15 @@ def _s3_inputs(s3, folder: Path) -> dict[str, str]:
 def _corpus(folder: Path) -> None:
     """corpus.jsonl.zst, corpus/ of two such files, and pairs.jsonl of prompts and responses."""
     import zstandard
-    lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20, "source": f"site{i % 3}"}) for i in range(60)]
+    lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20, "source": f"site{i % 8}",
+                         "url": f"https://site{i % 8}.example/{i}"}) for i in range(60)]
     data = zstandard.ZstdCompressor().compress("\n".join(lines).encode())
     (folder / "corpus.jsonl.zst").write_bytes(data)
     (folder / "corpus").mkdir()
     for name in ("a.jsonl.zst", "b.jsonl.zst"):
         (folder / "corpus" / name).write_bytes(data)
-    pairs = [json.dumps({"prompt": f"What is {i} + {i}?", "response": f"{2 * i}."}) for i in range(80)]
+    pairs = [json.dumps({"prompt": f"What is {i} + {i}?", "response": f"The sum of {i} and {i} is {2 * i}."})
+             for i in range(1500)]  # enough for a share of each of 4 workers (submit --help)
     (folder / "pairs.jsonl").write_text("\n".join(pairs) + "\n")
 
 
@@ -146,10 +153,11 @@ RUNNABLE = [c for c in EXAMPLES if c.startswith(("orchestrate merge ", "orchestr
 
 
 @pytest.mark.parametrize("command", RUNNABLE)
-def test_documented_commands_with_inputs_made_here_run_as_written(command, tmp_path, request):
+def test_documented_commands_with_inputs_made_here_run_as_written(command, tmp_path, request, monkeypatch):
     """Run by bash, as typed (its globs too); a prepared corpus is then checked with `data check`,
     as the help shows. An s3:// example's buckets are made on the suite's local S3 server, which the
     command reaches through the environment (AWS_ENDPOINT_URL), as a user's reaches theirs."""
+    monkeypatch.setenv("USER", "alice")
     _checkpoints(tmp_path)
     _corpus(tmp_path)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -157,8 +165,7 @@ def test_documented_commands_with_inputs_made_here_run_as_written(command, tmp_p
         env.update(_s3_inputs(request.getfixturevalue("s3_server"), tmp_path))
     if "hf:/models/llama" in command:  # the SFT example's tokenizer: a tiny one saved there
         pytest.importorskip("test_hf")._tiny_hf(tmp_path / "models" / "llama")
-    shared = tmp_path / "shared"
-    line = os.path.expandvars(command.replace("/shared/$USER", str(shared)).replace("hf:/models/", f"hf:{tmp_path}/models/"))
+    line = os.path.expandvars(local(command, tmp_path))
     done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, (line, done.stdout, done.stderr)
     out = shlex.split(line)[shlex.split(line).index("--out") + 1]

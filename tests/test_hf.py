@@ -52,7 +52,7 @@ def _texts(root: Path) -> Path:
     return root
 
 
-def _tiny_hf(directory: Path) -> Path:
+def _tiny_hf(directory: Path, positions: int = 64) -> Path:
     """A tiny Llama (tied embeddings, as SmolLM2) and a byte-level BPE tokenizer, save_pretrained."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -65,7 +65,7 @@ def _tiny_hf(directory: Path) -> Path:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=len(fast),
-                                      max_position_embeddings=64, tie_word_embeddings=True,
+                                      max_position_embeddings=positions, tie_word_embeddings=True,
                                       eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)

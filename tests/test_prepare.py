@@ -237,6 +237,12 @@ def test_the_cli_prepares_a_jsonl_corpus_that_a_run_trains_on(tmp_path, capsys):
     assert "600 documents" in said and "4 group(s)" in said and f"data.source={out}" in said
     assert main(["data", "check", str(out)]) == 0
     run = tmp_path / "run"
+    # 4 groups cannot be dealt whole to 5 workers: refused by submit, before a run or a job exists
+    assert main(["submit", "--executor", "local", "--run-dir", str(run), "--workers", "5", "--set", f"data.source={out}",
+                 "--set", "data.sharding=non-iid"]) == 2
+    said = "".join(capsys.readouterr())
+    assert f"the 4 group(s) of {out}'s train split over 5 workers" in said and "--group-field" in said, said
+    assert not run.exists() and "Traceback" not in said
     assert main(["submit", "--executor", "local", "--run-dir", str(run), "--workers", "2", "--rounds", "2", "--inner-steps", "3",
                  "--set", f"data.source={out}", "--set", "data.sharding=non-iid", "--set", "model.n_layer=1",
                  "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",

@@ -248,13 +248,15 @@ def affine(n: int, seed: int) -> tuple[int, int]:
     return a, int(unit_hash(seed, "deal-b") * n)
 
 
-def _deal_groups(shards: list[Shard], num_workers: int) -> list[list[str]]:
+def _deal_groups(shards: list[Shard], num_workers: int, url: str) -> list[list[str]]:
     sizes: dict[str, int] = {}
     for s in shards:
         sizes[s.group] = sizes.get(s.group, 0) + s.tokens
     if len(sizes) < num_workers:
-        raise DatasetError(f"Cannot shard {len(sizes)} groups over {num_workers} workers (non-iid): each worker needs "
-                           "at least one whole group; use fewer workers or data.sharding iid.")
+        raise DatasetError(f"Cannot shard the {len(sizes)} group(s) of {url}'s train split over {num_workers} workers "
+                           "(data.sharding non-iid): each worker needs at least one whole group; use fewer workers, "
+                           "data.sharding iid, or a corpus of more groups (prepared with a --group-field of more values; "
+                           "text files: more top-level folders).")
     load, out = [0] * num_workers, [[] for _ in range(num_workers)]  # type: ignore[var-annotated]
     for name in sorted(sizes, key=lambda g: (-sizes[g], g)):
         w = min(range(num_workers), key=lambda i: (load[i], len(out[i]), i))
@@ -280,7 +282,7 @@ class BatchSampler:
         self.segment = SEGMENT_WINDOWS * (block_size + 1)
         worker %= num_workers
         if mode == "non-iid":
-            mine = set(_deal_groups(shards, num_workers)[worker])
+            mine = set(_deal_groups(shards, num_workers, ds.url)[worker])
             shards = [s for s in shards if s.group in mine]
         self.shards = shards
         self.cum = np.cumsum([math.ceil(s.tokens / self.segment) for s in shards]) if shards else np.zeros(0, np.int64)

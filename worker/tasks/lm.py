@@ -45,7 +45,12 @@ class LanguageModel(Runner):
         return model(x, y)[1]
 
     def check(self) -> None:
-        self.dataset  # prepared (text: into the cache once), its tokenizer the model's
+        """The dataset prepared (text: into the cache once), its tokenizer the model's, and dealt to the
+        workers (non-iid: whole groups), so a corpus the run cannot deal fails here, not in K jobs. The
+        first and last worker stand for all: a deal fails for every worker or none (a worker's share is
+        never empty once the deal succeeds), and K samplers of a big index would cost seconds."""
+        for worker in {0, self.cfg.workers - 1}:
+            self.sampler(worker, self.cfg.workers, self.cfg.worker_batch_size)
 
     def metadata(self) -> dict[str, str]:
         return model_metadata(self.cfg.model)
