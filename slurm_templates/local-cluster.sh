@@ -277,7 +277,7 @@ replace_if_changed() {
 write_slurm_conf() {
     install -d -o slurm -g slurm -m 755 /var/lib/slurm "$STATE_DIR" "$LOG_DIR"
     local g
-    for g in $(seq 0 $((GPU_NODE_GPUS - 1))); do touch "$GPU_FILES$g"; done
+    if [ "$GPU_NODES" -gt 0 ]; then for g in $(seq 0 $((GPU_NODE_GPUS - 1))); do touch "$GPU_FILES$g"; done; fi
     if [ "$CGROUP" = 1 ]; then cgroup_conf | replace_if_changed /etc/slurm/cgroup.conf root 644 || true; fi
     local changed=1
     gres_conf | replace_if_changed /etc/slurm/gres.conf root 644 && changed=0
