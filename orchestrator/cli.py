@@ -11,7 +11,7 @@ from typing import Any
 
 from core.config import Algorithm, Config, load_config, replace
 from core.errors import ConfigError, IslandsError
-from orchestrator.console import console, setup_logging
+from orchestrator.console import HelpFormatter, console, setup_logging
 
 WATCH_S = 2.0
 SUBMIT_EXAMPLES = """examples:
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"orchestrate (islands) {_version()}")
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("submit", help="start a run and drive it to the end", epilog=SUBMIT_EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=HelpFormatter)
     _config_args(p)
     p.add_argument("--oversubscribe", action="store_true",
                    help="on the local executor, start more worker processes than 4 per core (at least 16 are allowed without it)")

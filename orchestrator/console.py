@@ -5,9 +5,11 @@ Quiet by default: a person sees what the command prints and the warnings; log re
 only with -v. A run also logs everything to its own file (`log_to_file`), whatever -v says."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,13 @@ from rich.console import Console
 
 console = Console(highlight=False, soft_wrap=True)
 PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's, without breaking words at hyphens (`task-` / `arithmetic` is not a name to type)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def narrow_table(*columns: Any, title: str, fold: bool = False) -> Any:

@@ -4,25 +4,28 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from orchestrator.console import console
+from orchestrator.console import HelpFormatter, console
 
 EXAMPLES = """examples:
   orchestrate data prepare corpus/*.jsonl.zst --out /shared/$USER/data/c4 \\
-      --procs 8 --group-field url                                 # groups: each URL's host
-  orchestrate data prepare web.parquet --group-field url --out s3://bucket/data/web      # non-iid by domain
-  orchestrate data prepare pairs.jsonl --prompt-field prompt --response-field response \\
-      --tokenizer hf:/models/llama --out /shared/$USER/data/sft                         # loss on responses only
-  orchestrate submit --set data.source=/shared/$USER/data/c4 --set data.sharding=non-iid
-  orchestrate data check /shared/$USER/data/c4                                       # every checksum
+      --procs 8 --group-field url                      # groups: each URL's host
+  orchestrate data prepare web.parquet --group-field url \\
+      --out s3://bucket/data/web                       # non-iid by domain
+  orchestrate data prepare pairs.jsonl --prompt-field prompt \\
+      --response-field response --tokenizer hf:/models/llama \\
+      --out /shared/$USER/data/sft                     # loss on responses only
+  orchestrate submit --set data.source=/shared/$USER/data/c4 \\
+      --set data.sharding=non-iid
+  orchestrate data check /shared/$USER/data/c4         # every checksum
 """
 
 
 def add_parser(subparsers: Any) -> None:
     data = subparsers.add_parser("data", help="prepare a corpus once into token shards that workers read in place",
-                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=EXAMPLES, formatter_class=HelpFormatter)
     sub = data.add_subparsers(dest="data_command", required=True)
     p = sub.add_parser("prepare", help="tokenize sources into shards + index.json at --out (docs/data.md)",
-                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EXAMPLES, formatter_class=HelpFormatter)
     p.add_argument("sources", nargs="+", metavar="SOURCE",
                    help="text files, *.jsonl[.gz|.zst], *.parquet, a Hugging Face datasets folder, or folders of these "
                         "(any fsspec URL)")

@@ -2,20 +2,27 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from typing import Any
 
 from core.config import OuterConfig
 from merge import DEFAULT_BUFFER_BYTES, METHOD_NAMES, defaults_of  # torch-free: `--help` never loads torch
+from orchestrator.console import HelpFormatter
 
 OUTER = OuterConfig()  # the defaults --help shows
 
 EXAMPLES = """examples:
   orchestrate merge a.safetensors b.safetensors --out soup.safetensors
-  orchestrate merge ft1/ ft2/ ft3/ --base pretrained/ --method ties --density 0.2 --out merged/
-  orchestrate merge ft1/ ft2/ --base pretrained/ --method dare-ties --density 0.3 --seed 7 --out merged/
-  orchestrate merge lora1/ lora2/ --weights 1,2 --out lora_merged/     # one adapter, ranks concatenated
-  orchestrate merge lora1/ --base pretrained/ --out merged/            # the adapter folded into its base
-  orchestrate merge s3://bucket/w0.safetensors s3://bucket/w1.safetensors --method outer --base g.safetensors \\
+  orchestrate merge ft1/ ft2/ ft3/ --base pretrained/ --method ties \\
+      --density 0.2 --out merged/
+  orchestrate merge ft1/ ft2/ --base pretrained/ --method dare-ties \\
+      --density 0.3 --seed 7 --out merged/
+  # two LoRA adapters into one, their ranks concatenated:
+  orchestrate merge lora1/ lora2/ --weights 1,2 --out lora_merged/
+  # an adapter folded into its base:
+  orchestrate merge lora1/ --base pretrained/ --out merged/
+  orchestrate merge s3://bucket/w0.safetensors s3://bucket/w1.safetensors \\
+      --method outer --base g.safetensors \\
       --outer-state outer_state.safetensors --out g_next.safetensors
 """
 
@@ -23,13 +30,15 @@ EXAMPLES = """examples:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "merge", help="merge existing checkpoints (.safetensors files, Hugging Face model dirs, LoRA adapters)",
-        description="Merge checkpoints tensor by tensor (memory does not grow with their number). Inputs and "
-                    "OUT may be any fsspec URL; OUT follows the first input's layout (one file if OUT ends in "
-                    ".safetensors, else a model directory). Nothing is written unless the whole merge succeeds.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=textwrap.fill(
+            "Merge checkpoints tensor by tensor (memory does not grow with their number). Inputs and OUT may be any "
+            "fsspec URL; OUT follows the first input's layout (one file if OUT ends in .safetensors, else a model "
+            "directory). Nothing is written unless the whole merge succeeds.", 78),
+        epilog=EXAMPLES, formatter_class=HelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=".safetensors file, Hugging Face model directory or PEFT LoRA adapter directory")
     p.add_argument("--out", "-o", required=True, help="output .safetensors file or model directory")
-    p.add_argument("--method", "-m", default="average", choices=METHOD_NAMES, help="merge method (default: average)")
+    p.add_argument("--method", "-m", default="average", choices=METHOD_NAMES, metavar="METHOD",
+                   help="merge method, one of %(choices)s (default: average)")
     p.add_argument("--weights", help="comma-separated weight per input (default: all 1)")
     p.add_argument("--base", help="the inputs' common starting point (task-vector methods, model-stock, outer); "
                                   "for LoRA adapters, the model to fold them into")

@@ -48,6 +48,17 @@ def test_every_option_of_the_run_commands_says_what_it_does():
     assert "(default 4)" in text and "(default diloco)" in text and "(default auto)" in text
 
 
+def test_every_help_fits_80_columns_without_breaking_a_word(monkeypatch):
+    """`orchestrate ... --help` in an 80-column terminal: no line wider (argparse wraps only what it
+    formats; descriptions and examples are ours), and no name cut at its hyphen (`task-` / `arithmetic`)."""
+    monkeypatch.setenv("COLUMNS", "80")  # what argparse reads the width from
+    for name, parser in _parsers(build_parser()):
+        lines = parser.format_help().splitlines()
+        assert [line for line in lines if len(line) > 80] == [], name
+        cut = [(a, b) for a, b in zip(lines, lines[1:]) if re.search(r"\w-$", a) and re.match(r"\s+\w", b)]
+        assert cut == [], name
+
+
 def test_a_reader_that_goes_away_gets_no_traceback(tmp_path, corpus_cache):
     cfg = config_from_dict({"model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
                             "data": {"cache_dir": corpus_cache}, "run_dir": str(tmp_path / "run")})
