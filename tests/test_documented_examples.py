@@ -12,6 +12,7 @@ on the suite's local S3 server. The `submit` examples run as written in test_doc
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -74,6 +75,11 @@ def test_the_examples_are_found_where_users_read_them():
     assert any(c.startswith("orchestrate merge ") for c in EXAMPLES)
     assert any(c.startswith("orchestrate data prepare ") for c in EXAMPLES)
     assert len(EXAMPLES) >= 15, EXAMPLES
+
+
+def parsed(command: str) -> argparse.Namespace:
+    """`command` (`orchestrate ...`) as the real parser reads it."""
+    return build_parser().parse_args(shlex.split(command)[1:])
 
 
 def local(command: str, folder: Path) -> str:
@@ -168,7 +174,7 @@ def test_documented_commands_with_inputs_made_here_run_as_written(command, tmp_p
     line = os.path.expandvars(local(command, tmp_path))
     done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, (line, done.stdout, done.stderr)
-    out = shlex.split(line)[shlex.split(line).index("--out") + 1]
+    out = parsed(line).out
     assert "s3://" in out or (tmp_path / out).exists(), (line, done.stdout)
     if "data prepare" in line:
         check = subprocess.run(["orchestrate", "data", "check", out], cwd=tmp_path, env=env, capture_output=True,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import subprocess
 import sys
 import threading
@@ -24,33 +23,24 @@ from pathlib import Path
 import pytest
 
 from slurm_support import requires_slurm
-from test_documented_examples import EXAMPLES, RUNNABLE, _corpus, local
+from test_documented_examples import EXAMPLES, RUNNABLE, _corpus, local, parsed
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMITS = [c for c in EXAMPLES if c.startswith("orchestrate submit ")]
 FIRST_ROUND = re.compile(r"round 0 \(1/(\d+)\): eval loss \d")
 
 
-def _sets(command: str) -> dict[str, str]:
-    words = shlex.split(command)
-    return dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
-
-
-def _bash(line: str, tmp: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", line], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-
-
 def _make_inputs(command: str, tmp: Path, env: dict[str, str]) -> None:
     """What the example names, made as the docs make it."""
-    sets = _sets(command)
+    sets = dict(item.split("=", 1) for item in parsed(command).sets)
     if sets.get("model", "").startswith("hf:"):  # first: the corpus' maker reads its tokenizer
         pytest.importorskip("test_hf")._tiny_hf(Path(local(sets["model"], tmp)[3:]), positions=2048)  # a Llama's
     if "data.source" in sets:
-        maker = [c for c in RUNNABLE if c.startswith("orchestrate data prepare ")
-                 and shlex.split(c)[shlex.split(c).index("--out") + 1] == sets["data.source"]]
+        maker = [c for c in RUNNABLE if c.startswith("orchestrate data prepare ") and parsed(c).out == sets["data.source"]]
         assert maker, f"no documented `data prepare` writes {sets['data.source']}, which {command!r} reads"
         _corpus(tmp)
-        done = _bash(local(maker[0], tmp), tmp, env)
+        done = subprocess.run(["bash", "-c", local(maker[0], tmp)], cwd=tmp, env=env, capture_output=True, text=True,
+                              timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
     if "task_path" in sets:  # the module of docs/tasks.md, where the example looks for it
         module, name = sets["task"].split(":")
