@@ -57,7 +57,7 @@ def test_short_chaos_run_on_slurm(tmp_path, corpus_cache):
 
 
 def test_a_poisoned_merge_is_caught_by_the_comparison_with_a_clean_run(tmp_path, corpus_cache):
-    proc, m, figures = _chaos(tmp_path, corpus_cache, "--executor", "local", "--workers", "2", "--rounds", "2",
+    proc, m, figures = _chaos(tmp_path, corpus_cache, "--executor", "local", "--workers", "2", "--rounds", "1",
                               "--kills", "0", "--cancel-fraction", "0", "--poison")
     assert proc.returncode == 1 and m, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert m.group(7) == "false" and int(m.group(2)) == int(m.group(1)) - 1  # the poison alone not survived
