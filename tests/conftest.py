@@ -30,6 +30,26 @@ except ImportError as _exc:
     S3_SKIP = f"the s3 backend needs moto[server] and s3fs: pip install -e .[test] ({_exc})"
 
 
+# The files whose tests submit to the local Slurm cluster. Under pytest-xdist (tests/run.sh: two
+# workers) they run one after another on one worker while the other runs the rest: side by side
+# they would queue for the same nodes, and test_queuewait compares squeue before and after.
+SLURM_FILES = frozenset({"test_chaos.py", "test_documented_runs.py", "test_local_cluster.py", "test_queuewait.py",
+                         "test_slurm_e2e.py"})
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook; absent without pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope with one scope for the Slurm files and one per test elsewhere. (Its own
+    `--dist loadgroup` does not group under pytest 9: it renames item._nodeid, which pytest 9 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if nodeid.split("::")[0].rsplit("/", 1)[-1] in SLURM_FILES else nodeid
+
+    return SlurmTogether(config, log)
+
+
 @dataclass(frozen=True)
 class S3Server:
     """moto's S3 server on 127.0.0.1 (a random free port) and one bucket on it."""
