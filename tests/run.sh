@@ -17,6 +17,4 @@ else
 fi
 # In CI the Slurm tests must run: a cluster that failed to come up fails the run instead of skipping.
 if [ "${CI:-}" = true ]; then export ISLANDS_REQUIRE_SLURM=1; fi
-# Two xdist workers: the Slurm tests (tests/conftest.py SLURM_FILES, one after another on one worker)
-# wait on jobs much of their time, which the other worker's tests then use.
-python -m pytest -n 2 "$@"
+python -m pytest "$@"
