@@ -312,15 +312,16 @@ def test_overlapped_rounds_train_ahead_and_adopt_each_global(tmp_path, corpus_ca
 def test_a_worker_ahead_by_its_bound_waits_for_the_global(tmp_path, corpus_cache, monkeypatch, steps, ahead):
     """A worker trains at most round.overlap_ahead of a round before its round's global exists (0.1
     of H = 200, or the default, a whole round of H = 20: 20 steps either way), then waits. Worker 1
-    is slow to publish (2 s), so worker 0 would otherwise train on past every global."""
-    monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_001.publish=2")
+    is slow to publish (3 s), so worker 0 would otherwise train on past every global. How long it
+    waited is a wall-clock figure that a loaded machine shrinks (its 20 steps take longer): not
+    asserted; that it stopped at the bound is."""
+    monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_001.publish=3")
     run = tmp_path / "run"
     assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", str(steps),
                       "--set", "round.overlap=rebase", "--set", f"round.overlap_ahead={ahead}")) == 0
     s = Storage(str(run))
-    adopted = [s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["overlap"]["adopted_at_step"]
-               for r in (1, 2) for w in (0, 1)]
-    assert max(adopted) == 20 and all(0 <= a <= 20 for a in adopted), adopted  # worker 0 reached the bound
-    waits = [s.read_json(f"rounds/{r:05d}/contrib/worker_000.json")["waited_s"] for r in (1, 2)]
-    assert all(w > 0.5 for w in waits), waits  # and waited for the global there
+    adopted = {(r, w): s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["overlap"]["adopted_at_step"]
+               for r in (1, 2) for w in (0, 1)}
+    assert all(0 <= a <= 20 for a in adopted.values()), adopted  # never past the bound
+    assert adopted[1, 0] == 20 or adopted[2, 0] == 20, adopted  # worker 0 reached it, so waited there
 

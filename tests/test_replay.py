@@ -212,13 +212,14 @@ def test_an_overlapped_run_whose_service_was_killed_is_replayed_bit_for_bit(tmp_
 
 @pytest.mark.slow
 def test_an_overlapped_run_goes_on_without_a_dropped_worker(tmp_path, corpus_cache, capsys):
-    """Worker 2 is a straggler every round (it sleeps 3 s before publishing); with a quorum of 2 and
-    a 1 s deadline each round is merged without it, and it trains on from its own weights (late
-    policy continue). The others train ahead and adopt every global; every contribution that is
-    merged names its round's global as its base, and the run is never replayable (a drop)."""
+    """Worker 2 is a straggler every round (it sleeps 8 s before publishing: a loaded machine can
+    start worker 1 seconds after it); with a quorum of 2 and a 1 s deadline each round is merged
+    without it, and it trains on from its own weights (late policy continue). The others train
+    ahead and adopt every global; every contribution that is merged names its round's global as
+    its base, and the run is never replayable (a drop)."""
     src = tmp_path / "run"
     _submit(src, corpus_cache, *TINY, *OVERLAPPED, "--set", "round.overlap=rebase", "--set", "round.min_workers=2",
-            "--set", "round.deadline_s=1.0", env={"ISLANDS_SLOWPOINT": "worker_002.publish=3"})
+            "--set", "round.deadline_s=1.0", env={"ISLANDS_SLOWPOINT": "worker_002.publish=8"})
     s = Storage(str(src))
     records = [s.read_json(f"rounds/{r:05d}/record.json") for r in range(3)]
     assert all(rec["merged"] == [0, 1] and rec["dropped"] == [2] for rec in records), records
