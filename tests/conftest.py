@@ -30,10 +30,9 @@ except ImportError as _exc:
     S3_SKIP = f"the s3 backend needs moto[server] and s3fs: pip install -e .[test] ({_exc})"
 
 
-# The files whose tests submit to the local Slurm cluster. Under pytest-xdist (`bash tests/run.sh -n 2`)
+# The files whose tests submit to the local Slurm cluster. Under pytest-xdist (tests/run.sh: -n 2)
 # they run one after another on one worker while the other runs the rest: side by side they would
-# queue for the same nodes, and test_queuewait compares squeue before and after. (CI runs the suite
-# one test after another: under -n 2 a straggler test's timing flaked once, see test_replay.)
+# queue for the same nodes, and test_queuewait compares squeue before and after.
 SLURM_FILES = frozenset({"test_chaos.py", "test_documented_runs.py", "test_local_cluster.py", "test_queuewait.py",
                          "test_slurm_e2e.py"})
 

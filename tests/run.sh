@@ -17,4 +17,6 @@ else
 fi
 # In CI the Slurm tests must run: a cluster that failed to come up fails the run instead of skipping.
 if [ "${CI:-}" = true ]; then export ISLANDS_REQUIRE_SLURM=1; fi
-python -m pytest "$@"
+# Two pytest-xdist workers: the files that submit to Slurm run on one of them, one after another
+# (tests/conftest.py); `-n 0` after it runs everything in this process.
+python -m pytest -n 2 "$@"
