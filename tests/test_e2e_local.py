@@ -237,7 +237,7 @@ def test_a_median_round_is_not_dragged_by_a_planted_outlier(tmp_path, corpus_cac
     from bench.chaos import plant
     from core.checkpoint import load_checkpoint, read_manifest
     run, steps = tmp_path / "run", 3
-    args = _tiny(run, corpus_cache, "--workers", "3", "--rounds", "2", "--inner-steps", str(steps),
+    args = _tiny(run, corpus_cache, "--workers", "3", "--rounds", "1", "--inner-steps", str(steps),
                  "--set", "round.aggregate=median", "--set", "round.worker_mode=per_round")
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
