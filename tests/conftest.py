@@ -50,6 +50,14 @@ def pytest_xdist_make_scheduler(config, log):
     return SlurmTogether(config, log)
 
 
+def pytest_collection_modifyitems(items):
+    """SLURM_FILES restates what the `slurm` marker says (xdist's controller sees node ids, not
+    markers): a marked test in another file would queue beside the Slurm scope, so refuse it here."""
+    stray = sorted({item.path.name for item in items if item.get_closest_marker("slurm")} - SLURM_FILES)
+    if stray:
+        raise pytest.UsageError(f"tests marked slurm in {', '.join(stray)}: add the file(s) to SLURM_FILES in tests/conftest.py")
+
+
 @dataclass(frozen=True)
 class S3Server:
     """moto's S3 server on 127.0.0.1 (a random free port) and one bucket on it."""

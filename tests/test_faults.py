@@ -55,11 +55,17 @@ def _flaky(monkeypatch, fs, method: str, failures: int | None):
     return calls
 
 
-def test_default_back_off_schedule(tmp_path, monkeypatch):
+@pytest.fixture
+def slept(monkeypatch) -> list[float]:
+    """The back-off sleeps the storage asks for, recorded instead of slept."""
+    pauses: list[float] = []
+    monkeypatch.setattr("core.storage.time.sleep", pauses.append)
+    return pauses
+
+
+def test_default_back_off_schedule(tmp_path, monkeypatch, slept):
     s = Storage(str(tmp_path / "run"))
     s.write_bytes("x.bin", b"data")
-    slept: list[float] = []
-    monkeypatch.setattr("core.storage.time.sleep", slept.append)
     _flaky(monkeypatch, s, "open_fd", None)  # local reads open a descriptor themselves (core.storage)
     with pytest.raises(StorageError) as info:
         s.read_bytes("x.bin")
@@ -68,11 +74,9 @@ def test_default_back_off_schedule(tmp_path, monkeypatch):
     assert str(info.value).endswith(": Input/output error; check that the storage is reachable and retry")
 
 
-def test_transient_write_errors_are_retried_and_leave_no_temporary(tmp_path, monkeypatch, caplog):
+def test_transient_write_errors_are_retried_and_leave_no_temporary(tmp_path, monkeypatch, caplog, slept):
     s = Storage(str(tmp_path / "run"), backoff_s=0.02)
     calls = _flaky(monkeypatch, os, "rename", 2)  # the publishing rename fails twice (NFS server hiccup)
-    slept: list[float] = []
-    monkeypatch.setattr("core.storage.time.sleep", slept.append)
     with caplog.at_level(logging.WARNING, logger="core.storage"):
         s.write_json("a/b.json", {"k": 1})
     assert s.read_json("a/b.json") == {"k": 1} and len(calls) == 3
@@ -81,11 +85,9 @@ def test_transient_write_errors_are_retried_and_leave_no_temporary(tmp_path, mon
     assert os.listdir(tmp_path / "run" / "a") == ["b.json"]
 
 
-def test_persistent_errors_fail_after_the_retries_with_what_where_how(tmp_path, monkeypatch):
+def test_persistent_errors_fail_after_the_retries_with_what_where_how(tmp_path, monkeypatch, slept):
     s = Storage(str(tmp_path / "run"), retries=3, backoff_s=0.02)
     calls = _flaky(monkeypatch, s.fs, "ls", None)
-    slept: list[float] = []
-    monkeypatch.setattr("core.storage.time.sleep", slept.append)
     with pytest.raises(StorageError, match=r"could not list rounds/00000/contrib in .*/run after 4 attempts "
                                            r"over \d+\.\ds: Input/output error; check that the storage is reachable"):
         s.list("rounds/00000/contrib")
@@ -104,12 +106,10 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def test_checkpoint_bigger_than_the_disk(small_disk, monkeypatch):
+def test_checkpoint_bigger_than_the_disk(small_disk, slept):
     s = Storage(str(small_disk / "run"))
     key = L.contribution(0, 1)
     big = {"w": torch.zeros(512 * 1024)}  # 2 MiB of float32 on a 1 MiB disk
-    slept: list[float] = []
-    monkeypatch.setattr("core.storage.time.sleep", slept.append)
     with pytest.raises(StorageError, match=r"could not write checkpoint rounds/00000/contrib/worker_001.safetensors "
                                            r"in .*: No space left on device; the disk is full: free space on it, "
                                            r"then try again \(a run: `orchestrate resume` it\)"):
