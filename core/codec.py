@@ -31,7 +31,7 @@ import torch
 
 from core import topk as sparse_code
 from core.checkpoint import DTYPES, Alloc, TensorFile, load_checkpoint, read_manifest
-from core.config import RoundConfig
+from core.config import Config, RoundConfig
 from core.errors import CheckpointError
 from core.storage import Storage
 
@@ -150,6 +150,49 @@ def encode_tensor(name: str, delta: torch.Tensor, enc: Encoding) -> dict[str, to
     if k == cols:
         out[name] = out[name].reshape(shape)
     return out
+
+
+def max_update(cfg: Config) -> float:
+    """The largest magnitude an entry of a worker's outer gradient can have in run `cfg`
+    (round.max_update, or derived): what a contribution's values and an error-feedback buffer are
+    checked against, so that a forged or damaged file of finite but huge values (a chunk scale of
+    1e30) is refused rather than merged. Derived: an AdamW step moves an entry by at most lr x
+    (|m_hat| / sqrt(v_hat) + weight decay); the ratio is bounded by Cauchy-Schwarz over the steps
+    (1 at the first step); x 10 for weight decay, a continuing worker's drift and margin."""
+    rc, i = cfg.round, cfg.inner
+    if rc.max_update > 0:
+        return rc.max_update
+    steps = cfg.inner.steps * (1 + math.ceil(rc.overlap_ahead) if rc.overlap != "off" else 1)
+    b1, b2, q = i.beta1, i.beta2, i.beta1 * i.beta1 / max(i.beta2, 1e-12)
+    ratio, series = 1.0, 0.0
+    for t in range(1, min(steps, 10_000) + 1):  # q < 1 (the usual betas) converges long before
+        series += q ** (t - 1)
+        ratio = max(ratio, (1 - b1) / math.sqrt(max(1 - b2, 1e-12)) * math.sqrt(series)
+                    * math.sqrt(1 - b2 ** t) / (1 - b1 ** t))
+    bound = 10 * i.lr * steps * ratio
+    if uses_feedback(rc):  # the buffer carries what earlier rounds left out, decayed
+        bound *= cfg.rounds if rc.error_feedback >= 1 else min(cfg.rounds, 1 / (1 - rc.error_feedback))
+    return bound
+
+
+DRIFT = 10
+"""How much farther than max_update a contribution in weights (or a delta against an older base)
+may lie from this round's global: a worker that continued from its own weights (round.late_policy
+continue) also carries the global's moves since it last adopted one."""
+
+
+def check_bound(label: str, name: str, values: torch.Tensor, bound: float, what: str = "moves an entry") -> float:
+    """The largest magnitude in `values` (an outer gradient, or an error-feedback buffer);
+    CheckpointError when it is past `bound` (max_update)."""
+    if not values.numel():
+        return 0.0
+    peak = float(torch.linalg.vector_norm(values.detach(), ord=math.inf, dtype=torch.float32))
+    if peak > bound:
+        raise CheckpointError(f"{label}: tensor {name} {what} by {peak:.3g}, more than a round of inner training can "
+                              f"({bound:.3g}, round.max_update): the file is forged or damaged, or the run's "
+                              "inner steps are far larger than its config says; it is refused (set round.max_update "
+                              "to raise the bound if this run's updates are really that large)")
+    return peak
 
 
 Feedback = dict[str, torch.Tensor]

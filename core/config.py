@@ -206,6 +206,12 @@ class RoundConfig:
     buffer + its delta and keeps what that left out as the buffer, which lives with its AdamW state
     (state file, in-flight checkpoint, memory of a persistent worker). 0 = no feedback: what is not
     sent is lost. 0.9 rather than SparseLoCo's 0.95: a little lower loss at 1/16 (docs/benchmarks.md)."""
+    max_update: float = 0.0
+    """The largest magnitude any entry of a worker's outer gradient (base - its weights, error
+    feedback included) may have; a contribution or error-feedback buffer past it is refused as
+    forged or damaged (docs/reliability.md). 0 = derived from what a round of AdamW can move an
+    entry: 10 x inner.lr x inner.steps x AdamW's bound on |m|/sqrt(v) for inner.beta1/beta2 (x
+    1 + round.overlap_ahead when overlapping, x the feedback's accumulation with error feedback)."""
     aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
     """How a round combines its contributions before the outer step: `mean`, weighted by each
     contribution's weight (DiLoCo, FedAvg); `median`, element-wise (Flower's FedMedian); or

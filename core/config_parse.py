@@ -312,6 +312,8 @@ def _check_round(cfg: Config) -> list[str]:
     need(0 < rc.topk <= 1, f"round.topk must be in (0, 1], got {rc.topk}")
     need(rc.bits in (2, 4, 8), f"round.bits must be 2, 4 or 8, got {rc.bits}")
     need(0 <= rc.error_feedback <= 1, f"round.error_feedback (the buffer's decay) must be in [0, 1], got {rc.error_feedback}")
+    need(rc.max_update >= 0 and math.isfinite(rc.max_update),
+         f"round.max_update must be a finite number >= 0 (0: derived from inner.lr and inner.steps), got {rc.max_update}")
     need(rc.codec != "topk" or rc.prune_keep == 1,
          "round.prune_keep prunes rows for the fp32, bf16 and int8 codecs; codec topk keeps round.topk of each chunk: "
          "drop prune_keep")

@@ -28,6 +28,10 @@ from merge.inputs import finite, overflowed
 STATE_SEP = "::"
 
 
+class StepOverflow(CheckpointError):
+    """The outer step's result is not finite although its inputs are: the round is refused whole."""
+
+
 def make_optimizer(params: list[torch.Tensor], cfg: OuterConfig) -> torch.optim.Optimizer:
     """The outer optimizer over `params`. The SGD family runs fused (one pass, no temporaries; the
     default implementation's numbers to the last bit, tests/test_merge.py; docs/benchmarks.md)."""
@@ -159,10 +163,10 @@ class OuterStep:
         of read buffers, which go back to their reader while the writer still holds the result)."""
         new, new_state, g = outer_step_from_grad(base, grad, state, self.cfg, in_place=owned)
         if not finite(new):  # every input was checked finite
-            raise CheckpointError(overflowed(name, "outer merge", f"check the weights and the outer learning rate "
+            raise StepOverflow(overflowed(name, "outer merge", f"check the weights and the outer learning rate "
                                                                   f"({self.cfg.optimizer}, lr {self.cfg.lr:g})"))
         g = g.reshape(-1)
-        self.grad_sq += float(torch.dot(g, g))  # a statistic: fp32 is plenty
+        self.grad_sq += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2  # fp64: never inf for finite g
         self._weights.put(name, new.to(self._dtypes[name]))
         if self._state is not None:
             self._put_state(name, new_state, part or (0, new.numel(), new.numel()))

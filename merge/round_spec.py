@@ -25,6 +25,9 @@ class Contribution:
     """Its checkpoint in the run's storage."""
     weight: float
     """Its weight in the mean: derived from what the service asked of the worker, never from its manifest."""
+    bound: float = math.inf
+    """The largest magnitude an entry of its outer gradient may have (core.codec.max_update; the
+    service's inputs); inf: not checked (a rebuild or late fold of what was checked already)."""
 
     def check_weight(self, label: str) -> None:
         if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight > 0):

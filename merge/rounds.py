@@ -41,7 +41,7 @@ from core.storage import Storage
 from merge.engine import DEPTH, Buffer, Prefetch, Read, merging
 from merge.inputs import compare_specs, finite, nonfinite, refusal
 from merge.lte import merge_lte_round
-from merge.outer import OuterStep, state_in_specs, state_key, state_out_specs, state_slots
+from merge.outer import OuterStep, StepOverflow, state_in_specs, state_key, state_out_specs, state_slots
 from merge.robust import Values
 from merge.robust import aggregate as robust_aggregate
 from merge.round_spec import Contribution, MergeResult, QuorumError, RoundSpec
@@ -61,6 +61,9 @@ class _Folded:
     digest: str
     """Of the file as summed: a contribution replaced since is summed again."""
     nbytes: int
+    bound: float
+    peak: float
+    """The largest magnitude of its outer gradient's entries: the input to blame when a step overflows."""
 
 
 class RunningSum:
@@ -90,6 +93,7 @@ class RunningSum:
         self.rejected: dict[int, tuple[str, str]] = {}
         """worker -> (digest@written_at of the refused file's manifest, why): a republished file is tried again."""
         self._dirty = False  # S holds a partial add, or was divided into the mean
+        self._bound, self._peak = math.inf, 0.0  # the contribution being folded: its bound and largest entry
         self._buffers = [Buffer() for _ in range(DEPTH)]  # reused by every fold: fresh pages cost more than reads
 
     # -- folding ------------------------------------------------------------------------
@@ -122,7 +126,7 @@ class RunningSum:
             return False
         self._dirty = False
         self.rejected.pop(c.worker, None)
-        self.folded.append(_Folded(c.worker, c.key, c.weight, digest, nbytes))
+        self.folded.append(_Folded(c.worker, c.key, c.weight, digest, nbytes, c.bound, self._peak))
         log.info("merge: folded worker %d in %.2fs", c.worker, time.perf_counter() - t0)
         return True
 
@@ -138,23 +142,29 @@ class RunningSum:
                 t.zero_()
         self.folded, self._dirty = [], False
         for f in todo:
-            self.add(Contribution(f.worker, f.key, f.weight))
+            self.add(Contribution(f.worker, f.key, f.weight, f.bound))
 
     def _fold(self, c: Contribution, label: str, manifest: dict[str, Any]) -> tuple[str, int]:
         c.check_weight(label)
+        self._peak = 0.0
         with TensorFile(self.storage, c.key, manifest, label) as f:  # the manifest add() read
             enc = codec.encoding_of(f.metadata, label)
             if enc is not None and enc.base_digest != self.base_digest or \
                     self.space is not None and (enc is None) != (self.space == "weights"):
                 return self._fold_whole(c, label, f)  # a delta against another base, or the other space
             self.space = self.space or ("weights" if enc is None else "delta")
+            self._bound = c.bound if self.space == "delta" else c.bound * codec.DRIFT
             want = {n: (s.dtype, s.shape) for n, s in self.ref.items()}
             want = codec.stored_specs(want, enc) if enc else want
             problems = compare_specs({n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in want.items()}, f.specs,
                                      "the global weights" if enc is None else f"a {enc.codec} delta of the global weights")
             if problems:
                 raise CheckpointError(f"{label}: {problems[0]}")
-            self._stream(c, label, f, enc)
+            try:
+                self._stream(c, label, f, enc)
+            except CheckpointError:
+                f.verify()  # a damaged file is named as such, before what its bytes decode to
+                raise
             f.verify()
             return f.manifest["digest"], f.size  # type: ignore[index]
 
@@ -208,6 +218,7 @@ class RunningSum:
             return
         if not finite(x):
             raise CheckpointError(nonfinite(label, name))
+        self._check_bound(label, name, x, start, stop)
         self._dirty = True
         s.view(-1)[start:stop].add_(x.reshape(-1).to(torch.float32).mul(float(c.weight)))
 
@@ -215,8 +226,27 @@ class RunningSum:
         """S[name] at `positions` (distinct: core.topk.sparse checks them) += w values."""
         if not finite(values):
             raise CheckpointError(nonfinite(label, name))
+        self._check_bound(label, name, values)
         self._dirty = True
         self._sum[name].view(-1).index_add_(0, positions, values.mul(float(c.weight)))
+
+    def _check_bound(self, label: str, name: str, x: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        """Refuse an outer gradient entry past the contribution's bound (core.codec.max_update): a
+        finite forged value (1e30) would otherwise reach the global. Weights are compared with the
+        global's, read once and held (the step then uses that copy)."""
+        if not math.isfinite(self._bound):
+            return
+        x = x.reshape(-1)
+        if self.space == "weights":
+            x = x.to(torch.float32) - self._base(name).reshape(-1)[start:stop].to(torch.float32)
+        self._peak = max(self._peak, codec.check_bound(label, name, x, self._bound))
+
+    def _base(self, name: str) -> torch.Tensor:
+        """A tensor of the global weights, from the copy held in memory (read now if it is not)."""
+        if self.base_key not in self._held:
+            tensors, _, m = load_checkpoint(self.storage, self.base_key)
+            self._held[self.base_key] = (m["digest"], tensors)
+        return self._held[self.base_key][1][name]
 
     def _fold_whole(self, c: Contribution, label: str, f: TensorFile) -> tuple[str, int]:
         """An input in the other space: decode it whole (codec.load_weights), convert per tensor."""
@@ -226,6 +256,7 @@ class RunningSum:
         if problems:
             raise CheckpointError(f"{label}: {problems[0]}")
         self.space = self.space or "weights"
+        self._bound = c.bound * codec.DRIFT  # a delta against an older base carries the global's moves since
         base = load_checkpoint(self.storage, self.base_key)[0] if self.space == "delta" else {}
         for name, t in weights.items():
             x = base[name].to(torch.float32) - t.to(torch.float32) if base and t.is_floating_point() else t
@@ -256,8 +287,14 @@ class RunningSum:
         if len(order) < spec.min_inputs:
             raise QuorumError(f"only {len(order)} valid contribution(s) for {spec.out}, the quorum is "
                               f"{spec.min_inputs}; rejected: {rejected or 'none'}", rejected)
-        with merging():
-            out_manifest, grad_sq = self._step(spec, order)
+        try:
+            with merging():
+                out_manifest, grad_sq = self._step(spec, order)
+        except StepOverflow as exc:  # the round is refused whole, the input farthest out named; the run goes on
+            worst = max(self.folded, key=lambda f: f.peak)
+            why = f"worker {worst.worker}: its outer gradient (largest entry {worst.peak:.3g}) made the merged " \
+                  f"global weights not finite: {exc}"
+            raise QuorumError(f"round refused: {why}", {worst.worker: why}) from None
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=sum(f.nbytes for f in self.folded),
                            seconds=time.perf_counter() - t0, outer_grad_norm=grad_sq ** 0.5, manifest=out_manifest,
                            order=order)

@@ -32,7 +32,7 @@ from orchestrator.lease import Lease
 from orchestrator.observe.metrics import write_round_metrics
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
-from core.records import Failure, RoundJobs, RoundRecord, RunInfo
+from core.records import Failure, RoundJobs, RoundRecord, RunInfo, number
 from orchestrator.round_merge import RoundMerger
 from orchestrator.runstate import arrived_workers
 from orchestrator.run_models import Evaluator, export_final
@@ -132,7 +132,11 @@ class Service:
     def evaluate(self, record: RoundRecord) -> None:
         """Add the new global model's eval metrics to a committed round record (off the critical path)."""
         metrics = self.evaluator.metrics(self.storage, L.global_weights(record.round + 1))
-        record.eval_loss, record.eval_metrics = metrics.pop("loss"), metrics
+        bad = sorted(k for k, v in metrics.items() if number(v) is None)
+        if bad:  # a record never carries a non-finite figure: its loader would refuse the whole record
+            log.warning("round %d: eval %s not a finite number; recorded as missing", record.round, ", ".join(bad))
+        metrics = {k: v for k, v in metrics.items() if k not in bad}
+        record.eval_loss, record.eval_metrics = metrics.pop("loss", None), metrics
         record.save(self.storage)
         write_round_metrics(self.storage, self.cfg, record.to_json())  # metrics/round_r.jsonl (docs/observability.md)
         self.on_round(record)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from core import replay
+from core import codec, replay
 from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import CheckpointError
@@ -26,7 +27,7 @@ from merge.rounds import RunningSum, merge_round
 from orchestrator import late
 from orchestrator.executor import JobStatus
 from orchestrator.plan import Decision, contribution_weight
-from core.records import RoundJobs, RoundRecord
+from core.records import RoundJobs, RoundRecord, number
 from orchestrator.runstate import arrived_workers
 from orchestrator.submission import UNKNOWN, Submitter
 
@@ -112,7 +113,7 @@ class RoundMerger:
             rejected_reasons={str(w): why for w, why in rejected.items()}, dropped_reasons=why,
             late=sorted(set(dropped) & set(arrived_workers(self.storage, r))), reason=decision.reason,
             merge_seconds=round(result.seconds, 3), bytes_read=result.bytes_read,
-            outer_grad_norm=result.outer_grad_norm, weights={str(c.worker): c.weight for c in contribs},
+            outer_grad_norm=number(result.outer_grad_norm), weights={str(c.worker): c.weight for c in contribs},
             submitted_at=jobs.submitted_at or t0, merge_started_at=t0, committed_at=committed,
             round_s=round(committed - self._since, 3),
             global_digest=result.manifest["digest"], merge_order=result.order,
@@ -229,7 +230,7 @@ class RoundMerger:
                 raise CheckpointError(f"{label}: {weight}")
         except CheckpointError as exc:
             return None, refusal(label, exc), m
-        return Contribution(w, key, weight), "", m
+        return Contribution(w, key, weight, codec.max_update(self.cfg) if self.linear else math.inf), "", m
 
 
 def _count(manifest: dict[str, Any], key: str) -> int | None:

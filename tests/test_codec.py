@@ -16,7 +16,7 @@ from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.rounds import Contribution, merge_round
-from merge.round_spec import RoundSpec
+from merge.round_spec import QuorumError, RoundSpec
 from merge import rounds
 from merge.rounds import RunningSum
 
@@ -288,8 +288,9 @@ def test_an_overflowing_in_place_step_is_refused_and_publishes_nothing(mem):
         _publish(mem, c.key, g1, {n: t + 2.0 for n, t in g1.items()}, "unused")
     acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
     huge = OuterConfig(optimizer="nesterov", lr=1e38, momentum=0.9)  # lr x grad x (1 + m) > float32's max
-    with pytest.raises(CheckpointError, match="has NaN or Inf values although every input is finite: the outer "
-                                              "merge overflowed"):
+    # the round is refused whole, naming the input farthest out (all tie here: the first folded)
+    with pytest.raises(QuorumError, match="worker 0: its outer gradient .* made the merged global weights not finite: "
+                                          ".*has NaN or Inf values although every input is finite: the outer merge overflowed"):
         merge_round(mem,
                     RoundSpec(base="g1.safetensors", out="g2.safetensors", outer=huge,
                               state_in="state_g1.safetensors", state_out="state_g2.safetensors"), cs, acc)

@@ -77,7 +77,7 @@ def test_resident_round_reads_no_state_file(tmp_path, corpus_cache, monkeypatch)
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     trainer.settle()
     _merge(s, 0)
-    monkeypatch.setattr(train, "latest_state_key", lambda *a: pytest.fail("a resident round read a state file"))
+    monkeypatch.setattr(train, "usable_state", lambda *a: pytest.fail("a resident round read a state file"))
     _, again = train.serve_round(_task(s, 1), 0.0, trainer, persistent=True)
     assert again is trainer
     again.settle()
@@ -103,7 +103,7 @@ def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_pat
     """Round 0, then round 2 (round 1 went to another job): a fresh trainer, which reads state 0
     from storage, so the background write of state 0 must be finished first."""
     s = _run(tmp_path, corpus_cache, "run")
-    write, latest = publish.write_checkpoint, train.latest_state_key
+    write, latest = publish.write_checkpoint, train.usable_state
     wrote = threading.Event()
 
     def slow_state(storage, key, *a, **kw):  # the background state write takes a while
@@ -114,7 +114,11 @@ def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_pat
 
     found = []
     monkeypatch.setattr(publish, "write_checkpoint", slow_state)
-    monkeypatch.setattr(train, "latest_state_key", lambda *a: found.append(latest(*a)) or found[-1])
+    def spy(*a):
+        got = latest(*a)
+        found.append(got[0] if got else None)
+        return got
+    monkeypatch.setattr(train, "usable_state", spy)
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     assert not wrote.is_set()  # the contribution is out while the state is still being written
     _merge(s, 0)

@@ -41,6 +41,7 @@ from core.storage import Storage
 from core.task import WorkerTask
 from worker.params import SEP, take_feedback
 from worker.sharded import params_for
+from worker.state import checked, set_aside, usable_state
 from worker.publish import Publisher
 from worker.ranks import data_parallel, join, preemption
 from worker.tasks import map_tensors, task_for
@@ -73,14 +74,23 @@ def lr_at(step: int, cfg: Config) -> float:
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (inner.lr - floor)
 
 
-def latest_state_key(storage: Storage, worker: int, before_round: int) -> str | None:
-    """This worker's optimizer state from its most recent round before `before_round` with a manifest."""
-    rounds = [r for n in storage.list(L.worker_dir(worker)) if (r := L.parse_round(n, "state")) is not None]
-    for r in sorted((r for r in rounds if r < before_round), reverse=True):
-        key = L.worker_state(worker, r)
-        if read_manifest(storage, key) is not None:
-            return key
-    return None
+def _inflight(storage: Storage, key: str, label: str, base_digest: str, cfg: Config, bound: float
+              ) -> dict[str, torch.Tensor] | None:
+    """The in-flight checkpoint's tensors when this round resumes from it (trained from this base,
+    its figures a worker's, its tensors checked: worker.state), else None; a damaged one is set aside."""
+    try:
+        m = read_manifest(storage, key, label)
+    except CheckpointError as exc:
+        m = {"damaged": str(exc)}
+    if m is None or m.get("base_digest") != base_digest and "damaged" not in m:
+        return None
+    steps = m.get("steps_done")
+    if "damaged" in m or not (type(steps) is int and 0 <= steps <= cfg.inner.steps):
+        why = m.get("damaged") or f"{label}: its manifest's steps_done {steps!r} is not a step of this round"
+        set_aside(storage, key, why)
+        log.warning("%s; set aside: the round starts again from its base", why)
+        return None
+    return checked(storage, key, label, bound)
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -221,14 +231,16 @@ class InnerTrainer(Publisher):
         if base_manifest is None:
             raise CheckpointError(f"worker {t.worker} round {t.round}: base checkpoint {self.storage.display(t.base_key)} "
                                   "is not published; the orchestrator submitted the round too early or it was deleted")
-        inflight = L.worker_inflight(t.worker, t.round)
-        m = read_manifest(self.storage, inflight)
+        inflight, bound = L.worker_inflight(t.worker, t.round), codec.max_update(self.cfg)
+        label = f"worker {t.worker} in-flight checkpoint {self.storage.display(inflight)}"
         # rank 0's reading for every rank: ranks that started from different weights would not notice
-        resuming = self.ranks.lead_says(m is not None and m.get("base_digest") == base_manifest["digest"])
+        held = _inflight(self.storage, inflight, label, base_manifest["digest"], self.cfg, bound) if self.ranks.lead else None
+        resuming = self.ranks.lead_says(held is not None)
         base = params.load_base(self.storage, t.base_key, self.model, resuming, alloc=self._host_base)
         self._base = base if self.cfg.round.contribution == "delta" else None
         if resuming:
-            tensors = params.read(self.storage, inflight, f"worker {t.worker} in-flight checkpoint")
+            m = read_manifest(self.storage, inflight) or {}
+            tensors = held if held is not None else params.read(self.storage, inflight, label)
             self._take_feedback(tensors)
             params.load_trained(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
             params.load_optimizer(self.model, self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k},
@@ -240,13 +252,13 @@ class InnerTrainer(Publisher):
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
-        # rank 0 looks, the others take its answer (and would only repeat its listing)
-        state_key = None if own_state else self.ranks.lead_says(
-            latest_state_key(self.storage, t.worker, t.round) if self.ranks.lead else None)
+        # rank 0 looks (and checks, setting a damaged snapshot aside), the others take its answer
+        found = usable_state(self.storage, t.worker, t.round, bound) if self.ranks.lead and not own_state else None
+        state_key = None if own_state else self.ranks.lead_says(found[0] if found else None)
         if not own_state:
             self.feedback = {} if self.uses_feedback else None
         if state_key is not None:
-            state = params.read(self.storage, state_key, f"worker {t.worker} optimizer state")
+            state = found[1] if found else params.read(self.storage, state_key, f"worker {t.worker} optimizer state")
             self._take_feedback(state)
             label = self.storage.display(state_key)
             params.load_optimizer(self.model, self.opt, self.names, params.restore_state(self.model, state, label, t.round),
