@@ -18,7 +18,7 @@ from typing import Any
 from core import codec, replay
 from core.checkpoint import read_manifest
 from core.config import Config
-from core.errors import CheckpointError
+from core.errors import CheckpointError, StorageError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
 from merge.inputs import refusal
@@ -144,16 +144,38 @@ class RoundMerger:
         for w, why in rejected.items():
             e = jobs.workers[w]
             dest, src = L.rejected_contribution(r, w, e.attempts), L.contribution(r, w)
-            if not self._move_refused(src, dest, self._seen.pop((r, w), None)):
+            seen = self._seen.pop((r, w), None)
+            try:
+                moved = self._move_refused(src, dest, seen)
+                if moved:
+                    self.storage.write_json(L.rejected_reason(r, w, e.attempts),
+                                            {"worker": w, "reason": why, "job_id": e.latest, "at": time.time()})
+            except (StorageError, CheckpointError, OSError) as exc:  # a link or a file at rejected/: refused too, never fatal
+                e.failures.append({"job_id": e.latest, "rejected": why, "not_set_aside": self._drop_refused(src, seen, exc)})
+                continue
+            if not moved:
                 log.warning("round %d worker %d: a new contribution landed after the refused one was read; it is left "
                             "in place, not set aside under the old one's reason", r, w)
                 e.failures.append({"job_id": e.latest, "rejected": why, "left_in_place": "a new file landed at its "
                                    "key after the merge read the refused one: not set aside"})
                 continue
-            self.storage.write_json(L.rejected_reason(r, w, e.attempts),
-                                    {"worker": w, "reason": why, "job_id": e.latest, "at": time.time()})
             e.failures.append({"job_id": e.latest, "rejected": why})
         jobs.save(self.storage)
+
+    def _drop_refused(self, src: str, seen: tuple | None, exc: Exception) -> str:
+        """A refused contribution that cannot be set aside (what is at its `rejected/` folder is
+        refused: a link, a file) is removed instead, if it is still the file the merge read, so that
+        its worker runs again; what happened, for its jobs.json entry."""
+        what = f"it could not be set aside ({exc})"
+        try:
+            if seen is None or self._identity(src) == seen:
+                self.storage.remove(manifest_key(src))
+                self.storage.remove(src)
+                what += ", so it was removed"
+        except (StorageError, CheckpointError, OSError) as again:
+            what += f", nor removed ({again})"
+        log.warning("%s: %s", self.storage.display(src), what)
+        return what
 
     def _identity(self, key: str) -> tuple:
         return self.storage.identity(manifest_key(key)), self.storage.identity(key)

@@ -5,6 +5,7 @@ the command line.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 import time
@@ -16,6 +17,7 @@ from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.console import console, setup_logging
 
+log = logging.getLogger(__name__)
 L = RunLayout()
 TMP_SWEEP_AGE_S = 3600.0
 """Temporaries older than this are a killed writer's leftovers (a live writer's mtime keeps moving):
@@ -135,11 +137,19 @@ def drive(storage: Storage, opts: ServiceOptions) -> int:
             console.print(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues "
                           f"the run, `orchestrate cancel {where}` stops them", markup=False)
         return 130
+    except leases.LeaseLost:
+        raise  # the service that took the run adopted the jobs: they are its to keep
+    except BaseException:
+        if executor.kind == "local":  # a service that stops takes its local jobs with it: none trains unmerged
+            executor.cancel(executor.own_jobs())
+            log.warning("the merge service stopped: this run's local jobs are stopped")
+        raise
     finally:
         lease.release()
     status = run_status(storage)
+    final = status["rounds"][-1]["eval_loss"] if status["rounds"] else None
     console.print(f"done in {duration(time.monotonic() - t0)}: {status['rounds_done']} rounds, final eval loss "
-                  f"{status['rounds'][-1]['eval_loss']:.4f}; final model: {status['final_model']}", markup=False)
+                  f"{'not evaluated' if final is None else format(final, '.4f')}; final model: {status['final_model']}", markup=False)
     console.print(f"inspect it with: orchestrate status {storage.display()}", markup=False)
     return 0
 

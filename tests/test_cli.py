@@ -274,6 +274,25 @@ def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, c
 
 
 @pytest.mark.slow
+def test_a_service_that_stops_on_an_error_stops_its_local_jobs(tmp_path, corpus_cache, monkeypatch):
+    """Whatever stops the merge service (here an error raised once worker 0 trains), local workers do
+    not go on training for a run nothing merges."""
+    from orchestrator import loop
+    run = tmp_path / "run"
+
+    def failing(self, r):
+        self.submitter.ensure(r)
+        _wait(lambda: (read_heartbeat(self.storage, 0) or {}).get("step", 0) > 0, 120, run / "orchestrator.log")
+        raise RuntimeError("the service stops here")
+    monkeypatch.setattr(loop.Service, "run_round", failing)
+    with pytest.raises(RuntimeError, match="the service stops here"):
+        main(["submit", "--workers", "2", "--rounds", "3", "--inner-steps", "300", "--run-dir", str(run),
+              "--set", f"data.cache_dir={corpus_cache}", *TINY])
+    _wait(lambda: not _processes_of(run), 30, run / "orchestrator.log")
+    assert "the merge service stopped: this run's local jobs are stopped" in (run / "orchestrator.log").read_text()
+
+
+@pytest.mark.slow
 def test_resume_after_ctrl_c_does_not_warn_about_the_jobs_ctrl_c_stopped(tmp_path, corpus_cache):
     """The jobs the interrupted service cancelled end CANCELLED (islands' own mark); `resume` resubmits
     them as expected business, said in the run's log, not as warnings about lost work."""

@@ -28,7 +28,7 @@ from core.errors import RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.cli import main
-from test_contributions import WORK, Scripted
+from test_contributions import WORK, Scripted, publish
 from test_late import run_service
 
 L = RunLayout()
@@ -284,3 +284,51 @@ def test_a_valid_contribution_landing_during_the_merge_is_not_set_aside_as_the_r
     assert not s.exists(L.rejected_reason(0, 1, 1)) and not s.exists(L.rejected_contribution(0, 1, 1))
     failure = s.read_json(L.round_jobs(0))["workers"]["1"]["failures"][-1]
     assert "claims 1e+30 tokens" in failure["rejected"] and "not set aside" in failure["left_in_place"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["link", "file"])
+def test_a_planted_rejected_folder_is_one_refusal_and_the_run_goes_on(tmp_path, what):
+    """rounds/r/rejected/ planted as a link (outside the run) or a file: the refused contribution cannot
+    be set aside there, so it is removed (its reason stays in jobs.json and the record); nothing is
+    written through the link, the planted thing is left where it is, and the round commits."""
+    raw, why = HEADERS["dtype-list"]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+
+    def planting(s: Storage, t) -> None:
+        at = Path(s.path(L.round_dir(t.round))) / "rejected"
+        os.symlink(outside, at) if what == "link" else at.write_text("not a folder")
+        _plant_bytes(raw)(s, t)
+    s = _run(tmp_path, {1: planting})
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0] and rec["rejected"] == [1] and why in rec["rejected_reasons"]["1"], rec
+    assert list(outside.iterdir()) == []
+    at = Path(s.path(L.round_dir(0))) / "rejected"
+    assert at.is_symlink() if what == "link" else at.read_text() == "not a folder"
+    assert s.list(L.contributions_dir(0)) == ["worker_000.json", "worker_000.safetensors"]
+    failure = s.read_json(L.round_jobs(0))["workers"]["1"]["failures"][-1]
+    assert "could not be set aside" in failure["not_set_aside"] and "so it was removed" in failure["not_set_aside"]
+
+
+@pytest.mark.slow
+def test_a_refused_contribution_that_cannot_be_set_aside_still_lets_its_worker_run_again(tmp_path):
+    """Quorum 2: the refusal takes the round below its quorum, so the worker reruns; with rejected/ a
+    link the refused file is removed, and the rerun's contribution is merged."""
+    raw, _ = HEADERS["dtype-list"]
+    tries = []
+
+    def first_bad(s: Storage, t) -> None:
+        tries.append(t.round)
+        if len(tries) == 1:
+            os.symlink(tmp_path, Path(s.path(L.round_dir(t.round))) / "rejected")
+            _plant_bytes(raw)(s, t)
+        else:
+            publish(s, t.round, t.worker, t.base_key, -0.5)
+    s = Storage(str(tmp_path / "run"))
+    cfg = load_config(None, {"workers": 2, "rounds": 1, "executor.kind": "local", "run_dir": s.url}, [
+        "round.min_workers=2", "round.poll_s=0.05", "round.max_retries=1", "outer.optimizer=sgd", "outer.lr=1.0"])
+    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
+    run_service(s, cfg, Scripted({1: first_bad}))
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0, 1] and len(tries) == 2, rec
