@@ -237,14 +237,24 @@ def size_problems(shards: list[Shard] | tuple[Shard, ...], width: int, sizes: di
     return bad
 
 
-def verify_shard(shard: Shard, read: Any, width: int) -> list[str]:
-    """What is wrong with `shard`'s files (`read(key) -> bytes`): sizes, checksums, document ends."""
+def verify_shard(shard: Shard, read: Any, width: int, vocab_size: int = 1 << 32) -> list[str]:
+    """What is wrong with `shard`'s files (`read(key) -> bytes`, which refuses links and FIFOs):
+    whether each can be read, sizes, checksums, document ends, token ids inside the vocabulary."""
     import numpy as np
     problems, sizes = [], expected_sizes(shard, width)
     for key, digest in zip((shard.key, shard.docs_key, shard.mask_key), shard.sums):
         if key is None:
             continue
-        data = read(key)
+        try:
+            data = read(key)
+        except (IslandsError, OSError) as exc:  # a link, a FIFO, a folder, missing: named, never followed
+            problems.append(f"{key} cannot be read: {exc}")
+            continue
+        if key == shard.key and len(data) == sizes[key] and data:
+            ids = np.frombuffer(data, dtype=f"<u{width}")
+            if int(ids.max()) >= vocab_size:
+                at = int(np.flatnonzero(ids >= vocab_size)[0])
+                problems.append(f"{key} holds token id {int(ids[at])} at token {at}, past the vocabulary of {vocab_size}")
         if len(data) != sizes[key]:
             problems.append(f"{key} has {len(data)} bytes, the index says {sizes[key]}")
         elif checksum(data) != digest:

@@ -82,10 +82,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     from core import dataset as fmt
     from worker.data import Dataset
     ds = Dataset(args.dataset, check_sizes=False)
-    problems = [p for shard in ds.index.shards for p in fmt.verify_shard(shard, ds.storage.read_bytes, ds.index.width)]
+    problems = [p for shard in ds.index.shards
+                for p in fmt.verify_shard(shard, ds.storage.read_bytes, ds.index.width, ds.vocab_size)]
     if problems:
         raise fmt.DatasetError(f"{ds.url}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems[:20])
                                + "\nPrepare it again (the same command resumes only what is missing).")
     console.print(f"{ds.url}: {len(ds.index.shards)} shards, {ds.index.documents} documents: every size and checksum "
-                  "matches the index", markup=False)
+                  "matches the index, every token id is inside the vocabulary", markup=False)
     return 0

@@ -32,7 +32,7 @@ import torch
 
 from core import dataset as fmt
 from core.dataset import DatasetError, Index, Shard
-from core.errors import StorageError
+from core.errors import CheckpointError, StorageError
 from core.layout import local_cache_root
 from core.storage import Storage
 from worker.prepare import PrepareSpec, load_tokenizer, prepare, unit_hash
@@ -56,13 +56,19 @@ class Dataset:
     """A prepared dataset, opened: its checked index and windows read from its shards."""
 
     def __init__(self, url: str, check_sizes: bool = True) -> None:
-        self.storage = Storage(url, follow_links=True)  # a dataset the user names, wherever it links
-        obj = self.storage.read_json(fmt.INDEX)
+        # the folder the user names, wherever it links; nothing inside it through a link, regular files only
+        self.storage = Storage(_resolved(url))
+        try:
+            obj = self.storage.read_json(fmt.INDEX)
+        except (CheckpointError, StorageError) as exc:  # a link, a FIFO, not JSON: never opened past that
+            raise DatasetError(f"{self.storage.display(fmt.INDEX)} cannot be read as a dataset index: {exc}. Restore it, "
+                               f"or prepare the dataset again (orchestrate data prepare SOURCE... --out {url})") from None
         if obj is None:
             raise DatasetError(f"{self.storage.display()} is not a prepared dataset (no {fmt.INDEX}); prepare it with "
                                f"`orchestrate data prepare SOURCE... --out {url}`")
         self.index: Index = fmt.parse_index(obj, self.storage.display())
         self.dtype = np.dtype(self.index.dtype).newbyteorder("<")
+        self.vocab_size = self.index.tokenizer.vocab_size
         self._fds: dict[str, int] = {}
         if check_sizes:
             self._check_sizes()
@@ -81,7 +87,11 @@ class Dataset:
         if key not in self._fds:
             if len(self._fds) >= _OPEN_FILES:
                 os.close(self._fds.pop(next(iter(self._fds))))
-            self._fds[key] = os.open(self.storage.path(key), os.O_RDONLY)
+            try:  # a regular file inside the dataset, never a link or a FIFO (which would block): core.storage
+                self._fds[key] = self.storage.open_fd(key)
+            except (CheckpointError, OSError) as exc:
+                raise DatasetError(f"{self.url}: shard file {key} cannot be read ({exc}); prepare the dataset again, "
+                                   "or restore the file") from None
         return self._fds[key]
 
     def _read(self, picks: Sequence[tuple[str, int, int]], dtype: np.dtype) -> list[np.ndarray]:
@@ -108,11 +118,23 @@ class Dataset:
         if any(len(t) != block_size + 1 for t in tokens):
             raise DatasetError(f"{self.url}: a shard is shorter than its index says; prepare it again")
         chunk = torch.from_numpy(np.stack(tokens).astype(np.int64))
+        if chunk.numel() and int(chunk.max()) >= self.vocab_size:  # one max a batch: an id past the vocabulary
+            self._bad_ids(picks, tokens)
         x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
         if self.index.masked:
             masks = self._read([(s.mask_key, a + 1, a + block_size + 1) for s, a in picks], np.dtype(np.uint8))
             y[torch.from_numpy(np.stack(masks) == 0)] = -1
         return x, y
+
+    def _bad_ids(self, picks: Sequence[tuple[Shard, int]], tokens: list[np.ndarray]) -> None:
+        """DatasetError naming the first window's shard and offset holding a token id past the vocabulary."""
+        for (shard, start), t in zip(picks, tokens):
+            over = np.flatnonzero(t >= self.vocab_size)
+            if over.size:
+                raise DatasetError(f"{self.url}: shard {shard.key} holds token id {int(t[over[0]])} at token "
+                                   f"{start + int(over[0])}, past the vocabulary of {self.vocab_size} (its index's "
+                                   "tokenizer): the shard is damaged or was not written for this index; `orchestrate "
+                                   "data check` lists every damaged shard; prepare the dataset again")
 
     def counted_targets(self, shard: Shard, start: int, block_size: int) -> bool:
         """Whether a window has a target whose loss counts (always, but for fine-tuning data)."""
@@ -139,7 +161,17 @@ def dataset_for(cfg: Config, cache_dir: str | os.PathLike | None = None) -> Data
 
 
 def _has_index(source: str) -> bool:
-    return (Path(source.removeprefix("file://")).expanduser() / fmt.INDEX).is_file()
+    """Is `source` a prepared dataset (it has, or had, an index: index.json, shards/ or parts/, of
+    whatever kind)? Such a folder is never prepared again as text: a lost or damaged index is an error."""
+    folder = Path(source.removeprefix("file://")).expanduser()
+    return folder.is_dir() and any(os.path.lexists(folder / name) for name in (fmt.INDEX, "shards", "parts"))
+
+
+def _resolved(url: str) -> str:
+    """A local dataset's real folder (the user may name it through links); any other URL as it is."""
+    if "://" in url and not url.startswith("file://"):
+        return url
+    return os.path.realpath(Path(url.removeprefix("file://")).expanduser())
 
 
 def _check_tokenizer(ds: Dataset, tokenizer: str, cfg: Config) -> None:

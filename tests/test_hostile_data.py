@@ -1,0 +1,142 @@
+"""A prepared dataset is as untrusted as a checkpoint: shards are read as regular files inside the
+dataset (no link followed, no FIFO opened), token ids are checked against the vocabulary as they are
+read and by `data check`, and a folder that is (or was) a prepared dataset is never prepared again as
+text. Real prepared datasets on local disk, the real reader (worker.data) and the real CLI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core import dataset as fmt
+from core.config import config_from_dict
+from core.dataset import DatasetError
+from orchestrator.cli import main
+from test_data import write_tree
+from worker.data import Dataset, dataset_for
+
+
+@pytest.fixture
+def prepared(tmp_path) -> Path:
+    """A small prepared dataset (bytes), its own folder."""
+    src = write_tree(tmp_path / "src", {f"d{i}.txt": b"some words %d " % i * 40 for i in range(6)})
+    out = tmp_path / "ds"
+    assert main(["data", "prepare", str(src), "--out", str(out), "--heldout", "0.3"]) == 0
+    return out
+
+
+def _train_shard(ds: Path) -> dict:
+    index = json.loads((ds / "index.json").read_text())
+    return next(s for s in index["shards"] if s["split"] == "train")
+
+
+def _all_windows(path: Path) -> None:
+    d = Dataset(str(path), check_sizes=False)  # the reads themselves: a size check first may refuse sooner
+    for s in d.index.shards:
+        d.windows([(s, 0)], block_size=min(8, s.tokens - 1))
+
+
+def _forge_ids(ds: Path, bad_id: int) -> tuple[str, int]:
+    """The train shard rewritten as uint16 with `bad_id` at token 5, the index made to agree
+    (dtype, sizes, checksums): a dataset consistent in every way but its ids; (shard key, offset)."""
+    index = json.loads((ds / "index.json").read_text())
+    for s in index["shards"]:
+        ids = np.frombuffer((ds / s["key"]).read_bytes(), dtype="<u1").astype("<u2")
+        if s is _first_train(index):
+            ids[5] = bad_id
+        (ds / s["key"]).write_bytes(ids.tobytes())
+        s["sums"][0] = fmt.checksum(ids.tobytes())
+    index["dtype"] = "uint16"
+    (ds / "index.json").write_text(json.dumps(index))
+    return _first_train(index)["key"], 5
+
+
+def _first_train(index: dict) -> dict:
+    return next(s for s in index["shards"] if s["split"] == "train")
+
+
+def test_token_ids_past_the_vocabulary_are_one_error_naming_shard_and_offset(prepared, capsys):
+    key, at = _forge_ids(prepared, 40000)
+    with pytest.raises(DatasetError, match=f"shard {key} holds token id 40000 at token {at}, past the vocabulary of 256"):
+        _all_windows(prepared)
+    assert main(["data", "check", str(prepared)]) == 2
+    assert f"{key} holds token id 40000 at token {at}, past the vocabulary of 256" in capsys.readouterr().out
+
+
+def test_ids_inside_the_vocabulary_pass_both_checks(prepared, capsys):
+    _forge_ids(prepared, 255)
+    _all_windows(prepared)
+    assert main(["data", "check", str(prepared)]) == 0
+    assert "every token id is inside the vocabulary" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "outside-copy"])
+def test_a_shard_that_is_a_link_is_never_read(prepared, tmp_path, capsys, target):
+    """A link to a file outside the dataset, even one of the right size and checksum, is refused."""
+    key = _train_shard(prepared)["key"]
+    shard = prepared / key
+    if target == "outside-copy":
+        outside = tmp_path / "copy.bin"
+        outside.write_bytes(shard.read_bytes())
+        target = str(outside)
+    shard.unlink()
+    os.symlink(target, shard)
+    with pytest.raises(DatasetError, match=f"shard file {key} cannot be read .*symbolic link"):
+        _all_windows(prepared)
+    assert main(["data", "check", str(prepared)]) == 2
+    out = capsys.readouterr().out
+    assert f"{key} cannot be read" in out and "symbolic link" in out
+
+
+def test_a_dataset_named_through_a_link_is_read(prepared, tmp_path):
+    """The folder the user names may be a link (a shared project path); only what is inside is confined."""
+    alias = tmp_path / "alias"
+    os.symlink(prepared, alias)
+    _all_windows(alias)
+
+
+def _returns_within(fn, seconds: float = 20.0):
+    """fn()'s exception (or None) if it returns within `seconds`; fails the test if it blocks."""
+    out: list = []
+
+    def call():
+        try:
+            fn()
+            out.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out.append(exc)
+    th = threading.Thread(target=call, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert out, f"{fn} blocked for {seconds}s (a FIFO opened for reading waits for a writer forever)"
+    return out[0]
+
+
+def test_a_shard_swapped_for_a_fifo_is_refused_without_blocking(prepared, capsys):
+    key = _train_shard(prepared)["key"]
+    (prepared / key).unlink()
+    os.mkfifo(prepared / key)
+    err = _returns_within(lambda: _all_windows(prepared))
+    assert isinstance(err, DatasetError) and key in str(err) and "named pipe" in str(err)
+    assert _returns_within(lambda: main(["data", "check", str(prepared)])) is None
+    assert "named pipe" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["deleted", "fifo", "link"])
+def test_a_dataset_whose_index_is_lost_is_an_error_not_a_text_folder_prepared_again(prepared, tmp_path, how):
+    index = prepared / "index.json"
+    index.unlink()
+    if how == "fifo":
+        os.mkfifo(index)
+    elif how == "link":
+        os.symlink("/etc/passwd", index)
+    cfg = config_from_dict({"data": {"source": str(prepared), "cache_dir": str(tmp_path / "cache")}})
+    err = _returns_within(lambda: dataset_for(cfg))
+    assert isinstance(err, DatasetError), err
+    assert "index.json" in str(err) and "prepare" in str(err)
+    assert not (tmp_path / "cache").exists()  # nothing was prepared from it
