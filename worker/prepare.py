@@ -10,10 +10,12 @@ give the same bytes whatever the number of processes.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import multiprocessing
+import os
 import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -230,17 +232,26 @@ def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, digest: str, tok: A
     tok = tok or _TOKENIZER or load_tokenizer(spec.tokenizer)
     writer = _UnitWriter(Storage(spec.out, follow_links=True), number, spec, tok)
     batch: list[Record] = []
-    for rec in records(unit, spec.fields):
-        if isinstance(rec, BadRecord):
-            if not spec.skip_bad:
-                raise DatasetError(f"{rec} (stopped: fix the record, or pass --skip-bad to skip and count such records)")
-            writer.skipped += 1
-            log.debug("skipped %s", rec)
-            continue
-        batch.append(rec)
-        if len(batch) >= _ENCODE_BATCH:
-            writer.add(batch)
-            batch = []
+    last = "its start"
+    try:
+        for rec in records(unit, spec.fields):
+            if isinstance(rec, BadRecord):
+                if not spec.skip_bad:
+                    raise DatasetError(f"{rec} (stopped: fix the record, or pass --skip-bad to skip and count such records)")
+                writer.skipped += 1
+                log.debug("skipped %s", rec)
+                continue
+            last = rec.where
+            batch.append(rec)
+            if len(batch) >= _ENCODE_BATCH:
+                writer.add(batch)
+                batch = []
+    except DatasetError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a corrupt, truncated or vanished input is one error naming it
+        raise DatasetError(f"{unit.rel} cannot be read past {last} ({type(exc).__name__}: {str(exc)[:200]}): the file is "
+                           "damaged, truncated, not of the kind its name says, or was changed while it was read; "
+                           "fix or remove it, and run the same command again (finished units are kept)") from None
     if batch:
         writer.add(batch)
     return writer.finish(digest)
@@ -269,6 +280,7 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
         raise DatasetError(f"--messages-field: the tokenizer of {spec.tokenizer} has no chat template; save one with "
                            "it (tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR))")
     storage = Storage(spec.out, follow_links=True)
+    _refuse_foreign(storage)
     digest = _digest(spec, tok)
     try:
         existing = storage.read_json(fmt.INDEX)
@@ -289,6 +301,11 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
     if done:
         log.info("resuming: %d of %d units already prepared", len(done), len(units))
     todo = [i for i in range(len(units)) if i not in done]
+    procs = max(1, min(spec.procs, len(todo), os.cpu_count() or 1))
+    if procs < spec.procs:
+        log.info("--procs %d: %d processes (%d unit(s) to prepare, %d cores)", spec.procs, procs, len(todo),
+                 os.cpu_count() or 1)
+    spec = dataclasses.replace(spec, procs=procs)
     total = sum(u.size for u in units) / 1e6
     docs, tokens = sum(r["documents"] for r in done.values()), sum(r["tokens"] for r in done.values())
     with progress(total, "preparing", unit="MB") as bar:
@@ -299,6 +316,27 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
             bar.note(f"{human(docs)} docs, {human(tokens)} tok")
             bar.advance(units[i].size / 1e6)
     return _write_index(storage, spec, tok, [done[i] for i in range(len(units))], digest, masked)
+
+
+OWN = (fmt.INDEX, "parts", "shards")
+"""What a prepared dataset's folder holds: `--out` must be empty or hold only these."""
+
+
+def _refuse_foreign(storage: Storage) -> None:
+    """DatasetError when `--out` is a file, or a folder holding anything but a dataset's own files
+    (another dataset's parts are the prepare's to resume or refuse): nobody's files are overwritten."""
+    try:
+        if not storage.fs.exists(storage.root):
+            return
+        if not storage.fs.isdir(storage.root):
+            raise DatasetError(f"--out {storage.display()} is a file, not a folder; give a new or empty folder")
+        names = sorted(n for n in storage.list("") if n not in OWN)
+    except OSError as exc:
+        raise DatasetError(f"--out {storage.display()} cannot be listed ({exc}); give a new or empty folder") from None
+    if names:
+        raise DatasetError(f"--out {storage.display()} already holds other files ({', '.join(names[:5])}"
+                           f"{', ...' if len(names) > 5 else ''}): data prepare writes only into a new or empty folder, "
+                           "or one of its own datasets (to resume it); give another --out")
 
 
 def _run(todo: list[int], units: list[Unit], spec: PrepareSpec, digest: str, tok: Any):

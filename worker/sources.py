@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,8 +28,13 @@ import fsspec
 
 from core.dataset import DatasetError
 
+log = logging.getLogger(__name__)
+
 UNIT_BYTES = 16 << 20
 """Input bytes of one unit of work (a progress step; a resumed prepare redoes at most one per process)."""
+RECORD_CAP = 64 << 20
+"""The most bytes one record may take (a JSON line, a text file): past it the record is bad, so that
+memory stays bounded whatever the input (a 0.1 MB .zst can hold a 4 GB line)."""
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
 _BATCH_ROWS = 1024
 
@@ -97,24 +103,47 @@ def plan_units(sources: list[str], fields: Fields) -> list[Unit]:
     """Every source's units, in order; a DatasetError naming a source that is missing or empty."""
     units: list[Unit] = []
     for source in sources:
-        fs, root = fsspec.core.url_to_fs(source)
-        protocol = source.split("://", 1)[0] + "://" if "://" in source else ""
-        if not fs.exists(root):
-            raise DatasetError(f"source {source} does not exist; give a file or folder of text, JSON lines, parquet "
-                               "or a Hugging Face datasets folder")
-        found = _units_of(fs, root.rstrip("/"), protocol)
+        try:
+            fs, root = fsspec.core.url_to_fs(source)
+            protocol = source.split("://", 1)[0] + "://" if "://" in source else ""
+            if not fs.exists(root):
+                raise DatasetError(f"source {source} does not exist; give a file or folder of text, JSON lines, parquet "
+                                   "or a Hugging Face datasets folder")
+            found = _units_of(fs, root.rstrip("/"), protocol)
+        except DatasetError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever a source's reader raises, one error naming it
+            raise DatasetError(f"source {source} cannot be read ({_why(exc)}); check that it is a file or folder of "
+                               "text, JSON lines (.gz/.zst), parquet or a Hugging Face datasets folder") from None
         if not found:
             raise DatasetError(f"source {source} has no files to read (hidden entries are skipped)")
         units += found
     return units
 
 
+def _why(exc: BaseException) -> str:
+    """An exception as one short clause of a message."""
+    return f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
+
+
+def _regular(fs: Any, info: dict) -> dict:
+    """`info` of a regular file; DatasetError for a FIFO, a device or a socket (reading one would
+    block or never end)."""
+    if info.get("type") != "file":
+        raise DatasetError(f"{info.get('name')} is not a regular file ({info.get('type')}: a named pipe, a device "
+                           "or a socket); data prepare reads only files and folders")
+    return info
+
+
 def _units_of(fs: Any, root: str, protocol: str) -> list[Unit]:
     if not fs.isdir(root):
-        return _file_units(fs, fs.info(root), posixpath.basename(root), protocol)
+        return _file_units(fs, _regular(fs, fs.info(root)), posixpath.basename(root), protocol)
     if fs.exists(f"{root}/dataset_dict.json") or fs.exists(f"{root}/state.json"):
         return _arrow_units(fs, root, protocol)
-    infos = sorted((i for i in fs.find(root, detail=True).values() if i["type"] == "file"), key=lambda i: i["name"])
+    found = fs.find(root, detail=True).values()
+    for other in (i for i in found if i["type"] != "file" and _visible(i["name"][len(root) + 1:])):
+        log.warning("%s is not a regular file (%s): skipped", other["name"], other["type"])
+    infos = sorted((i for i in found if i["type"] == "file"), key=lambda i: i["name"])
     units, texts, size = [], [], 0
     for info in infos:
         rel = info["name"][len(root) + 1:]
@@ -158,23 +187,28 @@ def _arrow_units(fs: Any, root: str, protocol: str) -> list[Unit]:
     folder = root
     if fs.exists(f"{root}/dataset_dict.json"):
         splits = _json(fs, f"{root}/dataset_dict.json").get("splits", [])
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise DatasetError(f"{root}/dataset_dict.json: its splits must be a list of names, got {str(splits)[:80]}")
         if "train" not in splits:
             raise DatasetError(f"{root} is a Hugging Face DatasetDict without a train split (splits: {splits}); "
                                f"give the folder of the split to prepare, e.g. {root}/{splits[0] if splits else 'SPLIT'}")
         folder = f"{root}/train"
     files = _json(fs, f"{folder}/state.json").get("_data_files", [])
-    names = [f.get("filename") for f in files if isinstance(f, dict)]
+    names = [f.get("filename") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
     if not names or not all(isinstance(n, str) and "/" not in n and _visible(n) for n in names):
         raise DatasetError(f"{folder}/state.json lists no usable Arrow files ({names!r}); save the dataset again "
                            "with save_to_disk")
-    return [Unit("arrow", f"{protocol}{folder}/{n}", posixpath.relpath(f"{folder}/{n}", root), int(fs.size(f"{folder}/{n}")))
-            for n in names]
+    return [Unit("arrow", f"{protocol}{folder}/{n}", posixpath.relpath(f"{folder}/{n}", root),
+                 int(_regular(fs, fs.info(f"{folder}/{n}"))["size"])) for n in names]
 
 
 def _json(fs: Any, path: str) -> dict:
     try:
+        info = _regular(fs, fs.info(path))
+        if info["size"] > 1 << 20:  # a few hundred bytes when datasets writes it
+            raise ValueError(f"{info['size']} bytes, more than a datasets folder's JSON holds")
         obj = json.loads(fs.cat_file(path))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise DatasetError(f"{path} is not readable JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise DatasetError(f"{path} is not a JSON object")
@@ -197,7 +231,10 @@ def records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
 def _text_records(unit: Unit) -> Iterator[Record | BadRecord]:
     for rel, url in unit.files:
         with fsspec.open(url, "rb") as f:
-            data = f.read()
+            data = f.read(RECORD_CAP + 1)
+        if len(data) > RECORD_CAP:
+            yield BadRecord(rel, f"larger than {RECORD_CAP >> 20} MB, the cap on one document")
+            continue
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -216,12 +253,19 @@ def _jsonl_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
             f.seek(unit.start - 1)
             pos, line_no = unit.start - 1 + len(f.readline()), None  # that line is the previous range's
         while not unit.end or pos < unit.end:
-            line = f.readline()
+            line = f.readline(RECORD_CAP + 1)
             if not line:
                 break
             if line_no is not None:
                 line_no += 1
             at, pos = pos, pos + len(line)
+            if len(line) > RECORD_CAP and not line.endswith(b"\n"):  # never held whole: skipped in pieces
+                yield BadRecord(f"{unit.rel} line {line_no if line_no is not None else _line_at(unit.url, at)}",
+                                f"longer than {RECORD_CAP >> 20} MB, the cap on one record")
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(1 << 20)
+                    pos += len(line)
+                continue
             if not line.strip():
                 continue
             where = f"{unit.rel} line {line_no}" if line_no is not None else f"{unit.rel} at byte {at}"
@@ -295,14 +339,27 @@ def _record(obj: Any, rid: str, where: str, fields: Fields) -> Record | BadRecor
         if not isinstance(v, str):
             what = "missing" if n not in obj else f"a {type(v).__name__}, not a string"
             return BadRecord(where, f"field {n!r} is {what} (its fields: {', '.join(list(obj)[:10])})")
+        if not _utf8(v):
+            return BadRecord(where, f"field {n!r} holds a lone surrogate (a \\ud800-\\udfff escape not in a pair): "
+                                    "not text")
     if fields.response:
         return Record(rid, where, group, values[1], prompt=values[0])
     return Record(rid, where, group, values[0])
 
 
+def _utf8(text: str) -> bool:
+    """Can `text` be written as UTF-8 (JSON may decode a lone surrogate, which cannot)?"""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _chat(value: Any, rid: str, where: str, group: str, name: str) -> Record | BadRecord:
     ok = isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        and _utf8(m["role"]) and _utf8(m["content"]) for m in value)
     if not ok:
         return BadRecord(where, f"field {name!r} must be a list of {{role, content}} messages (strings), got "
                                 f"{str(value)[:80]}")
