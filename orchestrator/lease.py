@@ -25,11 +25,11 @@ import logging
 import os
 import re
 import socket
-import stat
 import threading
 import time
 from typing import Any
 
+from core import trust
 from core.errors import RunError
 from core.layout import RunLayout
 from core.storage import Storage
@@ -203,29 +203,10 @@ def _me() -> dict[str, Any]:
 
 # -- who else can write the run -------------------------------------------------------------------
 def unsafe_paths(storage: Storage, *, allow_group: bool = False) -> list[str]:
-    """Each part of a local run that someone else could change, with the command that fixes it:
-    whoever can write config.yaml (executor.setup is a shell line), jobs/ (the scripts Slurm runs)
-    or the folder holding them runs commands as the run's owner. Object stores have no such modes
-    (their access is the bucket's policy): nothing is checked there."""
-    root = storage.local_path("")
-    if root is None:
-        return []
-    loose = []
-    for key in ("", L.CONFIG, L.LOCK, L.JOBS):
-        path = storage.local_path(key)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid != os.getuid():
-            loose.append(f"{path} belongs to uid {st.st_uid}, not you (uid {os.getuid()}): use a run directory of "
-                         "your own")
-        elif mode & 0o002 or (mode & 0o020 and not allow_group):
-            fix = "go-w" if not allow_group else "o-w"
-            loose.append(f"{path} is writable by {'other users' if mode & 0o002 else 'your group'} "
-                         f"({oct(mode)}): chmod {'-R ' if stat.S_ISDIR(st.st_mode) else ''}{fix} {path}")
-    return loose
+    """Each part of a local run that someone else could change (core.trust): whoever can write
+    config.yaml (executor.setup is a shell line), jobs/ (the scripts Slurm runs) or the folder
+    holding them runs commands as the run's owner."""
+    return trust.unsafe_paths(storage, ("", L.CONFIG, L.LOCK, L.JOBS), allow_group=allow_group)
 
 
 def refuse_unsafe(storage: Storage, *, allow_group: bool = False) -> None:

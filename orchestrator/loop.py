@@ -149,6 +149,7 @@ class Service:
     def _fail(self, jobs: RoundJobs, decision: Decision, states: dict[str, JobStatus]) -> None:
         self.submitter.record_losses(jobs, list(jobs.workers), states)
         jobs.save(self.storage)
-        Failure(jobs.round, decision.reason, time.time()).save(self.storage)
-        raise RunError(f"round {jobs.round} cannot be merged: {decision.reason}. Fix the cause (see the job logs in "
+        reason = decision.reason + self.submitter.errors(jobs)
+        Failure(jobs.round, reason, time.time()).save(self.storage)
+        raise RunError(f"round {jobs.round} cannot be merged: {reason}. Fix the cause (see the job logs in "
                        f"{self.executor.folder}), then `orchestrate resume {self.storage.display()}`")

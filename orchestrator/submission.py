@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 
 from core.checkpoint import read_manifest
@@ -13,7 +14,7 @@ from core.storage import Storage
 from core.task import WorkerTask
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import next_bases
-from core.records import JobEntry, RoundJobs, RoundRecord
+from core.records import JobEntry, RoundJobs, RoundRecord, text
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -72,6 +73,18 @@ class Submitter:
             level = logging.INFO if self.executor.cancelled_here(e.latest) else logging.WARNING  # the user's own stop
             log.log(level, "round %d: worker %s job %s ended (%s) without a contribution", jobs.round, w, e.latest, state)
 
+    @staticmethod
+    def errors(jobs: RoundJobs) -> str:
+        """Why the round's workers failed, each in the words of its job's last error (a task's NaN
+        loss, an import error): what status and failed.json say, not only the job logs."""
+        said: dict[str, list[int]] = {}
+        for w, e in sorted(jobs.workers.items()):
+            tail = next((f["log_tail"] for f in reversed(e.failures) if isinstance(f.get("log_tail"), str)), "")
+            line = job_error(tail)
+            if line:
+                said.setdefault(line, []).append(w)
+        return "".join(f"; worker{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}: {line}" for line, ws in said.items())
+
     def _adopt_persistent(self, jobs: RoundJobs, bases: dict[int, str]) -> list[int]:
         """Hand round r to persistent jobs of round r-1 that are still alive: no sbatch, no queue."""
         r = jobs.round
@@ -106,3 +119,15 @@ class Submitter:
         if self.executor.kind == "local":  # K processes share this machine's cores
             return max(1, (os.cpu_count() or 1) // self.cfg.workers)
         return self.cfg.executor.cpus_per_task
+
+
+_ERROR_LINE = re.compile(r"(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)\w*): (.+)")
+
+
+def job_error(tail: str) -> str | None:
+    """The last `SomeError: message` line of a job's log (a traceback's last line), fit for a terminal."""
+    for line in reversed(tail.splitlines()):
+        m = _ERROR_LINE.fullmatch(line.strip())
+        if m:
+            return text(f"{m.group(1)}: {m.group(2)}", 500)
+    return None

@@ -215,6 +215,9 @@ BAD = {
                      "Blobs", "model() returned dict, not a torch.nn.Module"),
     "empty_eval": (USER_TASK.replace("else self.data[400:]", "else []"), "Blobs", "examples('eval') is empty"),
     "instance": (USER_TASK + "\n\nINSTANCE = Blobs.__new__(Blobs)\n", "INSTANCE", "(cfg) failed: TypeError"),
+    "exits_at_import": ("import sys\nsys.exit(0)\n" + USER_TASK, "Blobs", "it called exit(0)"),
+    "escape_in_metric_name": (USER_TASK.replace('{"accuracy"', '{"\\x1b[2Jaccuracy"'), "Blobs",
+                              "metric name '\\x1b[2Jaccuracy' is not a short name"),
 }
 
 
@@ -252,6 +255,36 @@ def test_task_keys_are_checked_with_the_rest_of_the_config(capsys):
     assert "task digits is built in: drop task_path" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_task_path_others_can_write_is_refused(tmp_path, capsys, mode):
+    """Whoever can write task_path runs code as you in every worker: refused before anything is made."""
+    where = _write_task(tmp_path / "mytasks", USER_TASK)
+    (tmp_path / "mytasks").chmod(mode)
+    run = tmp_path / "run"
+    code = main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--workers", "2",
+                 "--executor", "local", "--run-dir", str(run), *SMALL])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 2 and f"task_path {where} is writable by" in out and f"chmod go-w {where}" in out, out
+    assert not run.exists()
+
+
+def test_a_worker_reads_config_yaml_only_through_the_checked_loader(tmp_path):
+    """A run's config.yaml rewritten where other users can write it (a co-tenant naming their own
+    task_path) is refused by the worker job as by submit and resume, before it imports anything."""
+    import worker.train as train
+    from core.config import config_from_dict
+    from core.errors import RunError
+    from orchestrator.run_models import create_run
+    storage = Storage(str(tmp_path / "run"))
+    create_run(storage, config_from_dict({"workers": 1, "run_dir": storage.url}))
+    (tmp_path / "run" / "config.yaml").chmod(0o666)
+    with pytest.raises(RunError, match="(?s)others can rewrite this run.s config.*config.yaml is writable by other users"):
+        train.load_run_config(storage)
+    from core.task import WorkerTask
+    with pytest.raises(RunError, match="others can rewrite"):
+        train.run_worker(WorkerTask(storage.url, 0, 0, "global/round_00000.safetensors", threads=1))
+
+
 @pytest.mark.slow
 def test_a_loss_that_turns_non_finite_in_the_worker_names_task_worker_and_job(tmp_path, capsys):
     """Finite on the submit check's batch of 2, NaN on a worker's batch of 4: the worker's job fails
@@ -267,7 +300,11 @@ def test_a_loss_that_turns_non_finite_in_the_worker_names_task_worker_and_job(tm
     jobs = Storage(str(run)).read_json("rounds/00000/jobs.json")
     failure = json.dumps(jobs["workers"]["0"]["failures"])
     job = jobs["workers"]["0"]["job_ids"][0]
-    assert "task blobs:Blobs, worker 0 round 0 (job " + job + "): the loss became non-finite" in failure
+    says = "task blobs:Blobs, worker 0 round 0 (job " + job + "): the loss became non-finite"
+    assert says in failure
+    assert says in capsys.readouterr().out  # the run's own last word, and status's, name it: not only the job log
+    assert says in Storage(str(run)).read_json("failed.json")["reason"]
+    assert main(["status", str(run)]) == 0 and says in " ".join(capsys.readouterr().out.split())  # wrapped: words
 
 
 @pytest.mark.slow

@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 
-from core import codec, replay
+from core import codec, replay, trust
 from core.checkpoint import read_manifest
-from core.config import Config, config_from_dict
-from core.config_parse import load_yaml
+from core.config import Config
 from core.errors import CheckpointError, IslandsError
 from core.failpoints import failpoint, slowpoint
 from core.layout import RunLayout
@@ -59,8 +58,9 @@ _RESIDENT: "InnerTrainer | None" = None
 
 
 def load_run_config(storage: Storage) -> Config:
-    return config_from_dict(load_yaml(storage.read_bytes(L.CONFIG), storage.display(L.CONFIG)),
-                            source=storage.display(L.CONFIG))
+    """The run's config, through the one checked loader (core.trust: the run and its config.yaml
+    writable by no other user), as the service reads it."""
+    return trust.load_run_config(storage)
 
 
 def lr_at(step: int, cfg: Config) -> float:

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import re
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -178,6 +181,10 @@ class Examples(Runner):
             if not isinstance(got, dict) or not all(isinstance(k, str) and isinstance(v, (int, float, torch.Tensor))
                                                     for k, v in got.items()):
                 raise TaskError(f"task {self.name}: metrics() must return {{name: number}}, got {str(got)[:80]}")
+            bad = [k for k in got if not METRIC_NAME.fullmatch(k)]
+            if bad:  # names reach terminals, reports and TensorBoard: no escape codes, no paths
+                raise TaskError(f"task {self.name}: metric name {bad[0][:40]!r} is not a short name (letters, digits, "
+                                "'_', '-', '.', '/', at most 64): rename it")
             out.update({k: float(v) for k, v in got.items() if k != "loss"})
         return out
 
@@ -206,10 +213,32 @@ class Ensemble(torch.nn.Module):
         return mixed
 
 
+METRIC_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,63}")
+"""What a task's metric may be called."""
+
+
+def _trusted(path: str, name: str) -> None:
+    """TaskError when the task_path folder (or the module in it) is someone else's or writable by
+    others: whoever can write it runs code as you in every worker and in the service."""
+    for p in [Path(path), *Path(path).glob(name.split(".")[0] + "*")][:8]:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid():
+            raise TaskError(f"task_path {p} belongs to uid {st.st_uid}, not you (uid {os.getuid()}): its code would run "
+                            "as you in every worker; copy the task into a folder of your own")
+        if st.st_mode & 0o022:
+            raise TaskError(f"task_path {p} is writable by {'other users' if st.st_mode & 0o002 else 'your group'} "
+                            f"({oct(stat.S_IMODE(st.st_mode))}): anyone who can write it runs code as you in every "
+                            f"worker; chmod go-w {p}")
+
+
 def _import(name: str, path: str | None) -> type:
     spec = BUILTIN.get(name, name)
     module_name, _, attr = spec.partition(":")
     if path is not None:
+        _trusted(path, module_name)
         if path not in sys.path:
             sys.path.insert(0, path)
         top = sys.modules.get(module_name.split(".")[0])
@@ -218,9 +247,10 @@ def _import(name: str, path: str | None) -> type:
                 del sys.modules[loaded]  # a module of that name from elsewhere, imported before in this process
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001  whatever a user's module raises while importing
+    except (Exception, SystemExit) as exc:  # noqa: BLE001  whatever a user's module raises (or exits) while importing
         where = f" (task_path {path})" if path else " (installed in this environment, or set task_path)"
-        raise TaskError(f"task {name}: cannot import {module_name}{where}: {type(exc).__name__}: {exc}") from None
+        what = f"it called exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+        raise TaskError(f"task {name}: cannot import {module_name}{where}: {what}") from None
     cls = getattr(module, attr, None)
     if cls is None:
         raise TaskError(f"task {name}: {module_name} has no {attr!r}")
