@@ -6,6 +6,8 @@ on a few strings: nothing is downloaded.
 from __future__ import annotations
 
 import json
+import os
+import re
 import math
 
 import numpy as np
@@ -272,3 +274,49 @@ def test_a_hostile_hf_config_is_one_clear_error_before_anything_is_allocated(hf_
     (bad / "config.json").write_text(change if isinstance(change, str) else json.dumps({**config, **change}))
     with pytest.raises(ConfigError, match=says):
         build(_cfg(bad).model, pretrained=False)
+
+
+HOSTILE = {  # config.json -> what the one loader (worker.hf.hf_config) says
+    "unknown-model-type": ({"model_type": "no-such-model"}, "is not a usable Hugging Face config"),
+    "heads-do-not-divide": ({"hidden_size": 30, "num_attention_heads": 4}, "not divisible|not a multiple"),
+    "deep": ("[" * 100_000 + "]" * 100_000, "is not a usable Hugging Face config"),
+    "fifo": (None, "no config.json|not a regular file"),
+}
+
+
+def _hostile(hf_dir: Path, tmp_path: Path, case: str) -> Path:
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    change, _ = HOSTILE[case]
+    if change is None:
+        (bad / "config.json").unlink()
+        os.mkfifo(bad / "config.json")
+    else:
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(change if isinstance(change, str) else json.dumps({**config, **change}))
+    return bad
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_every_entry_point_reads_a_hostile_hf_config_through_the_one_loader(hf_dir, tmp_path, capsys, case):
+    """The model, its tokenizer, `data prepare --tokenizer hf:` and `submit --set model=hf:`: one clear
+    error each, no traceback, nothing blocks on a FIFO."""
+    from core.errors import IslandsError
+    from orchestrator.cli import main
+    from worker.hf import build, load_tokenizer
+    bad, says = _hostile(hf_dir, tmp_path, case), HOSTILE[case][1]
+    with pytest.raises(IslandsError, match=says):
+        build(_cfg(bad).model, pretrained=False)
+    with pytest.raises(IslandsError, match=says):
+        load_tokenizer(str(bad))
+    src = tmp_path / "src.txt"
+    src.write_text("some text to prepare " * 50)
+    capsys.readouterr()
+    assert main(["data", "prepare", str(src), "--out", str(tmp_path / "ds"), "--tokenizer", f"hf:{bad}"]) == 2
+    out = capsys.readouterr().out
+    assert re.search(says, out) and "Traceback" not in out, out
+    assert main(["submit", "--set", f"model=hf:{bad}", "--set", "model.block_size=32", "--executor", "local",
+                 "--run-dir", str(tmp_path / "run"), "--set", f"data.source={src}"]) == 2
+    out = capsys.readouterr().out
+    assert re.search(says, out) and "Traceback" not in out, out

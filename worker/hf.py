@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import posixpath
+import stat
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -100,12 +101,18 @@ def max_positions(config: object) -> int | None:
 _CONFIG_LIMIT = 1 << 20  # bytes of a config.json
 
 
-def _config(tf: ModuleType, path: str) -> object:
-    """The model's config, checked before anything is allocated: readable JSON of sane depth and size,
-    a model type transformers knows, whole sizes that divide, and weights that fit this machine's memory."""
+def hf_config(path: str) -> object:
+    """The config of the model directory `path`: the one loader every entry point (the model, its
+    tokenizer, `data prepare --tokenizer hf:`, eval) reads it through, checked before anything is
+    allocated: a regular file (never a FIFO, which would block) of readable JSON of sane depth and
+    size, a model type transformers knows, whole sizes that divide, weights that fit this machine."""
+    tf = transformers_module()
     where = str(Path(path) / "config.json")
     try:
-        with open(where, "rb") as f:
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError("not a regular file")
             data = f.read(_CONFIG_LIMIT + 1)
         if len(data) > _CONFIG_LIMIT or not isinstance(json.loads(data), dict):
             raise ValueError(f"not a JSON object of at most {_CONFIG_LIMIT} bytes")
@@ -135,7 +142,7 @@ def build(cfg: ModelConfig, pretrained: bool = True) -> HFCausalLM:
     """The model at cfg.hf: its weights (pretrained) or its architecture only, in float32."""
     tf = transformers_module()
     path = _directory(cfg)
-    config = _config(tf, path)
+    config = hf_config(path)
     limit = max_positions(config)
     if limit is not None and cfg.block_size > limit:
         raise ConfigError([f"model.block_size is {cfg.block_size}, but the Hugging Face model at {path} has "
@@ -195,12 +202,13 @@ def load_tokenizer(path: str) -> HFTokenizer:
     """The tokenizer saved in the model directory `path`; its ids must fit the model's vocabulary."""
     tf = transformers_module()
     path = _directory(ModelConfig(hf=path))
+    config = hf_config(path)  # transformers' tokenizer reads config.json too: checked here first
     try:
         tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise IslandsError(f"model.hf: no usable tokenizer in {path} ({exc}); save the model's tokenizer "
-                           "there (tokenizer.save_pretrained)") from None
-    vocab = getattr(tf.AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
+    except Exception as exc:  # noqa: BLE001 - transformers raises its own kinds for a bad tokenizer folder
+        raise IslandsError(f"model.hf: no usable tokenizer in {path} ({type(exc).__name__}: {str(exc)[:200]}); save "
+                           "the model's tokenizer there (tokenizer.save_pretrained)") from None
+    vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and len(tok) > vocab:
         raise IslandsError(f"model.hf: the tokenizer in {path} has {len(tok)} tokens, more than the model's "
                            f"vocab_size {vocab}: they do not belong together")
