@@ -18,7 +18,8 @@ driver, watching the run directory only:
   service finds the planted file and nothing else;
 - slows one worker (ISLANDS_SLOWPOINT: it sleeps before publishing) past every deadline;
 - with --poison, plants a well-formed contribution with wrong weights that nothing can tell from a
-  real one: the comparison with the clean run must then report replay_identical=false.
+  real one (each entry off by up to 3x round.max_update, inside the bound a contribution in weights
+  is held to): the comparison with the clean run must then report replay_identical=false.
 
 Every fault has its own check (bench/chaos_checks.py). Then the clean run, and every published
 global checkpoint and the final model are re-hashed in both runs and compared.
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from bench import chaos_checks as check
+from core import codec, trust
 from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
 from core.layout import RunLayout, manifest_key
@@ -220,8 +222,10 @@ def plant(s: Storage, r: int, w: int, kind: str, a: argparse.Namespace) -> str |
     returns the digest its manifest claims."""
     base, _, _ = load_checkpoint(s, L.global_weights(r))
     gen = torch.Generator().manual_seed(r * 1000 + w)
-    noise = 1.0 if kind == "poison" else 1e-3
-    t = {k: (v + noise * torch.randn(v.shape, generator=gen)) if v.is_floating_point() else v for k, v in base.items()}
+    # a poison inside what a round can move an entry (core.codec.max_update): no check tells it from a real one
+    noise = codec.max_update(trust.load_run_config(s)) if kind == "poison" else 1e-3
+    t = {k: (v + noise * torch.randn(v.shape, generator=gen).clamp_(-3, 3)) if v.is_floating_point() else v
+         for k, v in base.items()}
     name = sorted(n for n in t if t[n].is_floating_point() and t[n].dim() == 2)[0]
     if kind == "nan":
         t[name][0, 0] = float("nan")

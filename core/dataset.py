@@ -32,6 +32,8 @@ DTYPES = {"uint8": 1, "uint16": 2, "uint32": 4}
 MAX_GROUPS = 4096
 """More groups than this is a field that is not a group (a URL, an id): a prepare refuses it."""
 _KEY = re.compile(r"shards/\d{6}-\d{4}-\d{4}\.bin")
+PREPARED = re.compile(r"shards/\d{6}-\d{4}-\d{4}\.(bin|docs|mask)|parts/\d{6}\.json")
+"""The files a prepare writes before its index: a folder holding one is a dataset, never text."""
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 

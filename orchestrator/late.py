@@ -11,6 +11,7 @@ digest of all three files), so the engine does not reject it.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -118,10 +119,12 @@ def unfinished_late_jobs(storage: Storage, r: int, max_staleness: int) -> list[s
     return ids
 
 
-def fold_inputs(folded: list[Folded]) -> list[Contribution]:
+def fold_inputs(folded: list[Folded], bound: float = math.inf) -> list[Contribution]:
     """The folded inputs as merge contributions. They carry negative ids (-1, -2, ...) so that the
-    engine's per-input bookkeeping never confuses one with the same worker's on-time contribution."""
-    return [Contribution(-(i + 1), f.key, f.weight) for i, f in enumerate(folded)]
+    engine's per-input bookkeeping never confuses one with the same worker's on-time contribution.
+    `bound`: core.codec.max_update, as for on-time ones (a re-based input moves the global by the
+    late worker's own training)."""
+    return [Contribution(-(i + 1), f.key, f.weight, bound) for i, f in enumerate(folded)]
 
 
 def split_merged(merged: list[int], rejected: dict[int, str], folded: list[Folded]

@@ -93,7 +93,7 @@ class RoundMerger:
         fold = self.cfg.round.late_policy == "fold" and self.linear
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
-            result = self._merge(r, contribs + late.fold_inputs(folded))
+            result = self._merge(r, contribs + late.fold_inputs(folded, codec.max_update(self.cfg)))
         except QuorumError as exc:
             exc.rejected = {w: why for w, why in {**exc.rejected, **stale}.items() if w >= 0}  # < 0: folds
             raise

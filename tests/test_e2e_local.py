@@ -228,8 +228,9 @@ def test_int8_delta_contributions_two_workers_two_rounds(tmp_path, corpus_cache,
 
 def test_a_median_round_is_not_dragged_by_a_planted_outlier(tmp_path, corpus_cache, capsys):
     """round.aggregate=median, live (#28): worker 2 is held before it publishes (ISLANDS_SLOWPOINT,
-    12 s) while a well-formed contribution with its manifest and weights off by N(0, 1) per entry is
-    planted in its place (bench.chaos.plant: nothing in it tells it from a real one). The round
+    12 s) while a well-formed contribution with its manifest and weights off by up to 3x
+    round.max_update per entry is planted in its place (bench.chaos.plant: nothing in it tells it
+    from a real one, the bound of what a round can move an entry included). The round
     merges it, yet the new global stays within the honest workers' spread, where a mean would move
     every entry by about a third of the plant's offset, and the run still learns."""
     from types import SimpleNamespace

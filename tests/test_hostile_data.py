@@ -140,3 +140,11 @@ def test_a_dataset_whose_index_is_lost_is_an_error_not_a_text_folder_prepared_ag
     assert isinstance(err, DatasetError), err
     assert "index.json" in str(err) and "prepare" in str(err)
     assert not (tmp_path / "cache").exists()  # nothing was prepared from it
+
+
+def test_a_text_corpus_with_folders_named_shards_and_parts_is_still_text(tmp_path):
+    src = write_tree(tmp_path / "book", {"parts/one.txt": b"chapter one " * 80, "parts/two.txt": b"chapter two " * 80,
+                                         "shards/glass.txt": b"broken glass " * 80})
+    cfg = config_from_dict({"data": {"source": str(src), "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.3}})
+    ds = dataset_for(cfg)
+    assert ds.index.documents == 3 and str(tmp_path / "cache") in ds.url

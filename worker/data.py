@@ -161,10 +161,16 @@ def dataset_for(cfg: Config, cache_dir: str | os.PathLike | None = None) -> Data
 
 
 def _has_index(source: str) -> bool:
-    """Is `source` a prepared dataset (it has, or had, an index: index.json, shards/ or parts/, of
-    whatever kind)? Such a folder is never prepared again as text: a lost or damaged index is an error."""
+    """Is `source` a prepared dataset (it has, or had, an index: an index.json of whatever kind, or a
+    prepare's shard or part files)? Such a folder is never prepared again as text: a lost or damaged
+    index is an error. (A text corpus may have folders named shards/ or parts/ of its own.)"""
     folder = Path(source.removeprefix("file://")).expanduser()
-    return folder.is_dir() and any(os.path.lexists(folder / name) for name in (fmt.INDEX, "shards", "parts"))
+    if not folder.is_dir():
+        return False
+    if os.path.lexists(folder / fmt.INDEX):
+        return True
+    return any(fmt.PREPARED.fullmatch(f"{d}/{n}") for d in ("shards", "parts") if (folder / d).is_dir()
+               for n in os.listdir(folder / d)[:64])
 
 
 def _resolved(url: str) -> str:

@@ -1,0 +1,36 @@
+"""The bytes a process read and wrote, for benchmarks that measure what a round moves (the
+failpoint pattern: one environment variable, nothing otherwise).
+
+With ISLANDS_IO_REPORT naming a folder, `report_at_exit("worker")` makes the process write
+`ROLE-PID.json` there as it exits: its /proc/self/io counters (rchar and wchar: every byte passed
+to read and write calls, page cache or not, so they count what crossed a shared filesystem's client
+too). A benchmark takes the difference of two runs that differ only in their number of rounds, so
+what does not grow with rounds (imports, the corpus index) cancels out (bench/round_footprint.py).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+
+ENV = "ISLANDS_IO_REPORT"
+
+
+def counters() -> dict[str, int]:
+    """This process's /proc/self/io counters ({} where there is no /proc)."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(":") for line in f if ":" in line)}
+    except OSError:
+        return {}
+
+
+def report_at_exit(role: str) -> None:
+    folder = os.environ.get(ENV)
+    if not folder:
+        return
+
+    def write() -> None:
+        with open(os.path.join(folder, f"{role}-{os.getpid()}.json"), "w") as f:
+            json.dump({"role": role, "pid": os.getpid(), **counters()}, f)
+    atexit.register(write)
