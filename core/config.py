@@ -206,6 +206,22 @@ class RoundConfig:
     buffer + its delta and keeps what that left out as the buffer, which lives with its AdamW state
     (state file, in-flight checkpoint, memory of a persistent worker). 0 = no feedback: what is not
     sent is lost. 0.9 rather than SparseLoCo's 0.95: a little lower loss at 1/16 (docs/benchmarks.md)."""
+    state_every: int = 20
+    """A persistent worker writes its AdamW state (and error-feedback buffer) to storage every this
+    many rounds, and when its job is preempted, reaches its time limit or ends before the run does;
+    in between it lives in memory only. A job restarted after a hard loss (kill -9, a lost node)
+    takes the newest snapshot, up to this many rounds old (its contribution's manifest says which:
+    `state_from_round`). 1: every round. Per-round jobs (worker_mode per_round) and LTE workers
+    write it every round: it is their only copy. 20: the smallest round number that brings a
+    worker-round's bytes through storage under 2.2 W dense and 1.2 W with top-k (W: the fp32
+    weights; the state is 2W, 3W with error feedback), measured in docs/benchmarks.md."""
+    keep_last: int = 1
+    """Tensors kept of the last this many committed rounds (global weights, outer state,
+    contributions, folds); older ones are deleted after each commit, so a run's footprint is flat in
+    rounds. Records, jobs files and manifests are all kept. 0: keep everything."""
+    keep_every: int = 0
+    """Also keep the global weights of every this many rounds (round 0 included); 0: only the last
+    ones and the final model."""
     max_update: float = 0.0
     """The largest magnitude any entry of a worker's outer gradient (base - its weights, error
     feedback included) may have; a contribution or error-feedback buffer past it is refused as

@@ -312,6 +312,10 @@ def _check_round(cfg: Config) -> list[str]:
     need(0 < rc.topk <= 1, f"round.topk must be in (0, 1], got {rc.topk}")
     need(rc.bits in (2, 4, 8), f"round.bits must be 2, 4 or 8, got {rc.bits}")
     need(0 <= rc.error_feedback <= 1, f"round.error_feedback (the buffer's decay) must be in [0, 1], got {rc.error_feedback}")
+    need(rc.state_every >= 1, f"round.state_every (rounds between state snapshots) must be >= 1, got {rc.state_every}")
+    need(rc.keep_last >= 0 and rc.keep_every >= 0,
+         f"round.keep_last and round.keep_every must be >= 0 (0: keep everything / no extra globals), got "
+         f"{rc.keep_last} and {rc.keep_every}")
     need(rc.max_update >= 0 and math.isfinite(rc.max_update),
          f"round.max_update must be a finite number >= 0 (0: derived from inner.lr and inner.steps), got {rc.max_update}")
     need(rc.codec != "topk" or rc.prune_keep == 1,

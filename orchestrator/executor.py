@@ -44,8 +44,10 @@ class WorkerJob(submitit.helpers.Checkpointable):
 
     def __call__(self, task: WorkerTask) -> dict[str, Any]:
         # worker/ (torch) is imported on the node only: `status` and `cancel` use this module without it
+        from core import iostat
         from worker.persistent import run_persistent
         from worker.train import run_worker
+        iostat.report_at_exit("worker")  # benchmarks only (ISLANDS_IO_REPORT): bytes read and written
         return run_persistent(task) if task.persistent else run_worker(task)
 
     def checkpoint(self, task: WorkerTask) -> submitit.helpers.DelayedSubmission:

@@ -32,6 +32,7 @@ from orchestrator.lease import Lease
 from orchestrator.observe.metrics import write_round_metrics
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
+from orchestrator import retention
 from core.records import Failure, RoundJobs, RoundRecord, RunInfo, number
 from orchestrator.round_merge import RoundMerger
 from orchestrator.runstate import arrived_workers
@@ -56,6 +57,7 @@ class Service:
         self.submitter = Submitter(self.storage, cfg, executor)
         self.merger = RoundMerger(self.submitter, self.evaluator.metadata)
         self._arrived_before: set[int] = set()
+        self._kept_from = 0  # rounds before it hold no tensor retention would delete (orchestrator/retention.py)
         # torch.optim's first step pays its lazy imports (seconds): pay them now, not inside round 0's merge.
         outer_step(torch.zeros(1), torch.zeros(1), {}, cfg.outer)
 
@@ -74,6 +76,8 @@ class Service:
             if r + 1 < self.cfg.rounds:  # the next round's workers queue while we evaluate this one
                 self.submitter.ensure(r + 1)
             self.evaluate(record)
+            retention.prune(self.storage, self.cfg, r, self._kept_from)
+            self._kept_from = retention.kept_from(self.cfg, r)
             r += 1
         export_final(self.storage, self.cfg)
         info = RunInfo.load(self.storage)

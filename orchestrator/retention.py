@@ -37,8 +37,9 @@ def doomed(cfg: Config, committed: int, first: int = 0) -> list[tuple[str, int]]
     if rc.keep_last <= 0:
         return []
     oldest = committed - rc.keep_last + 1  # the oldest committed round whose tensors stay
+    # fold: a later merge re-bases a late contribution of those rounds onto its own base (that global)
     contrib_oldest = oldest if rc.late_policy != "fold" else min(oldest, committed + 1 - rc.max_staleness)
-    out = [("global", q) for q in range(first, oldest) if not (rc.keep_every and q % rc.keep_every == 0)]
+    out = [("global", q) for q in range(first, contrib_oldest) if not (rc.keep_every and q % rc.keep_every == 0)]
     out += [("state", q) for q in range(max(first, 1), oldest)]
     out += [(what, q) for q in range(first, max(contrib_oldest, 0)) for what in ("contrib", "folded")]
     return out

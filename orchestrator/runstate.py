@@ -115,9 +115,21 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
                                              "progress": read_heartbeat(storage, w)}
                                     for w, e in current.workers.items()},
             "arrived": arrived_workers(storage, r)},
+        "stored_bytes": stored_bytes(storage),
         "final_model": storage.display(L.FINAL) if storage.exists(L.FINAL) else None,
         "final_hf": storage.display(L.FINAL_HF) if storage.exists(L.final_hf_file("config.json")) else None,
     }
+
+
+def stored_bytes(storage: Storage) -> int | None:
+    """The run directory's size (its jobs/ folder of scripts and logs left out), from one listing;
+    None when the storage cannot say."""
+    try:
+        found = storage.fs.find(storage.path(""), detail=True)
+    except OSError:
+        return None
+    jobs = storage.path(L.JOBS).rstrip("/") + "/"
+    return sum(int(v.get("size") or 0) for k, v in found.items() if v.get("type") == "file" and not k.startswith(jobs))
 
 
 def _finished(storage: Storage, info: dict[str, Any]) -> bool:

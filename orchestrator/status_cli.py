@@ -130,13 +130,19 @@ def _time(seconds: float | None) -> str:
     return "-" if seconds is None else duration(seconds)
 
 
+def stored_line(status: dict[str, Any]) -> str | None:
+    """How much the run directory holds (round.keep_last keeps it flat in rounds)."""
+    n = status.get("stored_bytes")
+    return None if n is None else f"run directory: {n / 1e6:.1f} MB stored (job logs aside)"
+
+
 def status_view(status: dict[str, Any]) -> Any:
     """What `status` prints: the rounds' table, the round in progress, then a line each for the bytes
     sent, how the jobs ended, a failure and a scheduler that did not answer."""
     from rich.console import Group
     from rich.text import Text
 
-    lines = [contribution_line(status["rounds"]), jobs_line(status["rounds"])]
+    lines = [contribution_line(status["rounds"]), stored_line(status), jobs_line(status["rounds"])]
     if status["failure"]:
         lines.append(f"failed in round {status['failure'].get('round')}: {status['failure']['reason']}")
     if status["scheduler"] != "answered":

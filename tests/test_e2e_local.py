@@ -64,10 +64,10 @@ def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
     # the export loads back into the built-in model with one call
     model = load_model(st["final_model"])
     assert model.transformer.wte.weight.shape == (256, 32)
-    # workers kept their own inner optimizer state across rounds
+    # workers kept their own inner optimizer state across rounds, in memory: a snapshot reaches storage
+    # every round.state_every rounds (20) or when a job ends before the run, so this run wrote none
     s = Storage(str(run))
-    assert s.list("workers/worker_000") == ["progress.json", "state_00000.json", "state_00000.safetensors",
-                                            "state_00001.json", "state_00001.safetensors"]
+    assert s.list("workers/worker_000") == ["progress.json"]
     assert s.read_json("workers/worker_000/progress.json")["step"] == 4
     manifest = s.read_json("rounds/00001/contrib/worker_001.json")
     assert manifest["steps"] == 4 and manifest["tokens"] == 4 * 4 * 32 and manifest["round"] == 1
@@ -199,7 +199,8 @@ def test_int8_delta_contributions_two_workers_two_rounds(tmp_path, corpus_cache,
 
     run = tmp_path / "run"
     assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "4",
-                      "--set", "round.contribution=delta", "--set", "round.codec=int8")) == 0
+                      "--set", "round.contribution=delta", "--set", "round.codec=int8",
+                      "--set", "round.keep_last=0")) == 0  # round 0's tensors kept: the oracle below reads them
     st = _status(run, capsys)
     assert st["state"] == "done" and [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]]
     assert st["rounds"][0]["eval_loss"] < st["initial_eval_loss"]

@@ -85,9 +85,11 @@ def test_a_state_that_does_not_fit_publishes_nothing_not_even_the_global(tmp_pat
 # -- rebuilding a committed round's state --------------------------------------------------------
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, corpus_cache):
-    """A real 3-worker, 2-round run (local executor), its outer states' bytes kept aside."""
+    """A real 3-worker, 2-round run (local executor), its outer states' bytes kept aside; every
+    round's tensors kept (round.keep_last 0), so that both rounds' states can be rebuilt."""
     run = tmp_path_factory.mktemp("outer") / "run"
-    assert main(["submit", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
+    assert main(["submit", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY,
+                 "--set", "round.keep_last=0"]) == 0
     return run, {r: (run / "outer" / f"state_{r:05d}.safetensors").read_bytes() for r in (1, 2)}
 
 
@@ -189,8 +191,11 @@ def test_a_state_write_that_fails_in_the_service_commits_nothing_and_resume_fini
     4 KiB): the merge publishes nothing, the round is not committed, and the run stops with the
     error and what to do. Once space is freed, `orchestrate resume` merges round 0 again and
     finishes; its weights and states are, bit for bit, those of a clean run of the same config
-    (contributions summed in worker order, round.stream_merge off, so the two runs sum alike)."""
-    args = ["--set", f"data.cache_dir={corpus_cache}", "--set", "round.stream_merge=false", *TINY]
+    (contributions summed in worker order, round.stream_merge off, so the two runs sum alike). The
+    stopped service stopped its local jobs: per-round jobs here, which write their state before their
+    contribution, so the resumed run's round 1 starts from the state the clean run's does."""
+    args = ["--set", f"data.cache_dir={corpus_cache}", "--set", "round.stream_merge=false", *TINY,
+            "--set", "round.worker_mode=per_round"]
     outer = mount_tmpfs(tmp_path / "run" / "outer")
     st = os.statvfs(outer)
     filler = outer / "filler"

@@ -260,6 +260,7 @@ def test_a_topk_run_whose_service_was_killed_is_replayed_bit_for_bit(tmp_path, c
     src = tmp_path / "run"
     _submit(src, corpus_cache, *TINY, "--workers", "3", "--rounds", "3", "--inner-steps", "4",
             "--set", "round.contribution=delta", "--set", "round.codec=topk", "--set", "round.bits=4",
+            "--set", "round.state_every=1",  # a snapshot every round: the buffer is checked in round 2's
             env={"ISLANDS_FAILPOINT": "service.after_record"}, code=137)
     assert main(["resume", str(src)]) == 0
     s = Storage(str(src))

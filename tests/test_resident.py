@@ -29,9 +29,12 @@ ROUNDS = 3
 
 
 def _run(tmp_path, corpus_cache, name: str, **cfg) -> Storage:
+    """A run whose persistent workers write their state every round (round.state_every 1, unless
+    `round` says otherwise): what a per-round job writes, to compare with."""
+    rounds = {"state_every": 1, **cfg.pop("round", {})}
     c = config_from_dict({"workers": 2, "rounds": ROUNDS, "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
                           "inner": {"steps": 3, "batch_size": 2, "warmup_steps": 1}, "data": {"cache_dir": corpus_cache},
-                          "run_dir": str(tmp_path / name), **cfg})
+                          "run_dir": str(tmp_path / name), "round": rounds, **cfg})
     storage = Storage(c.run_dir)
     create_run(storage, c)
     return storage
@@ -93,10 +96,11 @@ def test_resident_rounds_reuse_their_host_buffers(tmp_path, corpus_cache):
     host = {name: getattr(trainer, name) for name in ("_host_base", "_host_out", "_host_state")}
     before = {name: {k: t.data_ptr() for k, t in h._bufs.items()} for name, h in host.items()}
     assert all(before.values())
+    first = _digest(s, L.worker_state(0, 0))  # one snapshot is kept on storage: round 1's replaces it
     _, again = train.serve_round(_task(s, 1), 0.0, trainer, persistent=True)
     again.settle()
     assert {name: {k: t.data_ptr() for k, t in h._bufs.items()} for name, h in host.items()} == before
-    assert _digest(s, L.worker_state(0, 1)) != _digest(s, L.worker_state(0, 0))
+    assert _digest(s, L.worker_state(0, 1)) != first
 
 
 def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_path, corpus_cache, monkeypatch):

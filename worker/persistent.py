@@ -117,7 +117,7 @@ def run_persistent(task: WorkerTask) -> dict[str, Any]:
                 _CURRENT_ROUND = r  # a requeue now goes on at round r, not the round just published
                 train_ahead(trainer, storage, r, task.worker)
     finally:
-        if trainer is not None:
-            trainer.settle()  # the last round's optimizer state reaches storage before the job ends
+        if trainer is not None:  # the newest optimizer state reaches storage before the job ends
+            trainer.flush_state() if r < cfg.rounds else trainer.settle()
     _CURRENT_ROUND = None
     return {"worker": task.worker, "rounds": [s["round"] for s in served]}

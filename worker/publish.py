@@ -63,6 +63,9 @@ class Publisher:
         params.describe(manifest)
         tensors, metadata, feedback = self._contribution(manifest, weights)
         state.update(feedback_tensors(feedback))  # the buffer after this contribution: the next round's
+        if self.state_from is not None:
+            manifest["state_from_round"] = self.state_from  # a job's first round, from a snapshot on storage
+        snapshot = not state_later or not self.params.carries_over or (t.round + 1) % self.cfg.round.state_every == 0
         if not state_later:
             self._write_state(state, t.round, t.worker)
         out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
@@ -71,7 +74,8 @@ class Publisher:
         # round, so it must hold the buffer the round started with
         self.feedback = feedback
         self.storage.remove(L.worker_inflight(t.worker, t.round))
-        if state_later:
+        self._unsaved = None if snapshot else (state, t.round, t.worker)
+        if state_later and snapshot:
             self._state_write = threading.Thread(target=self._write_state, args=(state, t.round, t.worker, True),
                                                  name=f"state-{t.worker}-{t.round}", daemon=True)
             self._state_write.start()
@@ -87,7 +91,16 @@ class Publisher:
             log.warning("worker %d round %d: optimizer state not saved (%s); a job restarted from storage "
                         "would take an older one", worker, r, exc)
             return
-        self._prune_states(keep_from=r - 1)
+        self._prune_states(keep_from=r)  # one snapshot on storage: the newest, once it is whole
+
+    def flush_state(self) -> None:
+        """Write the newest optimizer-state snapshot if it is in memory only (round.state_every): the
+        job ends or is preempted between rounds, and the job after it should not start from an older one."""
+        self.settle()
+        if self._unsaved is not None:
+            state, r, worker = self._unsaved
+            self._unsaved = None
+            self._write_state(state, r, worker, background=True)  # a failure is a warning, as in the background
 
     def settle(self) -> None:
         """Wait for the optimizer state being written in the background, if any."""

@@ -132,6 +132,8 @@ class InnerTrainer(Publisher):
         # a preemption signal is acted on between steps, every rank at the same one (worker/ranks.py)
         self.preemption = preemption(self.ranks)
         self._state_write: threading.Thread | None = None  # last round's optimizer state, being written
+        # (state, round, worker) of the newest snapshot, when it is in memory only (round.state_every)
+        self._unsaved: tuple[dict[str, torch.Tensor], int, int] | None = None
         # Reused every round (pinned on a GPU): base weights in, weights and optimizer state out. A
         # contribution of plain weights reuses the base's buffers, read back into the model before
         # training; a delta needs the base until it is coded. Host memory: 3-4x the fp32 weights.
@@ -168,6 +170,7 @@ class InnerTrainer(Publisher):
         self.adopted_at: int | None = None  # round.overlap: the step at which this round's base was adopted
         self.ahead_s = 0.0  # round.overlap: seconds trained on this round before its base existed
         self.inflight_at: int | None = None  # the step of the in-flight checkpoint saved by this job
+        self.state_from: int | None = None  # the round of the state snapshot this round started from (read)
 
     def next_round(self, task: WorkerTask) -> bool:
         """Carry this trainer into `task`, this worker's next round, keeping the model and its AdamW
@@ -258,6 +261,8 @@ class InnerTrainer(Publisher):
         if not own_state:
             self.feedback = {} if self.uses_feedback else None
         if state_key is not None:
+            self.state_from = L.parse_round(state_key.rsplit("/", 1)[-1], "state")
+            log.info("worker %d round %d: optimizer state from its snapshot of round %s", t.worker, t.round, self.state_from)
             state = found[1] if found else params.read(self.storage, state_key, f"worker {t.worker} optimizer state")
             self._take_feedback(state)
             label = self.storage.display(state_key)
@@ -393,7 +398,7 @@ def serve_round(task: WorkerTask, waited_s: float | None = None, carry: InnerTra
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     if carry is not None and not carry.next_round(task):
-        carry.settle()  # the new trainer reads the state from storage: it must be there first
+        carry.flush_state()  # the new trainer reads the state from storage: the newest must be there first
         carry = _RESIDENT = None
     trainer = carry or InnerTrainer(task)
     trainer.waited_s = waited_s
@@ -417,7 +422,7 @@ def checkpoint_active() -> bool:
     let a persistent worker's background state write finish, if one is under way."""
     if _ACTIVE is None:
         if _RESIDENT is not None:
-            _RESIDENT.settle()
+            _RESIDENT.flush_state()  # preempted between rounds: the requeued job takes the newest state
         return False
     _ACTIVE.checkpoint()
     return True

@@ -24,7 +24,7 @@ from core.checkpoint import open_checkpoint, read_manifest
 from core.codec import outer_gradient
 from core.config import Config
 from core.errors import CheckpointError
-from core.layout import RunLayout
+from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.observe.metrics import SCHEMA, read_metrics, step_lines
 from core.records import RoundJobs, RunInfo
@@ -128,9 +128,18 @@ def _cache_key(line: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _pruned(storage: Storage, r: int) -> bool:
+    """Were round r's tensors deleted by retention (its global's manifest is there, its data not)?"""
+    try:
+        return storage.exists(manifest_key(L.global_weights(r))) and not storage.exists(L.global_weights(r))
+    except Exception:  # noqa: BLE001 - a storage that cannot say: the statistics say why themselves
+        return False
+
+
 def outer_stats_cached(storage: Storage, rounds: Sequence[Mapping[str, Any]], cache: Path) -> dict[int, dict[str, Any]]:
     """Stats of every committed round with a merge, cached in `cache` (keyed by round and commit).
-    A round whose checkpoints are gone gets {"error": why} instead."""
+    A round whose checkpoints are gone gets {"error": why} instead; one whose tensors retention
+    deleted (round.keep_last: their manifests stay) has none."""
     cached = json.loads(cache.read_text()) if cache.exists() else {}
     out: dict[int, dict[str, Any]] = {}
     for line in rounds:
@@ -143,6 +152,8 @@ def outer_stats_cached(storage: Storage, rounds: Sequence[Mapping[str, Any]], ca
             out[r] = hit
             continue
         weights = [float(((line.get("weights") or {}).get(str(w), 1.0))) for w in workers]
+        if _pruned(storage, r):
+            continue
         try:
             out[r] = {"key": key, **outer_grad_stats(storage, r, workers, weights)}
         except CheckpointError as exc:
