@@ -3,10 +3,11 @@
 After publishing its contribution to round r, the job waits on storage until the merge service
 assigns it round r+1 (an entry for this worker in rounds/r+1/jobs.json naming this job), then trains
 from the base it is given. Its model and AdamW state stay in memory (on the GPU) between rounds:
-a round reads only its base weights and writes its contribution on the critical path; the state
-file is written from a snapshot in the background after the contribution, while the merge runs
-(worker.train.serve_round). If the job dies hard in that second, a restarted job takes the
-worker's previous state file; preemption and time limits wait for the write. It stops when the
+a round reads only its base weights and writes its contribution on the critical path; every
+round.state_every rounds the state file is written from a snapshot in the background after the
+contribution, while the merge runs (worker.train.serve_round), and when the job ends before the run
+does or is preempted between rounds (flush_state). A job restarted after a hard loss takes the
+newest snapshot on storage, and says which round it came from. It stops when the
 run is over, cancelled or failed, or when the service has handed the worker to another job. At its time limit Slurm signals it; the job saves an
 in-flight checkpoint if it is training and is requeued to carry on at the round it was serving.
 

@@ -5,7 +5,8 @@ A mixin of worker.train.InnerTrainer (it uses the trainer's task, storage, confi
 optimizer, params and ranks): the round loop stays in worker/train.py, readable top to bottom,
 and what crosses storage, with its order of writes, is read here. The order: the optimizer state
 first, then the weights with their manifest, which is the commit (core/checkpoint.py); a
-persistent worker writes the state after the contribution, from a snapshot, in the background.
+persistent worker writes the state after the contribution, from a snapshot, in the background, and
+only every round.state_every rounds (flush_state writes the newest when its job ends early).
 """
 from __future__ import annotations
 
