@@ -189,3 +189,22 @@ def test_a_real_worker_with_a_forged_feedback_buffer_trains_its_round_from_fresh
     cfg = train.load_run_config(s)
     acc = RunningSum(s, L.global_weights(1))
     assert acc.add(Contribution(0, L.contribution(1, 0), 1.0, codec.max_update(cfg))), acc.rejected
+
+
+def test_a_damaged_in_flight_checkpoint_is_set_aside_and_the_round_starts_from_its_base(tmp_path, caplog):
+    from worker.state import inflight_tensors
+    s = Storage(str(tmp_path))
+    key = L.worker_inflight(1, 3)
+    write_checkpoint(s, key, _state(torch.tensor([0.0, math.nan, 0.0])),
+                     manifest={"round": 3, "worker": 1, "steps_done": 4, "base_digest": "a" * 32})
+    assert inflight_tensors(s, key, "in-flight", "b" * 32, 25, 1.0) is None  # another base: not this round's, kept
+    assert read_manifest(s, key) is not None
+    with caplog.at_level(logging.WARNING):
+        assert inflight_tensors(s, key, "in-flight", "a" * 32, 25, 1.0) is None
+    assert "NaN or Inf" in caplog.text and read_manifest(s, key) is None  # set aside: the requeue starts the round over
+    write_checkpoint(s, key, _state(torch.zeros(3)), manifest={"round": 3, "worker": 1, "steps_done": 99,
+                                                                 "base_digest": "a" * 32})
+    assert inflight_tensors(s, key, "in-flight", "a" * 32, 25, 1.0) is None and read_manifest(s, key) is None
+    write_checkpoint(s, key, _state(torch.zeros(3)), manifest={"round": 3, "worker": 1, "steps_done": 4,
+                                                                 "base_digest": "a" * 32})
+    assert set(inflight_tensors(s, key, "in-flight", "a" * 32, 25, 1.0)) == set(_state(torch.zeros(3)))

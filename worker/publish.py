@@ -92,7 +92,9 @@ class Publisher:
             log.warning("worker %d round %d: optimizer state not saved (%s); a job restarted from storage "
                         "would take an older one", worker, r, exc)
             return
-        self._prune_states(keep_from=r)  # one snapshot on storage: the newest, once it is whole
+        # a persistent worker keeps one snapshot, the newest once it is whole; a per-round job also the
+        # one before, which a requeue of this round reads if it was preempted before its contribution
+        self._prune_states(keep_from=r if background else r - 1)
 
     def flush_state(self) -> None:
         """Write the newest optimizer-state snapshot if it is in memory only (round.state_every): the

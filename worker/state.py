@@ -112,3 +112,22 @@ def usable_state(storage: Storage, worker: int, before_round: int, feedback_boun
         log.warning("worker %d: no usable optimizer-state snapshot is left: fresh AdamW state (and error feedback)",
                     worker)
     return None
+
+
+def inflight_tensors(storage: Storage, key: str, label: str, base_digest: str, steps: int, bound: float
+                     ) -> dict[str, torch.Tensor] | None:
+    """The in-flight checkpoint's tensors when this round resumes from it (trained from this base,
+    its figures a worker's, its tensors checked: check_state), else None; a damaged one is set aside."""
+    try:
+        m = read_manifest(storage, key, label)
+    except CheckpointError as exc:
+        m = {"damaged": str(exc)}
+    if m is None or m.get("base_digest") != base_digest and "damaged" not in m:
+        return None
+    done = m.get("steps_done")
+    if "damaged" in m or not (type(done) is int and 0 <= done <= steps):
+        why = m.get("damaged") or f"{label}: its manifest's steps_done {done!r} is not a step of this round"
+        set_aside(storage, key, why)
+        log.warning("%s; set aside: the round starts again from its base", why)
+        return None
+    return checked(storage, key, label, bound)

@@ -40,7 +40,7 @@ from core.storage import Storage
 from core.task import WorkerTask
 from worker.params import SEP, take_feedback
 from worker.sharded import params_for
-from worker.state import checked, set_aside, usable_state
+from worker.state import inflight_tensors, usable_state
 from worker.publish import Publisher
 from worker.ranks import data_parallel, join, preemption
 from worker.tasks import map_tensors, task_for
@@ -72,25 +72,6 @@ def lr_at(step: int, cfg: Config) -> float:
     progress = min(1.0, (step - inner.warmup_steps) / span)
     floor = inner.lr * inner.min_lr_ratio
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (inner.lr - floor)
-
-
-def _inflight(storage: Storage, key: str, label: str, base_digest: str, cfg: Config, bound: float
-              ) -> dict[str, torch.Tensor] | None:
-    """The in-flight checkpoint's tensors when this round resumes from it (trained from this base,
-    its figures a worker's, its tensors checked: worker.state), else None; a damaged one is set aside."""
-    try:
-        m = read_manifest(storage, key, label)
-    except CheckpointError as exc:
-        m = {"damaged": str(exc)}
-    if m is None or m.get("base_digest") != base_digest and "damaged" not in m:
-        return None
-    steps = m.get("steps_done")
-    if "damaged" in m or not (type(steps) is int and 0 <= steps <= cfg.inner.steps):
-        why = m.get("damaged") or f"{label}: its manifest's steps_done {steps!r} is not a step of this round"
-        set_aside(storage, key, why)
-        log.warning("%s; set aside: the round starts again from its base", why)
-        return None
-    return checked(storage, key, label, bound)
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -237,7 +218,8 @@ class InnerTrainer(Publisher):
         inflight, bound = L.worker_inflight(t.worker, t.round), codec.max_update(self.cfg)
         label = f"worker {t.worker} in-flight checkpoint {self.storage.display(inflight)}"
         # rank 0's reading for every rank: ranks that started from different weights would not notice
-        held = _inflight(self.storage, inflight, label, base_manifest["digest"], self.cfg, bound) if self.ranks.lead else None
+        held = inflight_tensors(self.storage, inflight, label, base_manifest["digest"], self.cfg.inner.steps, bound) \
+            if self.ranks.lead else None
         resuming = self.ranks.lead_says(held is not None)
         base = params.load_base(self.storage, t.base_key, self.model, resuming, alloc=self._host_base)
         self._base = base if self.cfg.round.contribution == "delta" else None
