@@ -116,6 +116,9 @@ class Chaos:
             str(a.rounds), "--inner-steps", str(a.inner_steps), "--set", f"seed={a.seed}", *TINY,
             "--set", f"round.min_workers={a.workers}", "--set", f"round.deadline_s={a.deadline_s}",
             "--set", "round.stream_merge=false", "--set", "round.max_retries=8",
+            # bit for bit against the clean run: a killed worker must restart from the state it had (a
+            # snapshot every round), and the checks read every round's tensors (none deleted)
+            "--set", "round.state_every=1", "--set", "round.keep_last=0",
             *(["--set", f"data.cache_dir={a.cache_dir}"] if a.cache_dir else [])]
         self.armed = self.kills[0] if self.kills and self.kills[0] != "sigkill" else None
         return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=self._env(self.armed),
