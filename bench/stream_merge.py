@@ -56,11 +56,16 @@ def setup(root: Path, k: int, dims: tuple[int, int, int, int]) -> tuple[Storage,
     for i in range(k):
         write_checkpoint(s, f"w{i}.safetensors", {n: t + 0.01 * (torch.rand(t.shape, generator=g) - 0.5)
                                                   for n, t in base.items()}, manifest={"round": 0, "worker": i})
-        contribs.append(Contribution(i, f"w{i}.safetensors", 1000.0 + i))
+        contribs.append(Contribution(i, f"w{i}.safetensors", 1000.0 + i, BOUND))  # checked as the service does
     del base
     merge_round(s, RoundSpec(base="g0.safetensors", out="g1.safetensors", outer=OUTER, state_out="s1.safetensors"),
                 contribs)  # round 0 makes the outer state that round 1 reads
     return s, contribs
+
+
+BOUND = 1.0
+"""Each contribution's bound on an outer-gradient entry (core.codec.max_update), as the service
+passes it: every fold checks it (weights against the held global)."""
 
 
 def files(root: Path) -> list[Path]:
