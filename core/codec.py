@@ -181,7 +181,7 @@ may lie from this round's global: a worker that continued from its own weights (
 continue) also carries the global's moves since it last adopted one."""
 
 
-def check_bound(label: str, name: str, values: torch.Tensor, bound: float, what: str = "moves an entry") -> float:
+def check_bound(label: str, name: str, values: torch.Tensor, bound: float, what: str = "moves an entry by") -> float:
     """The largest magnitude in `values` (an outer gradient, or an error-feedback buffer);
     CheckpointError when it is past `bound` (max_update)."""
     if not values.numel():
@@ -189,7 +189,7 @@ def check_bound(label: str, name: str, values: torch.Tensor, bound: float, what:
     lo, hi = torch.aminmax(values.detach().reshape(-1))  # one pass, a few times cheaper than an inf-norm
     peak = max(-float(lo), float(hi))
     if peak > bound:
-        raise CheckpointError(f"{label}: tensor {name} {what} by {peak:.3g}, more than a round of inner training can "
+        raise CheckpointError(f"{label}: tensor {name} {what} {peak:.3g}, more than a round of inner training can "
                               f"({bound:.3g}, round.max_update): the file is forged or damaged, or the run's "
                               "inner steps are far larger than its config says; it is refused (set round.max_update "
                               "to raise the bound if this run's updates are really that large)")

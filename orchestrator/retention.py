@@ -57,7 +57,12 @@ def prune(storage: Storage, cfg: Config, committed: int, first: int = 0) -> int:
     deleted (a link or a folder where a file is due) is logged and left: retention never stops a run."""
     freed = 0
     for what, q in doomed(cfg, committed, first):
-        for key in _keys(storage, what, q):
+        try:
+            keys = _keys(storage, what, q)
+        except Exception as exc:  # noqa: BLE001 - a folder that cannot be listed: left, the run goes on
+            log.warning("retention: round %d's %s not listed (%s)", q, what, exc)
+            continue
+        for key in keys:
             try:
                 size = storage.size(key)
                 storage.remove(key)

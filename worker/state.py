@@ -20,6 +20,7 @@ import time
 import torch
 
 from core.checkpoint import load_checkpoint, read_manifest
+from core.codec import check_bound
 from core.errors import CheckpointError, StorageError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
@@ -31,7 +32,6 @@ L = RunLayout()
 
 def check_state(tensors: dict[str, torch.Tensor], label: str, feedback_bound: float) -> None:
     """CheckpointError naming `label` and the tensor when a state file's tensors cannot be a worker's."""
-    from core.codec import check_bound  # the one bound, core.codec's
     for key, t in tensors.items():
         if not t.is_floating_point():
             raise CheckpointError(f"{label}: tensor {key} is {t.dtype}, not floating point: a worker writes its "
@@ -44,7 +44,7 @@ def check_state(tensors: dict[str, torch.Tensor], label: str, feedback_bound: fl
             raise CheckpointError(f"{label}: tensor {key} (AdamW's {slot}) has negative values: the file is damaged "
                                   "or forged")
         if key.startswith(FEEDBACK):
-            check_bound(label, key, t, feedback_bound, what="(the error-feedback buffer) holds an entry of")
+            check_bound(label, key, t, feedback_bound, what="(the error-feedback buffer) holds an entry of magnitude")
 
 
 def set_aside(storage: Storage, key: str, why: str) -> str | None:
