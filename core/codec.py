@@ -162,7 +162,7 @@ def max_update(cfg: Config) -> float:
     rc, i = cfg.round, cfg.inner
     if rc.max_update > 0:
         return rc.max_update
-    steps = cfg.inner.steps * (1 + math.ceil(rc.overlap_ahead) if rc.overlap != "off" else 1)
+    steps = i.steps * (1 + math.ceil(rc.overlap_ahead) if rc.overlap != "off" else 1)
     b1, b2, q = i.beta1, i.beta2, i.beta1 * i.beta1 / max(i.beta2, 1e-12)
     ratio, series = 1.0, 0.0
     for t in range(1, min(steps, 10_000) + 1):  # q < 1 (the usual betas) converges long before

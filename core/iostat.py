@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+from pathlib import Path
 
 ENV = "ISLANDS_IO_REPORT"
 
@@ -31,6 +32,6 @@ def report_at_exit(role: str) -> None:
         return
 
     def write() -> None:
-        with open(os.path.join(folder, f"{role}-{os.getpid()}.json"), "w") as f:
-            json.dump({"role": role, "pid": os.getpid(), **counters()}, f)
+        report = {"role": role, "pid": os.getpid(), **counters()}
+        (Path(folder) / f"{role}-{os.getpid()}.json").write_text(json.dumps(report))
     atexit.register(write)

@@ -1,7 +1,8 @@
-"""Who else can steer a run: the one check of a run directory's ownership and modes, and the one
-loader of its config.yaml for every process that acts on it (the merge service, each worker job,
-`orchestrate eval --run`), since config.yaml names the code they import (task_path) and the shell
-lines they run (executor.setup): whoever can rewrite it runs commands as the run's owner.
+"""Who else can steer a run: the one check of who owns and can write a path (a run directory, its
+config.yaml and jobs/, a task_path), and the checked loader of config.yaml for the processes that
+act on it (the merge service checks the whole run first; each worker job through load_run_config),
+since config.yaml names the code they import (task_path) and the shell lines they run
+(executor.setup): whoever can rewrite it runs commands as the run's owner.
 """
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ from core.storage import Storage
 L = RunLayout()
 
 
+def stranger(st: os.stat_result, *, allow_group: bool = False) -> str | None:
+    """Who else can change a file or folder of this `st`: "belongs to uid N, not you (uid M)", "is
+    writable by other users (0o...)" (or "your group", unless `allow_group`); None: only you."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not you (uid {os.getuid()})"
+    if mode & 0o002 or (mode & 0o020 and not allow_group):
+        return f"is writable by {'other users' if mode & 0o002 else 'your group'} ({oct(mode)})"
+    return None
+
+
 def unsafe_paths(storage: Storage, keys: tuple[str, ...], *, allow_group: bool = False) -> list[str]:
     """Each of `keys` (files or folders of a local run; "" is the run itself) that someone else could
     change, with the command that fixes it. Object stores have no such modes (their access is the
@@ -30,14 +42,12 @@ def unsafe_paths(storage: Storage, keys: tuple[str, ...], *, allow_group: bool =
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid != os.getuid():
-            loose.append(f"{path} belongs to uid {st.st_uid}, not you (uid {os.getuid()}): use a run directory of "
-                         "your own")
-        elif mode & 0o002 or (mode & 0o020 and not allow_group):
-            fix = "go-w" if not allow_group else "o-w"
-            loose.append(f"{path} is writable by {'other users' if mode & 0o002 else 'your group'} "
-                         f"({oct(mode)}): chmod {'-R ' if stat.S_ISDIR(st.st_mode) else ''}{fix} {path}")
+        who = stranger(st, allow_group=allow_group)
+        if who is None:
+            continue
+        fix = "go-w" if not allow_group else "o-w"
+        loose.append(f"{path} {who}: " + ("use a run directory of your own" if who.startswith("belongs") else
+                                          f"chmod {'-R ' if stat.S_ISDIR(st.st_mode) else ''}{fix} {path}"))
     return loose
 
 
@@ -49,6 +59,12 @@ def load_run_config(storage: Storage) -> Config:
     if loose:
         raise RunError("others can rewrite this run's config (which names the code every job imports and the "
                        "commands it runs):\n  " + "\n  ".join(loose) + "\nfix the modes above; nothing was run")
+    return read_run_config(storage)
+
+
+def read_run_config(storage: Storage) -> Config:
+    """The run's config.yaml, parsed and checked as a config (what `status` and `report` read: no
+    code runs from it there)."""
     if not storage.exists(L.CONFIG):
         raise RunError(f"{storage.display()} is not a run directory (no {L.CONFIG})")
     return config_from_dict(load_yaml(storage.read_bytes(L.CONFIG), storage.display(L.CONFIG)),

@@ -29,6 +29,15 @@ log = logging.getLogger(__name__)
 L = RunLayout()
 
 
+def _windows(cfg: Config, committed: int) -> tuple[int, int]:
+    """(the oldest committed round whose global, state and contributions stay; the oldest whose
+    contributions and global stay: older under late_policy fold, whose later merges re-base a late
+    contribution of those rounds onto its own base, that round's global)."""
+    rc = cfg.round
+    oldest = committed - rc.keep_last + 1
+    return oldest, oldest if rc.late_policy != "fold" else min(oldest, committed + 1 - rc.max_staleness)
+
+
 def doomed(cfg: Config, committed: int, first: int = 0) -> list[tuple[str, int]]:
     """(what, round) of the tensors to delete once round `committed` is: 'global', 'state',
     'contrib' or 'folded' of a round in [first, ...) (what earlier commits deleted is not asked for
@@ -36,9 +45,7 @@ def doomed(cfg: Config, committed: int, first: int = 0) -> list[tuple[str, int]]
     rc = cfg.round
     if rc.keep_last <= 0:
         return []
-    oldest = committed - rc.keep_last + 1  # the oldest committed round whose tensors stay
-    # fold: a later merge re-bases a late contribution of those rounds onto its own base (that global)
-    contrib_oldest = oldest if rc.late_policy != "fold" else min(oldest, committed + 1 - rc.max_staleness)
+    oldest, contrib_oldest = _windows(cfg, committed)
     out = [("global", q) for q in range(first, contrib_oldest) if not (rc.keep_every and q % rc.keep_every == 0)]
     out += [("state", q) for q in range(max(first, 1), oldest)]
     out += [(what, q) for q in range(first, max(contrib_oldest, 0)) for what in ("contrib", "folded")]
@@ -47,9 +54,7 @@ def doomed(cfg: Config, committed: int, first: int = 0) -> list[tuple[str, int]]
 
 def kept_from(cfg: Config, committed: int) -> int:
     """The first round a later prune needs to look at: everything before it is dealt with."""
-    rc = cfg.round
-    oldest = committed - rc.keep_last + 1
-    return max(0, oldest if rc.late_policy != "fold" else min(oldest, committed + 1 - rc.max_staleness))
+    return max(0, _windows(cfg, committed)[1])
 
 
 def prune(storage: Storage, cfg: Config, committed: int, first: int = 0) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -57,6 +56,7 @@ class RoundMerger:
         # an outer merge is linear: contributions can be folded into a running sum as they land, and a
         # late one re-based onto a later round's global; LTE heads are relative to the base they trained on
         self.linear = self.cfg.algorithm != "lte"
+        self.bound = codec.max_update(self.cfg)  # what an outer-gradient entry may be (LTE's merge has its own checks)
         self._sum: RunningSum | None = None  # round `_sum_round`'s contributions folded as they land
         self._sum_round = -1
         self.schedule = replay.of_run(self.storage, self.cfg)  # a replay sums in its source's order
@@ -93,7 +93,7 @@ class RoundMerger:
         fold = self.cfg.round.late_policy == "fold" and self.linear
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
-            result = self._merge(r, contribs + late.fold_inputs(folded, codec.max_update(self.cfg)))
+            result = self._merge(r, contribs + late.fold_inputs(folded, self.bound))
         except QuorumError as exc:
             exc.rejected = {w: why for w, why in {**exc.rejected, **stale}.items() if w >= 0}  # < 0: folds
             raise
@@ -252,7 +252,7 @@ class RoundMerger:
                 raise CheckpointError(f"{label}: {weight}")
         except CheckpointError as exc:
             return None, refusal(label, exc), m
-        return Contribution(w, key, weight, codec.max_update(self.cfg) if self.linear else math.inf), "", m
+        return Contribution(w, key, weight, self.bound), "", m
 
 
 def _count(manifest: dict[str, Any], key: str) -> int | None:

@@ -104,8 +104,8 @@ def drive(storage: Storage, opts: ServiceOptions) -> int:
     from orchestrator.run_models import initial_eval
     from orchestrator.run_view import RunView, duration
     from orchestrator.runstate import load_run, run_status
-
     from core import iostat
+
     iostat.report_at_exit("service")  # benchmarks only (ISLANDS_IO_REPORT): bytes read and written
     leases.refuse_unsafe(storage, allow_group=opts.allow_group_write)  # before its config is read
     cfg = load_run(storage)

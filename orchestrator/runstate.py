@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from core.config import Config, config_from_dict
-from core.config_parse import load_yaml
+from core import trust
+from core.config import Config
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
@@ -26,10 +26,7 @@ def default_run_dir(cfg: Config) -> str:
 
 
 def load_run(storage: Storage) -> Config:
-    if not storage.exists(L.CONFIG):
-        raise RunError(f"{storage.display()} is not a run directory (no {L.CONFIG})")
-    return config_from_dict(load_yaml(storage.read_bytes(L.CONFIG), storage.display(L.CONFIG)),
-                            source=storage.display(L.CONFIG))
+    return trust.read_run_config(storage)
 
 
 def arrived_workers(storage: Storage, r: int) -> list[int]:

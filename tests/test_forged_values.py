@@ -8,8 +8,11 @@ Worker state: the real worker (worker.train) on the built-in model, a planted st
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +211,49 @@ def test_a_damaged_in_flight_checkpoint_is_set_aside_and_the_round_starts_from_i
     write_checkpoint(s, key, _state(torch.zeros(3)), manifest={"round": 3, "worker": 1, "steps_done": 4,
                                                                  "base_digest": "a" * 32})
     assert set(inflight_tensors(s, key, "in-flight", "a" * 32, 25, 1.0)) == set(_state(torch.zeros(3)))
+
+
+def test_a_round_whose_eval_is_not_finite_is_recorded_as_missing_and_the_record_loads(tmp_path):
+    """A record never carries a non-finite figure (its loader would refuse the whole record)."""
+    from orchestrator.lease import acquire
+    from orchestrator.loop import Service
+    s = Storage(str(tmp_path / "run"))
+    cfg = load_config(None, {"workers": 2, "rounds": 1, "executor.kind": "local", "run_dir": s.url}, SETS[:-1])
+    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
+    lease = acquire(s)
+    try:
+        service = Service(lease, cfg, Scripted({}))
+        service.evaluator.metrics = lambda storage, key: {"loss": math.inf, "accuracy": math.nan, "kept": 0.5}
+        service.run()
+    finally:
+        lease.release()
+    rec = RoundRecord.load(s, 0)
+    assert rec.eval_loss is None and rec.eval_metrics == {"kept": 0.5}
+
+
+def test_the_outer_gradient_norm_is_finite_for_finite_gradients_past_float32s_square():
+    """Entries of 1e20 square past float32's range; the norm is summed in float64."""
+    from core.checkpoint_writer import OutputFile
+    from core.config import OuterConfig
+    from merge.outer import OuterStep
+    s = Storage("memory://grad-norm")
+    step = OuterStep([OutputFile(s, "g.safetensors", [("w", "F32", (4,), 16)], None, {})], None,
+                     OuterConfig(optimizer="sgd", lr=1e-30, momentum=0.0))
+    step.step("w", torch.zeros(4), torch.full((4,), 1e20), {})
+    step.finish()
+    step.commit()
+    assert step.grad_sq ** 0.5 == pytest.approx(2e20)
+
+
+def test_io_counters_are_reported_at_exit_only_when_asked(tmp_path):
+    import subprocess
+    import sys
+    code = "from core import iostat; iostat.report_at_exit('worker'); open('/proc/self/io').read()"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, env={**os.environ, "ISLANDS_IO_REPORT": str(tmp_path)})
+    (report,) = tmp_path.glob("worker-*.json")
+    got = json.loads(report.read_text())
+    assert got["role"] == "worker" and got["rchar"] > 0 and got["wchar"] >= 0
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, env={k: v for k, v in os.environ.items()
+                                                                             if k != "ISLANDS_IO_REPORT"})
+    assert len(list(tmp_path.glob("*.json"))) == 1

@@ -68,10 +68,13 @@ class Dataset:
                                f"`orchestrate data prepare SOURCE... --out {url}`")
         self.index: Index = fmt.parse_index(obj, self.storage.display())
         self.dtype = np.dtype(self.index.dtype).newbyteorder("<")
-        self.vocab_size = self.index.tokenizer.vocab_size
         self._fds: dict[str, int] = {}
         if check_sizes:
             self._check_sizes()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.index.tokenizer.vocab_size
 
     @property
     def url(self) -> str:

@@ -27,7 +27,7 @@ from core.dataset import DatasetError, Index, Shard, Tokenizer
 from core.errors import IslandsError, StorageError
 from core.progress import human, progress
 from core.storage import Storage
-from worker.sources import BadRecord, Fields, Record, Unit, plan_units, records
+from worker.sources import BadRecord, Fields, Record, Unit, describe, plan_units, records
 
 log = logging.getLogger(__name__)
 _ENCODE_BATCH = 256  # documents handed to the tokenizer at once
@@ -249,7 +249,7 @@ def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, digest: str, tok: A
     except DatasetError:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt, truncated or vanished input is one error naming it
-        raise DatasetError(f"{unit.rel} cannot be read past {last} ({type(exc).__name__}: {str(exc)[:200]}): the file is "
+        raise DatasetError(f"{unit.rel} cannot be read past {last} ({describe(exc)}): the file is "
                            "damaged, truncated, not of the kind its name says, or was changed while it was read; "
                            "fix or remove it, and run the same command again (finished units are kept)") from None
     if batch:

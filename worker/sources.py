@@ -113,7 +113,7 @@ def plan_units(sources: list[str], fields: Fields) -> list[Unit]:
         except DatasetError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever a source's reader raises, one error naming it
-            raise DatasetError(f"source {source} cannot be read ({_why(exc)}); check that it is a file or folder of "
+            raise DatasetError(f"source {source} cannot be read ({describe(exc)}); check that it is a file or folder of "
                                "text, JSON lines (.gz/.zst), parquet or a Hugging Face datasets folder") from None
         if not found:
             raise DatasetError(f"source {source} has no files to read (hidden entries are skipped)")
@@ -121,12 +121,12 @@ def plan_units(sources: list[str], fields: Fields) -> list[Unit]:
     return units
 
 
-def _why(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """An exception as one short clause of a message."""
     return f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
 
 
-def _regular(fs: Any, info: dict) -> dict:
+def _regular(info: dict) -> dict:
     """`info` of a regular file; DatasetError for a FIFO, a device or a socket (reading one would
     block or never end)."""
     if info.get("type") != "file":
@@ -137,7 +137,7 @@ def _regular(fs: Any, info: dict) -> dict:
 
 def _units_of(fs: Any, root: str, protocol: str) -> list[Unit]:
     if not fs.isdir(root):
-        return _file_units(fs, _regular(fs, fs.info(root)), posixpath.basename(root), protocol)
+        return _file_units(fs, _regular(fs.info(root)), posixpath.basename(root), protocol)
     if fs.exists(f"{root}/dataset_dict.json") or fs.exists(f"{root}/state.json"):
         return _arrow_units(fs, root, protocol)
     found = fs.find(root, detail=True).values()
@@ -199,12 +199,12 @@ def _arrow_units(fs: Any, root: str, protocol: str) -> list[Unit]:
         raise DatasetError(f"{folder}/state.json lists no usable Arrow files ({names!r}); save the dataset again "
                            "with save_to_disk")
     return [Unit("arrow", f"{protocol}{folder}/{n}", posixpath.relpath(f"{folder}/{n}", root),
-                 int(_regular(fs, fs.info(f"{folder}/{n}"))["size"])) for n in names]
+                 int(_regular(fs.info(f"{folder}/{n}"))["size"])) for n in names]
 
 
 def _json(fs: Any, path: str) -> dict:
     try:
-        info = _regular(fs, fs.info(path))
+        info = _regular(fs.info(path))
         if info["size"] > 1 << 20:  # a few hundred bytes when datasets writes it
             raise ValueError(f"{info['size']} bytes, more than a datasets folder's JSON holds")
         obj = json.loads(fs.cat_file(path))

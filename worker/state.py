@@ -67,17 +67,9 @@ def set_aside(storage: Storage, key: str, why: str) -> str | None:
         return None
 
 
-def _published(storage: Storage, key: str, label: str) -> bool:
-    """Has `key` a manifest (a damaged manifest counts: checked() refuses it, naming why)?"""
-    try:
-        return read_manifest(storage, key, label) is not None
-    except CheckpointError:
-        return True
-
-
 def checked(storage: Storage, key: str, label: str, feedback_bound: float) -> dict[str, torch.Tensor] | None:
     """The tensors of the state file or in-flight checkpoint at `key`, checked (check_state); None
-    when it has no manifest, or when it fails, in which case it is set aside, naming why."""
+    when it has no manifest. One that fails is set aside, naming why, and its CheckpointError raised."""
     try:
         if read_manifest(storage, key, label) is None:
             return None
@@ -87,7 +79,7 @@ def checked(storage: Storage, key: str, label: str, feedback_bound: float) -> di
     except CheckpointError as exc:
         where = set_aside(storage, key, str(exc))
         log.warning("%s; set aside%s", exc, f" to {storage.display(where)}" if where else " (left in place)")
-        return None
+        raise
 
 
 def usable_state(storage: Storage, worker: int, before_round: int, feedback_bound: float = math.inf
@@ -95,15 +87,16 @@ def usable_state(storage: Storage, worker: int, before_round: int, feedback_boun
     """This worker's newest optimizer-state snapshot before `before_round` that passes check_state,
     with its tensors; a damaged one is set aside (naming it and why) and the one before is tried.
     None: no usable snapshot, the job starts from fresh AdamW state (and says so when one was refused)."""
-    rounds = [r for n in storage.list(L.worker_dir(worker)) if (r := L.parse_round(n, "state")) is not None]
+    rounds = {r for n in storage.list(L.worker_dir(worker)) if (r := L.parse_round(n, "state")) is not None}
     refused = 0
     for r in sorted((r for r in rounds if r < before_round), reverse=True):
         key = L.worker_state(worker, r)
-        label = f"worker {worker} optimizer state {storage.display(key)}"
-        had = _published(storage, key, label)
-        tensors = checked(storage, key, label, feedback_bound) if had else None
+        try:
+            tensors = checked(storage, key, f"worker {worker} optimizer state {storage.display(key)}", feedback_bound)
+        except CheckpointError:
+            refused += 1
+            continue
         if tensors is None:
-            refused += had
             continue
         if refused:
             log.warning("worker %d: starting from its optimizer state of round %d, an older snapshot", worker, r)
@@ -130,4 +123,7 @@ def inflight_tensors(storage: Storage, key: str, label: str, base_digest: str, s
         set_aside(storage, key, why)
         log.warning("%s; set aside: the round starts again from its base", why)
         return None
-    return checked(storage, key, label, bound)
+    try:
+        return checked(storage, key, label, bound)
+    except CheckpointError:  # set aside, said: the round starts again from its base
+        return None

@@ -29,7 +29,6 @@ import importlib
 import math
 import os
 import re
-import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from core.config import Config
+from core.trust import stranger
 from core.errors import IslandsError
 from worker.prepare import unit_hash
 
@@ -222,16 +222,12 @@ def _trusted(path: str, name: str) -> None:
     others: whoever can write it runs code as you in every worker and in the service."""
     for p in [Path(path), *Path(path).glob(name.split(".")[0] + "*")][:8]:
         try:
-            st = os.stat(p)
+            who = stranger(os.stat(p))
         except OSError:
             continue
-        if st.st_uid != os.getuid():
-            raise TaskError(f"task_path {p} belongs to uid {st.st_uid}, not you (uid {os.getuid()}): its code would run "
-                            "as you in every worker; copy the task into a folder of your own")
-        if st.st_mode & 0o022:
-            raise TaskError(f"task_path {p} is writable by {'other users' if st.st_mode & 0o002 else 'your group'} "
-                            f"({oct(stat.S_IMODE(st.st_mode))}): anyone who can write it runs code as you in every "
-                            f"worker; chmod go-w {p}")
+        if who is not None:
+            fix = "copy the task into a folder of your own" if who.startswith("belongs") else f"chmod go-w {p}"
+            raise TaskError(f"task_path {p} {who}: its code runs as you in every worker; {fix}")
 
 
 def _import(name: str, path: str | None) -> type:
