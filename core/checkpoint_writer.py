@@ -118,12 +118,19 @@ def write_checkpoint(storage: Storage, key: str, tensors: Mapping[str, torch.Ten
         names = sorted(tensors)
         specs, stream = [spec_of(n, tensors[n]) for n in names], lambda: ((n, tensors[n]) for n in names)
     assert specs is not None and stream is not None
-    out = OutputFile(storage, key, specs, metadata, dict(manifest or {}))
+    return publish_manifest(storage, key, write_data(OutputFile(storage, key, specs, metadata, dict(manifest or {})),
+                                                     stream).entry)
+
+
+def write_data(out: OutputFile, stream: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> OutputFile:
+    """`out`'s data from `stream` (its tensors in the order of `out.specs`), published without its
+    manifest: no reader takes it for a checkpoint until publish_manifest(out.storage, out.key,
+    out.entry) commits it (a sharded worker's contribution waits for its state snapshot)."""
     try:
         _write_file(out, iter(stream()), last=True).publish()
     except OSError as exc:
-        raise storage.error(f"write checkpoint {key}", exc) from exc
-    return publish_manifest(storage, key, out.entry)
+        raise out.storage.error(f"write checkpoint {out.key}", exc) from exc
+    return out
 
 
 class StreamWriter:

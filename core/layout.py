@@ -20,6 +20,8 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
                                                   removed after)
     workers/worker_001/state_00003.safetensors    worker 1's inner optimizer state after round 3
     workers/worker_001/inflight_00003.safetensors mid-round checkpoint of a preempted worker
+    workers/worker_001/state_00003-rank0of4...    a sharded worker's: one file per rank, the set's
+                                                  state_00003.json written last (core/shards.py)
     workers/worker_001/progress.json              heartbeat of the running worker (step, loss)
     final/model.safetensors                       the exported final model
     final/hf/                                     the same, as a Hugging Face model directory (model.hf runs)

@@ -7,6 +7,7 @@ gradients of two half batches must be (to fp32 rounding).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -23,6 +24,7 @@ from core.checkpoint_writer import write_checkpoint
 from core.config import config_from_dict
 from core.layout import RunLayout
 from core.records import RUN_INFO
+from core.shards import read_checkpoint
 from core.storage import Storage
 from core.task import WorkerTask
 from orchestrator.run_models import create_run
@@ -36,11 +38,11 @@ MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
 TOPK = {"contribution": "delta", "codec": "topk", "topk": 0.1}  # error feedback: state beside AdamW's
 
 
-def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp", steps: int = 4,
+def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel: str = "ddp", steps: int = 4, batch: int = 4,
          model: dict | None = None, data: dict | None = None, task: str = "lm", round_: dict | None = None) -> Storage:
     c = config_from_dict({"algorithm": algorithm, "workers": 2, "rounds": 2, "model": model or MODEL, "task": task,
                           "round": round_ or {},
-                          "inner": {"steps": steps, "batch_size": 4, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
+                          "inner": {"steps": steps, "batch_size": batch, "warmup_steps": 1, "device": "cpu", "parallel": parallel},
                           "lte": {"rank": 4}, "data": {"cache_dir": corpus_cache, **(data or {})},
                           "run_dir": str(tmp_path / name)})
     storage = Storage(c.run_dir)
@@ -52,16 +54,17 @@ def _task(storage: Storage, r: int, threads: int = 1) -> WorkerTask:
     return WorkerTask(storage.url, r, 0, L.global_weights(r), threads=threads)
 
 
-def _two_ranks(tmp_path, task: WorkerTask) -> list[dict]:
+def _two_ranks(tmp_path, task: WorkerTask, ranks: int = 2) -> list[dict]:
     ex = submitit.LocalExecutor(folder=tmp_path / "jobs" / "%j")
-    ex.update_parameters(tasks_per_node=2, timeout_min=5)
+    ex.update_parameters(tasks_per_node=ranks, timeout_min=5)
     job = ex.submit(train.run_worker, task)
     return job.results()
 
 
 def _assert_close(a: Storage, b: Storage, key: str, atol: float = 1e-5) -> None:
     """Weights (a coded contribution decoded: its bytes hold scales whose last bits may differ) or state."""
-    ta, tb = codec.load_weights(a, key), codec.load_weights(b, key)
+    load = read_checkpoint if key.startswith("workers/") else codec.load_weights  # a state: plain, or a set of rank files
+    ta, tb = load(a, key), load(b, key)
     assert ta.keys() == tb.keys()
     for k in ta:
         torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=atol, msg=lambda m: f"{key} {k}: {m}")
@@ -126,6 +129,70 @@ def test_a_two_rank_state_resumes_on_one_rank_and_back(tmp_path, corpus_cache, p
     for name in ("down", "up"):
         _assert_close(runs["one"], runs[name], L.contribution(1, 0))
         _assert_close(runs["one"], runs[name], L.worker_state(0, 1))
+
+
+def _next_global(s: Storage, r: int) -> None:
+    """Round r+1 starts from worker 0's own weights: no merge needed to compare two runs."""
+    write_checkpoint(s, L.global_weights(r + 1), codec.load_weights(s, L.contribution(r, 0)), manifest={"round": r + 1})
+
+
+def test_a_sharded_state_is_one_file_per_rank_and_a_three_rank_job_reads_it(tmp_path, corpus_cache):
+    """FSDP: each rank writes its own rows of the AdamW state (no rank gathers the whole state), and
+    a job of 3 ranks (rows cut 11/11/10 where 2 ranks cut 16/16: each rank reads across the files)
+    carries on to what a one-process worker publishes, contribution and state."""
+    one = _run(tmp_path, corpus_cache, "one", parallel="fsdp", batch=6)
+    sharded = _run(tmp_path, corpus_cache, "sharded", parallel="fsdp", batch=6)
+    train.run_worker(_task(one, 0))
+    _two_ranks(tmp_path / "r0", _task(sharded, 0, threads=2))
+    names = sorted(p.name for p in (Path(sharded.url) / L.worker_dir(0)).iterdir() if p.name.startswith("state_"))
+    assert names == ["state_00000-rank0of2.json", "state_00000-rank0of2.safetensors", "state_00000-rank1of2.json",
+                     "state_00000-rank1of2.safetensors", "state_00000.json"]
+    whole = read_manifest(one, L.worker_state(0, 0))["bytes"]
+    for r in range(2):  # about half the state each (rank 0 also its whole step counts)
+        assert read_manifest(sharded, f"{L.worker_dir(0)}/state_00000-rank{r}of2.safetensors")["bytes"] < 0.6 * whole
+    for s in (one, sharded):
+        _next_global(s, 0)
+    train.run_worker(_task(one, 1))
+    _two_ranks(tmp_path / "r1", _task(sharded, 1, threads=2), ranks=3)
+    assert read_manifest(sharded, L.contribution(1, 0))["state_from_round"] == 0
+    assert read_manifest(sharded, L.worker_state(0, 1))["ranks"] == 3
+    _assert_close(one, sharded, L.contribution(1, 0))
+    _assert_close(one, sharded, L.worker_state(0, 1))
+
+
+def test_a_sharded_worker_continues_from_its_own_coded_contribution(tmp_path, corpus_cache):
+    """late_policy continue: a worker that missed a merge trains on from its own contribution, here
+    a topk delta, which a sharded worker's rank 0 decodes (its base first) to broadcast it, and
+    codes the next delta against: as a one-process worker does."""
+    runs = {name: _run(tmp_path, corpus_cache, name, parallel="fsdp", round_=TOPK) for name in ("one", "sharded")}
+    for r in range(2):
+        for name, s in runs.items():
+            task = WorkerTask(s.url, r, 0, L.global_weights(0) if r == 0 else L.contribution(0, 0), threads=2)
+            _two_ranks(tmp_path / f"{name}{r}", task) if name == "sharded" else train.run_worker(dataclasses.replace(task, threads=1))
+    _assert_close(runs["one"], runs["sharded"], L.contribution(1, 0))
+    assert read_manifest(runs["sharded"], L.contribution(1, 0))["base"] == L.contribution(0, 0)
+
+
+def test_a_sharded_snapshot_one_rank_finds_damaged_is_refused_by_every_rank(tmp_path, corpus_cache):
+    """Bits flipped in rank 1's file of round 1's snapshot: only rank 1 reads that file, so only it
+    sees the checksum fail; the ranks agree, rank 0 sets the whole set aside, and every rank takes
+    round 0's snapshot instead, the log naming the file. The job ends (no rank waits on another)."""
+    s = _run(tmp_path, corpus_cache, "run", parallel="fsdp")
+    for r in range(2):
+        _two_ranks(tmp_path / f"r{r}", _task(s, r, threads=2))
+        _next_global(s, r)
+    damaged = Path(s.url) / L.worker_dir(0) / "state_00001-rank1of2.safetensors"
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    _two_ranks(tmp_path / "r2", _task(s, 2, threads=2))
+    assert read_manifest(s, L.contribution(2, 0))["state_from_round"] == 0
+    rejected = sorted(p.name for p in (Path(s.url) / L.worker_dir(0) / "rejected").iterdir())
+    assert [n for n in rejected if n.endswith("rank1of2.safetensors")] and [n for n in rejected if n.endswith(".reason.json")]
+    assert not (Path(s.url) / L.worker_dir(0) / "state_00001.json").exists()
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "r2" / "jobs").rglob("*_0_log.err"))
+    assert "rank 1 of 2" in logs and "checksum does not match" in logs and "set aside" in logs
+    assert "starting from its optimizer state of round 0, an older snapshot" in logs
 
 
 def test_a_preempted_sharded_worker_saves_with_every_rank_and_resumes_on_one(tmp_path, corpus_cache, monkeypatch):

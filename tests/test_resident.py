@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-import worker.publish as publish
+import worker.params as params
 import worker.train as train
 from core.checkpoint import read_manifest
 from core.config import config_from_dict
@@ -107,7 +107,7 @@ def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_pat
     """Round 0, then round 2 (round 1 went to another job): a fresh trainer, which reads state 0
     from storage, so the background write of state 0 must be finished first."""
     s = _run(tmp_path, corpus_cache, "run")
-    write, latest = publish.write_checkpoint, train.usable_state
+    write, latest = params.write_checkpoint, train.usable_state
     wrote = threading.Event()
 
     def slow_state(storage, key, *a, **kw):  # the background state write takes a while
@@ -117,7 +117,7 @@ def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_pat
         return write(storage, key, *a, **kw)
 
     found = []
-    monkeypatch.setattr(publish, "write_checkpoint", slow_state)
+    monkeypatch.setattr(params, "write_checkpoint", slow_state)
     def spy(*a):
         got = latest(*a)
         found.append(got[0] if got else None)
@@ -135,14 +135,14 @@ def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_pat
 
 def test_preemption_while_idle_waits_for_the_background_state_write(tmp_path, corpus_cache, monkeypatch):
     s = _run(tmp_path, corpus_cache, "run")
-    write = publish.write_checkpoint
+    write = params.write_checkpoint
 
     def slow_state(storage, key, *a, **kw):
         if "state" in key:
             time.sleep(0.5)
         return write(storage, key, *a, **kw)
 
-    monkeypatch.setattr(publish, "write_checkpoint", slow_state)
+    monkeypatch.setattr(params, "write_checkpoint", slow_state)
     train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     assert read_manifest(s, L.worker_state(0, 0)) is None  # still being written
     assert train.checkpoint_active() is False  # idle: nothing in flight to save, but...
@@ -151,20 +151,20 @@ def test_preemption_while_idle_waits_for_the_background_state_write(tmp_path, co
 
 def test_a_failed_background_state_write_does_not_fail_the_round(tmp_path, corpus_cache, monkeypatch, caplog):
     s = _run(tmp_path, corpus_cache, "run")
-    write = publish.write_checkpoint
+    write = params.write_checkpoint
 
     def no_space(storage, key, *a, **kw):
         if "state" in key:
             raise StorageError(f"write {key}: [Errno 28] No space left on device; free space and resume")
         return write(storage, key, *a, **kw)
 
-    monkeypatch.setattr(publish, "write_checkpoint", no_space)
+    monkeypatch.setattr(params, "write_checkpoint", no_space)
     summary, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     trainer.settle()
     assert read_manifest(s, L.contribution(0, 0))["digest"] == summary["digest"]
     assert "optimizer state not saved" in caplog.text and "No space left" in caplog.text
     _merge(s, 0)
-    monkeypatch.setattr(publish, "write_checkpoint", write)
+    monkeypatch.setattr(params, "write_checkpoint", write)
     _, again = train.serve_round(_task(s, 1), 0.0, trainer, persistent=True)  # carries on from memory
     assert again is trainer
     again.settle()

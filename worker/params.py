@@ -25,15 +25,16 @@ import torch
 
 from core import codec
 from core.checkpoint import load_checkpoint
+from core.checkpoint_writer import write_checkpoint
 from core.config import Config
 from core.errors import CheckpointError
 from core.storage import Storage
 from worker import lora
+from worker.ranks import Ranks
+from worker.state import FEEDBACK, SEP, Reader
 from worker.tasks import Runner, task_for
 from worker.weights import HostBuffers, load_weights, weights_of
 
-SEP = "::"  # optimizer state keys are `param<SEP>slot`
-FEEDBACK = "error_feedback/"  # round.codec topk: the error-feedback buffer's keys are `FEEDBACK<param>`
 
 
 def take_feedback(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -103,9 +104,14 @@ class Params:
     def prepare(self, model: torch.nn.Module) -> None:
         pass
 
-    def read(self, storage: Storage, key: str, label: str) -> dict[str, torch.Tensor]:
-        """A state file or in-flight checkpoint, as this rank needs it."""
-        return load_checkpoint(storage, key, label=label)[0]
+    def reader(self, ranks: Ranks) -> Reader:
+        """What this rank reads of a state file or in-flight checkpoint: all of it, whole (each of
+        a DDP worker's ranks holds the whole model), the ranks agreeing on one verdict."""
+        return Reader(ranks)
+
+    def save(self, storage: Storage, key: str, tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
+        """A state file or in-flight checkpoint (rank 0 writes it)."""
+        write_checkpoint(storage, key, tensors, manifest=manifest)
 
     def optimizer_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, names: list[str],
                         host: HostBuffers | None = None) -> dict[str, torch.Tensor]:

@@ -7,25 +7,37 @@ and what crosses storage, with its order of writes, is read here. The order: the
 first, then the weights with their manifest, which is the commit (core/checkpoint.py); a
 persistent worker writes the state after the contribution, from a snapshot, in the background, and
 only every round.state_every rounds (flush_state writes the newest when its job ends early).
+
+A sharded worker (worker/sharded.py) streams its contribution instead: the weights gathered tensor
+by tensor, rank 0 coding and writing each as it comes; then every rank writes its own file of the
+state snapshot (when one is due), and only then does rank 0 write the contribution's manifest.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
+import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from core import codec
-from core.checkpoint_writer import write_checkpoint
-from core.errors import IslandsError
-from core.layout import RunLayout, manifest_key
+from core.checkpoint import DTYPES, ITEMSIZE, open_checkpoint
+from core.checkpoint_writer import OutputFile, publish_manifest, write_checkpoint, write_data
+from core.errors import CheckpointError, IslandsError
+from core.layout import RunLayout
+from core.shards import remove_checkpoint
+from core.storage import Storage
 from worker.params import feedback_tensors
 
 log = logging.getLogger(__name__)
 L = RunLayout()
+_STATE_FILE = re.compile(r"state_(\d{5,})(?:-rank\d+of\d+)?\.(?:json|safetensors)")  # plain, a set, or leftovers
 
 
 class Publisher:
@@ -33,21 +45,51 @@ class Publisher:
 
     def publish(self, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
         """Optimizer state first, then the weights and their manifest: the manifest is the commit.
-        Rank 0 writes; the others return None (sharded: after helping gather weights and state).
+        Rank 0 writes; the others return None (sharded: after writing their own state file and
+        helping gather the weights).
 
         `state_later` (a persistent worker, which keeps its state in memory): the contribution
         first, then the state is written from a snapshot in a background thread, off the merge's
-        critical path and overlapping the wait for the next round (`settle` waits for it)."""
+        critical path and overlapping the wait for the next round (`settle` waits for it). A
+        sharded worker's ranks write theirs together, before the commit (a collective)."""
         t, params = self.task, self.params
         if not (self.ranks.lead or params.collective):
             return None
         self.settle()
-        # snapshots (training may go on); sharded: gathered onto rank 0, every rank taking part
+        # snapshots (training may go on); sharded: each rank's own rows
         state = params.optimizer_state(self.model, self.opt, self.names, self._host_state)
         state.update(params.state_extra(self.model))  # lte: its own heads travel in its state file
-        weights = self._weights()
+        manifest = self._manifest(seconds) if self.ranks.lead else {}
+        key = L.contribution(t.round, t.worker)
+        if params.collective:  # the weights gathered and written tensor by tensor; committed below
+            written, feedback = self._stream_contribution(key, manifest)
+        else:
+            tensors, metadata, feedback = self._contribution(manifest, self._weights())
+        state.update(feedback_tensors(feedback))  # the buffer after this contribution: the next round's
+        snapshot = not state_later or not params.carries_over or (t.round + 1) % self.cfg.round.state_every == 0
+        if not state_later or (snapshot and params.collective):
+            self._write_state(state, t.round, t.worker, background=state_later)
+        self._unsaved = None if snapshot else (state, t.round, t.worker)
         if not self.ranks.lead:
+            self.feedback = feedback
             return None
+        if params.collective:
+            entry = publish_manifest(self.storage, key, written.entry)
+        else:
+            entry = write_checkpoint(self.storage, key, tensors, metadata=metadata, manifest=manifest)
+        # only now: an in-flight checkpoint saved before this (a signal during the write) resumes the
+        # round, so it must hold the buffer the round started with
+        self.feedback = feedback
+        remove_checkpoint(self.storage, L.worker_inflight(t.worker, t.round))
+        if state_later and snapshot and not params.collective:
+            self._state_write = threading.Thread(target=self._write_state, args=(state, t.round, t.worker, True),
+                                                 name=f"state-{t.worker}-{t.round}", daemon=True)
+            self._state_write.start()
+        return entry
+
+    def _manifest(self, seconds: float) -> dict[str, Any]:
+        """What a contribution's manifest says of its round (rank 0)."""
+        t = self.task
         manifest = {
             "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
             "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_digest": self.base_sha,
@@ -61,30 +103,14 @@ class Publisher:
             rc = self.cfg.round
             manifest["overlap"] = {"mode": rc.overlap, "adopted_at_step": self.adopted_at, "ahead_s": round(self.ahead_s, 3),
                                    **({"mix": rc.overlap_mix} if rc.overlap == "mix" else {})}
-        params.describe(manifest)
-        tensors, metadata, feedback = self._contribution(manifest, weights)
-        state.update(feedback_tensors(feedback))  # the buffer after this contribution: the next round's
+        self.params.describe(manifest)
         if self.state_from is not None:
             manifest["state_from_round"] = self.state_from  # a job's first round, from a snapshot on storage
-        snapshot = not state_later or not self.params.carries_over or (t.round + 1) % self.cfg.round.state_every == 0
-        if not state_later:
-            self._write_state(state, t.round, t.worker)
-        out = write_checkpoint(self.storage, L.contribution(t.round, t.worker), tensors, metadata=metadata,
-                               manifest=manifest)
-        # only now: an in-flight checkpoint saved before this (a signal during the write) resumes the
-        # round, so it must hold the buffer the round started with
-        self.feedback = feedback
-        self.storage.remove(L.worker_inflight(t.worker, t.round))
-        self._unsaved = None if snapshot else (state, t.round, t.worker)
-        if state_later and snapshot:
-            self._state_write = threading.Thread(target=self._write_state, args=(state, t.round, t.worker, True),
-                                                 name=f"state-{t.worker}-{t.round}", daemon=True)
-            self._state_write.start()
-        return out
+        return manifest
 
     def _write_state(self, state: dict[str, torch.Tensor], r: int, worker: int, background: bool = False) -> None:
         try:
-            write_checkpoint(self.storage, L.worker_state(worker, r), state, manifest={"round": r, "worker": worker})
+            self.params.save(self.storage, L.worker_state(worker, r), state, {"round": r, "worker": worker})
         except IslandsError as exc:
             if not background:
                 raise
@@ -94,12 +120,19 @@ class Publisher:
             return
         # a persistent worker keeps one snapshot, the newest once it is whole; a per-round job also the
         # one before, which a requeue of this round reads if it was preempted before its contribution
-        self._prune_states(keep_from=r if background else r - 1)
+        if self.ranks.lead:
+            self._prune_states(keep_from=r if background else r - 1)
 
-    def flush_state(self) -> None:
+    def flush_state(self, handler: bool = False) -> None:
         """Write the newest optimizer-state snapshot if it is in memory only (round.state_every): the
-        job ends or is preempted between rounds, and the job after it should not start from an older one."""
+        job ends or is preempted between rounds, and the job after it should not start from an older one.
+        `handler`: called from submitit's preemption handler, on rank 0 alone, where a sharded worker's
+        ranks cannot write theirs together (the requeued job takes the snapshot before)."""
         self.settle()
+        if self._unsaved is not None and handler and self.params.collective:
+            log.warning("worker %d: preempted between rounds; its newest optimizer state (round %d) is in memory only "
+                        "and the requeued job takes the snapshot before it", self.task.worker, self._unsaved[1])
+            return
         if self._unsaved is not None:
             state, r, worker = self._unsaved
             self._unsaved = None
@@ -129,20 +162,18 @@ class Publisher:
 
     def save_inflight(self) -> None:
         """Weights, AdamW state and position of this round, for a requeued job to resume from. Rank 0
-        writes; sharded, every rank calls it (the gathers are collectives)."""
+        writes; sharded, every rank writes its own file of it (a collective)."""
         t = self.task
         # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
         tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names),
                    **feedback_tensors(self.feedback)}
         self.inflight_at = self.done
-        if not self.ranks.lead:
-            return
-        write_checkpoint(self.storage, L.worker_inflight(t.worker, t.round), tensors,
-                         manifest={"round": t.round, "worker": t.worker, "steps_done": self.done,
-                                   "base_digest": self.base_sha, "losses": self.losses,
-                                   "trained_s": round(self._training_s(), 3), "adopted_at_step": self.adopted_at,
-                                   "ahead_s": self.ahead_s})
-        log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
+        self.params.save(self.storage, L.worker_inflight(t.worker, t.round), tensors,
+                         {"round": t.round, "worker": t.worker, "steps_done": self.done, "base_digest": self.base_sha,
+                          "losses": self.losses, "trained_s": round(self._training_s(), 3),
+                          "adopted_at_step": self.adopted_at, "ahead_s": self.ahead_s})
+        if self.ranks.lead:
+            log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
 
     def _training_s(self) -> float:
         """Seconds of training so far this round (also mid-round, from a preemption handler)."""
@@ -161,10 +192,7 @@ class Publisher:
         t0 = time.perf_counter()
         tensors, metadata, feedback = codec.encode(base, weights, codec.encoding_for(rc, self.base_sha), self.feedback,
                                                    rc.error_feedback)
-        manifest["contribution"] = {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep,
-                                    "encode_s": round(time.perf_counter() - t0, 4),
-                                    **({"topk": rc.topk, "bits": rc.bits, "error_feedback": rc.error_feedback}
-                                       if rc.codec == "topk" else {})}
+        manifest["contribution"] = _coding(rc, time.perf_counter() - t0)
         return tensors, metadata, feedback
 
     def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
@@ -173,9 +201,70 @@ class Publisher:
         return self.params.published(self.model, self._host_out if reuse else None)
 
     def _prune_states(self, keep_from: int) -> None:
-        for name in self.storage.list(L.worker_dir(self.task.worker)):
-            r = L.parse_round(name, "state")
-            if r is not None and r < keep_from:
-                key = L.worker_state(self.task.worker, r)
-                self.storage.remove(manifest_key(key))  # manifest first: a reader never sees it without data
-                self.storage.remove(key)
+        folder = L.worker_dir(self.task.worker)
+        rounds = {int(m.group(1)) for n in self.storage.list(folder) if (m := _STATE_FILE.fullmatch(n))}
+        for r in sorted(r for r in rounds if r < keep_from):
+            remove_checkpoint(self.storage, L.worker_state(self.task.worker, r))  # manifest first
+
+    def _stream_contribution(self, key: str, manifest: dict[str, Any]) -> tuple[OutputFile | None, codec.Feedback | None]:
+        """A sharded worker's contribution, tensor by tensor as its ranks gather the weights, each
+        coded (round.codec) and written by rank 0 as it comes: no rank holds the whole weights. The
+        data is written, not committed (publish_manifest, after the state). Every rank takes part in
+        every gather, also when rank 0's write fails (it goes on gathering, then raises)."""
+        gathered = self.params.gathered(self.model)
+        try:
+            if not self.ranks.lead:
+                return None, None
+            return self._write_streamed(key, manifest, gathered)
+        finally:
+            for _ in gathered:
+                pass
+
+    def _write_streamed(self, key: str, manifest: dict[str, Any], gathered: Iterator[tuple[str, torch.Tensor]]
+                        ) -> tuple[OutputFile, codec.Feedback | None]:
+        rc, shapes = self.cfg.round, self.params.shapes(self.model)
+        manifest["fp32_bytes"] = sum(math.prod(s) * (4 if d.is_floating_point else d.itemsize) for d, s in shapes.values())
+        if rc.contribution == "weights":
+            specs = [(n, DTYPES[d], s, math.prod(s) * d.itemsize) for n, (d, s) in shapes.items()]
+            return write_data(OutputFile(self.storage, key, specs, None, manifest), lambda: gathered), None
+        enc = codec.encoding_for(rc, self.base_sha)
+        stored = {n: codec.stored_specs({n: (DTYPES[d], s)}, enc) for n, (d, s) in shapes.items()}
+        specs = [(k, d, s, math.prod(s) * ITEMSIZE[d]) for n in shapes for k, (d, s) in stored[n].items()]
+        feedback, left, spent = self.feedback, {}, 0.0
+
+        def coded() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal spent
+            with _base_tensors(self.storage, self.task.base_key, self.base_sha) as base:
+                for n, w in gathered:
+                    t0 = time.perf_counter()
+                    fb = None if feedback is None else {n: feedback[n]} if n in feedback else {}
+                    out, _, rest = codec.encode({n: base(n)}, {n: w}, enc, fb, rc.error_feedback)
+                    left.update(rest or {})
+                    spent += time.perf_counter() - t0
+                    yield from ((k, out[k]) for k in stored[n])
+        written = write_data(OutputFile(self.storage, key, specs, enc.metadata(), manifest), coded)
+        written.entry.update(contribution=_coding(rc, spent))
+        return written, (left if feedback is not None else None)
+
+
+def _coding(rc: Any, encode_s: float) -> dict[str, Any]:
+    """A delta contribution's record of its coding, in its manifest."""
+    return {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep, "encode_s": round(encode_s, 4),
+            **({"topk": rc.topk, "bits": rc.bits, "error_feedback": rc.error_feedback} if rc.codec == "topk" else {})}
+
+
+@contextlib.contextmanager
+def _base_tensors(storage: Storage, key: str, digest: str) -> Iterator[Callable[[str], torch.Tensor]]:
+    """The base's tensors by name, one at a time, its digest checked once all are read; a coded base
+    (this worker's own contribution under late_policy continue) decoded whole. `digest`: the base
+    the round trained from, which the delta is coded against."""
+    with open_checkpoint(storage, key, storage.display(key)) as ck:
+        if ck.manifest and ck.manifest["digest"] != digest:
+            raise CheckpointError(f"{ck.label}: the base was replaced while the round trained (digest "
+                                  f"{ck.manifest['digest'][:12]}, trained from {digest[:12]}); the round is run again")
+        if codec.encoding_of(ck.metadata, ck.label) is not None:
+            whole = codec.load_weights(storage, key)
+            yield whole.__getitem__
+            return
+        yield ck.get
+        ck.verify()

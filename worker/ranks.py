@@ -71,6 +71,18 @@ class Ranks:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, by rank, on every rank (small objects: a problem, a manifest)."""
+        if self.world == 1:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.control)
+        return out
+
+    def first(self, value: Any) -> Any:
+        """The first rank's `value` that is not None, on every rank (one rank's problem fails them all)."""
+        return next((v for v in self.gather(value) if v is not None), None)
+
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (one small all-reduce on the CPU)."""
         if self.world == 1:

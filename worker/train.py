@@ -217,15 +217,15 @@ class InnerTrainer(Publisher):
                                   "is not published; the orchestrator submitted the round too early or it was deleted")
         inflight, bound = L.worker_inflight(t.worker, t.round), codec.max_update(self.cfg)
         label = f"worker {t.worker} in-flight checkpoint {self.storage.display(inflight)}"
-        # rank 0's reading for every rank: ranks that started from different weights would not notice
-        held = inflight_tensors(self.storage, inflight, label, base_manifest["digest"], self.cfg.inner.steps, bound) \
-            if self.ranks.lead else None
-        resuming = self.ranks.lead_says(held is not None)
+        # every rank reads what it holds (sharded: its rows; else all of it), the ranks agreeing on one verdict
+        reader = params.reader(self.ranks)
+        tensors = inflight_tensors(self.storage, inflight, label, base_manifest["digest"], self.cfg.inner.steps, bound,
+                                   reader)
+        resuming = tensors is not None
         base = params.load_base(self.storage, t.base_key, self.model, resuming, alloc=self._host_base)
         self._base = base if self.cfg.round.contribution == "delta" else None
         if resuming:
             m = read_manifest(self.storage, inflight) or {}
-            tensors = held if held is not None else params.read(self.storage, inflight, label)
             self._take_feedback(tensors)
             params.load_trained(self.model, {k: v for k, v in tensors.items() if SEP not in k}, "in-flight checkpoint")
             params.load_optimizer(self.model, self.opt, self.names, {k: v for k, v in tensors.items() if SEP in k},
@@ -237,15 +237,14 @@ class InnerTrainer(Publisher):
             self.resumed_at = self.done
             log.info("worker %d round %d: resuming in-flight at step %d/%d", t.worker, t.round, self.done, self.cfg.inner.steps)
             return base_manifest["digest"]
-        # rank 0 looks (and checks, setting a damaged snapshot aside), the others take its answer
-        found = usable_state(self.storage, t.worker, t.round, bound) if self.ranks.lead and not own_state else None
-        state_key = None if own_state else self.ranks.lead_says(found[0] if found else None)
+        # every rank reads and checks its part (a damaged snapshot is set aside by rank 0), as above
+        found = None if own_state else usable_state(self.storage, t.worker, t.round, bound, reader)
         if not own_state:
             self.feedback = {} if self.uses_feedback else None
-        if state_key is not None:
+        if found is not None:
+            state_key, state = found
             self.state_from = L.parse_round(state_key.rsplit("/", 1)[-1], "state")
             log.info("worker %d round %d: optimizer state from its snapshot of round %s", t.worker, t.round, self.state_from)
-            state = found[1] if found else params.read(self.storage, state_key, f"worker {t.worker} optimizer state")
             self._take_feedback(state)
             label = self.storage.display(state_key)
             params.load_optimizer(self.model, self.opt, self.names, params.restore_state(self.model, state, label, t.round),
@@ -404,7 +403,7 @@ def checkpoint_active() -> bool:
     let a persistent worker's background state write finish, if one is under way."""
     if _ACTIVE is None:
         if _RESIDENT is not None:
-            _RESIDENT.flush_state()  # preempted between rounds: the requeued job takes the newest state
+            _RESIDENT.flush_state(handler=True)  # preempted between rounds: the requeued job takes the newest state
         return False
     _ACTIVE.checkpoint()
     return True
