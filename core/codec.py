@@ -63,8 +63,11 @@ class Encoding:
         return {META: json.dumps(d, sort_keys=True)}
 
 
-def encoding_for(rc: RoundConfig, base_digest: str) -> Encoding:
-    """How a worker of a run with round config `rc` codes its delta against the base of `base_digest`."""
+def encoding_for(rc: RoundConfig, base_digest: str, r: int | None = None) -> Encoding:
+    """How a worker of a run with round config `rc` codes its delta of round `r` against the base of
+    `base_digest` (round.dense_rounds: dense fp32 in a topk run's first rounds)."""
+    if rc.codec == "topk" and r is not None and r < rc.dense_rounds:
+        return Encoding("fp32", 1.0, base_digest)
     topk = rc.codec == "topk"
     return Encoding(rc.codec, rc.prune_keep, base_digest, rc.topk if topk else 0.0, rc.bits if topk else 0)
 

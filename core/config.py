@@ -114,6 +114,9 @@ class OuterConfig:
     """Adam betas for `adam`."""
     eps: float = 0.1
     """Adam epsilon; the DiLoCo paper needed 0.1 to keep outer Adam stable."""
+    warmup_rounds: int = 0
+    """Rounds over which the outer learning rate rises linearly to outer.lr (round r merges with
+    lr x (r + 1) / warmup_rounds); 0: outer.lr from the first round."""
     weighting: Literal["tokens", "uniform"] = "tokens"
     """Average workers weighted by the tokens each trained on, or uniformly. The service derives
     the tokens itself: the steps a contribution's manifest reports (a whole number in [1,
@@ -206,6 +209,9 @@ class RoundConfig:
     buffer + its delta and keeps what that left out as the buffer, which lives with its AdamW state
     (state file, in-flight checkpoint, memory of a persistent worker). 0 = no feedback: what is not
     sent is lost. 0.9 rather than SparseLoCo's 0.95: a little lower loss at 1/16 (docs/benchmarks.md)."""
+    dense_rounds: int = 0
+    """codec `topk` only: the first this many rounds send their delta dense (fp32, nothing left to
+    the error-feedback buffer): a run's first rounds move the weights most."""
     state_every: int = 20
     """A persistent worker writes its AdamW state (and error-feedback buffer) to storage every this
     many rounds, and when its job is preempted, reaches its time limit or ends before the run does;
@@ -290,7 +296,8 @@ class ExecutorConfig:
     kind: Literal["auto", "local", "slurm"] = "auto"
     """`local` runs workers as local processes (submitit LocalExecutor); `slurm` submits them with
     sbatch; `auto` takes Slurm when `sbatch` is on PATH and its controller answers (`scontrol
-    ping`), else local; a run records the kind it got."""
+    ping`), bringing a default request it refuses down to the partition's nodes, and never runs
+    workers here while Slurm answers; else local. A run records the kind it got."""
     timeout_min: int = 60
     """Time limit of each worker job, in minutes."""
     cpus_per_task: int = 2
@@ -381,6 +388,20 @@ class Config:
     @property
     def total_inner_steps(self) -> int:
         return self.rounds * self.inner.steps
+
+    @property
+    def loss_per(self) -> str | None:
+        """What task lm's loss (mean cross-entropy, nats) is per: `byte` for the built-in byte-level
+        model, `token` for model.hf's tokenizer; None for another task, whose loss is its own."""
+        if self.task != "lm":
+            return None
+        return "token" if self.model.hf else "byte"
+
+    @property
+    def loss_label(self) -> str:
+        """The run's loss with its unit, for a column or an axis: `loss (nats/byte)`, `loss (nats/token)`,
+        or a task's `loss`."""
+        return "loss" if self.loss_per is None else f"loss (nats/{self.loss_per})"
 
 
 # Presets name a combination of other keys. They fill only keys the user did not set, so an

@@ -7,6 +7,7 @@ cross-field check on the typed result. core.config's loaders call these and rais
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -166,7 +167,9 @@ def build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            problems.append(f"unknown key {prefix + str(key)!r}; valid keys here: {', '.join(names)}")
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"did you mean {prefix + close[0]!r}? " if close else ""
+            problems.append(f"unknown key {prefix + str(key)!r}; {hint}valid keys here: {', '.join(names)}")
     kwargs = {}
     for name in names:
         if name in raw:
@@ -304,11 +307,15 @@ def _check_round(cfg: Config) -> list[str]:
     need(cfg.round.poll_s > 0, f"round.poll_s must be > 0, got {cfg.round.poll_s}")
     need(0 < cfg.round.staleness_decay <= 1, f"round.staleness_decay must be in (0, 1], got {cfg.round.staleness_decay}")
     need(cfg.round.max_staleness >= 1, f"round.max_staleness must be >= 1, got {cfg.round.max_staleness}")
+    need(cfg.outer.warmup_rounds >= 0, f"outer.warmup_rounds must be >= 0, got {cfg.outer.warmup_rounds}")
+    need(cfg.round.dense_rounds >= 0, f"round.dense_rounds must be >= 0, got {cfg.round.dense_rounds}")
     rc = cfg.round
     need(0 < rc.prune_keep <= 1, f"round.prune_keep must be in (0, 1], got {rc.prune_keep}")
-    need(rc.contribution == "delta" or (rc.codec == "fp32" and rc.prune_keep == 1),
-         f"round.codec={rc.codec} and round.prune_keep={rc.prune_keep} code the outer gradient: they need "
-         "round.contribution=delta (weights are always sent in full)")
+    coding = [f"round.{k}={v}" for k, v, plain in (("codec", rc.codec, "fp32"), ("prune_keep", rc.prune_keep, 1))
+              if v != plain]  # only what was set: the other key says nothing to the user
+    need(rc.contribution == "delta" or not coding,
+         f"{' and '.join(coding)} code{'s' if len(coding) == 1 else ''} the outer gradient: "
+         f"{'it needs' if len(coding) == 1 else 'they need'} round.contribution=delta (weights are always sent in full)")
     need(0 < rc.topk <= 1, f"round.topk must be in (0, 1], got {rc.topk}")
     need(rc.bits in (2, 4, 8), f"round.bits must be 2, 4 or 8, got {rc.bits}")
     need(0 <= rc.error_feedback <= 1, f"round.error_feedback (the buffer's decay) must be in [0, 1], got {rc.error_feedback}")

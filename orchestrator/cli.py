@@ -111,7 +111,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.slurm import rank_problems
     if problems := rank_problems(cfg):  # before the run directory exists: nothing half-made is left
         raise ConfigError(problems, source="the worker jobs' ranks")
-    cfg = replace(cfg, executor__kind=_executor_kind(cfg))
+    cfg = _with_executor(cfg)
     local_most = max(16, 4 * (os.cpu_count() or 1))
     if cfg.executor.kind == "local" and cfg.workers > local_most and not args.oversubscribe:  # one process each, here
         raise ConfigError([f"workers: {cfg.workers} local workers would start {cfg.workers} processes on this machine "
@@ -162,32 +162,38 @@ def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
     return cfg, schedule
 
 
-def _executor_kind(cfg: Config) -> str:
-    """`auto` made definite (and recorded in the run's config): Slurm when it takes jobs from here
-    and could run the worker jobs as the config asks for them, else this machine. An explicit
-    `slurm` that cannot is refused before anything is made."""
+def _with_executor(cfg: Config) -> Config:
+    """`auto` made definite (and recorded in the run's config). Where Slurm answers, workers go to
+    Slurm, never to this machine (a login node, on a cluster): as the config asks for them, or with
+    a default request Slurm refuses brought down to what the partition's nodes have (said); a
+    request Slurm still refuses is one error, before anything is made. This machine only where
+    Slurm is not installed or its controller does not answer, or with --executor local."""
     kind = cfg.executor.kind
     if kind == "local":
-        return kind
-    from orchestrator.slurm import FIX_REQUEST, request_refusal, unreachable
+        return cfg
+    from orchestrator.slurm import FIX_REQUEST, describe_request, fit_to_partition, request_refusal, slurm_parameters, \
+        unreachable
     why = unreachable()
     if why is None and (refused := request_refusal(cfg)) is not None:
-        if kind == "slurm":
-            raise IslandsError(f"--executor slurm: Slurm refuses the worker jobs: {refused}. {FIX_REQUEST}, or run "
-                               "here with --executor local")
-        console.print(f"not using Slurm: it refuses the worker jobs: {refused}; running on this machine (--executor "
-                      "local; set executor.* to what the cluster has to run there)", markup=False,
-                      soft_wrap=not console.is_terminal)  # a terminal: wrapped at words; a pipe: whole
-        return "local"
+        if kind == "auto" and (fit := fit_to_partition(cfg)) is not None:
+            sized, where = fit
+            console.print(f"Slurm refuses the worker jobs as configured ({refused}); asking for "
+                          f"{describe_request(slurm_parameters(sized))} instead, what {where} (set executor.* to "
+                          "choose)", markup=False, soft_wrap=not console.is_terminal)
+            return replace(sized, executor__kind="slurm")
+        raise IslandsError(f"--executor {kind}: Slurm refuses the worker jobs: {refused}. {FIX_REQUEST}"
+                           + (". While Slurm answers, workers never run on this machine (a login node); "
+                              "--executor local runs them here if it is meant for training" if kind == "auto"
+                              else ", or run here with --executor local"))
     if why is None:
-        return "slurm"
+        return replace(cfg, executor__kind="slurm")
     if kind == "slurm":
         raise IslandsError(f"--executor slurm: {why}. Start it (docs/slurm.md: `bash slurm_templates/local-cluster.sh "
                            "up` for a one-machine cluster) or run here with --executor local")
     if shutil.which("sbatch"):  # installed but down: say why the run is not on Slurm
         console.print(f"not using Slurm: {why}; running on this machine (--executor local)", markup=False,
                       soft_wrap=not console.is_terminal)
-    return "local"
+    return replace(cfg, executor__kind="local")
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ the round's `rejected/` folder, and the round goes on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import Any
 
 from core import codec, replay
 from core.checkpoint import read_manifest
-from core.config import Config
+from core.config import Config, OuterConfig
 from core.errors import CheckpointError, StorageError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
@@ -43,10 +44,17 @@ def round_spec(cfg: Config, r: int, metadata: Mapping[str, str], min_inputs: int
                        expected=contribution_shapes(cfg, cfg.lte.rank))
         return RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), lte=rule, min_inputs=min_inputs,
                          metadata=metadata, manifest={"round": r + 1})
-    return RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), outer=cfg.outer,
+    return RoundSpec(base=L.global_weights(r), out=L.global_weights(r + 1), outer=outer_at(cfg.outer, r),
                      state_in=L.outer_state(r) if r > 0 else None, state_out=L.outer_state(r + 1),
                      min_inputs=min_inputs, aggregate=cfg.round.aggregate, trim=cfg.round.trim, metadata=metadata,
                      manifest={"round": r + 1})
+
+
+def outer_at(outer: OuterConfig, r: int) -> OuterConfig:
+    """The outer optimizer of round r: outer.lr, risen to linearly over outer.warmup_rounds."""
+    if r >= outer.warmup_rounds:
+        return outer
+    return dataclasses.replace(outer, lr=outer.lr * (r + 1) / outer.warmup_rounds)
 
 
 class RoundMerger:

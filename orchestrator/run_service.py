@@ -52,8 +52,22 @@ def requeued_service(run_url: str) -> int:
 
 def resume(run_url: str, opts: ServiceOptions) -> int:
     storage = run_storage(run_url)
+    from orchestrator.runstate import run_status
+    status = run_status(storage)
+    if status["state"] == "done":  # nothing to resume: say so, and what it made
+        _say_done(storage, status, "already done")
+        return 0
     console.print(f"resuming {storage.display()}")
     return drive(storage, opts)
+
+
+def _say_done(storage: Storage, status: dict, done: str) -> None:
+    """The lines that end a run: its rounds, final loss and where its final model is."""
+    final = status["rounds"][-1]["eval_loss"] if status["rounds"] else None
+    console.print(f"{done}: {status['rounds_done']} rounds, final eval {status['loss']} "
+                  f"{'not evaluated' if final is None else format(final, '.4f')}; final model: {status['final_model']}"
+                  + (f"; as a Hugging Face folder: {status['final_hf']}" if status.get("final_hf") else ""), markup=False)
+    console.print(f"inspect it with: orchestrate status {storage.display()}", markup=False)
 
 
 def jobs_folder(storage: Storage, create: bool = True) -> str:
@@ -121,7 +135,7 @@ def drive(storage: Storage, opts: ServiceOptions) -> int:
         service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()))
         view = RunView(console, storage, cfg, service.first_open_round())
         console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
-                      f"{executor.kind} executor; initial eval loss {initial_eval(storage, service.evaluator):.4f}"
+                      f"{executor.kind} executor; initial eval {cfg.loss_label} {initial_eval(storage, service.evaluator):.4f}"
                       + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""), markup=False)
         with view.live():
             service.run()
@@ -148,11 +162,7 @@ def drive(storage: Storage, opts: ServiceOptions) -> int:
         raise
     finally:
         lease.release()
-    status = run_status(storage)
-    final = status["rounds"][-1]["eval_loss"] if status["rounds"] else None
-    console.print(f"done in {duration(time.monotonic() - t0)}: {status['rounds_done']} rounds, final eval loss "
-                  f"{'not evaluated' if final is None else format(final, '.4f')}; final model: {status['final_model']}", markup=False)
-    console.print(f"inspect it with: orchestrate status {storage.display()}", markup=False)
+    _say_done(storage, run_status(storage), f"done in {duration(time.monotonic() - t0)}")
     return 0
 
 

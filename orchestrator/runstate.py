@@ -106,6 +106,7 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
     return {
         "run_dir": storage.display(), "state": state, "algorithm": cfg.algorithm, "workers": cfg.workers,
         "rounds_total": cfg.rounds, "rounds_done": r, "initial_eval_loss": info.get("initial_eval_loss"),
+        "loss": cfg.loss_label,
         "rounds": rounds, "failure": failed, "utilization": utilization(rounds),
         "current_round": None if current is None else {
             "round": r, "workers": {str(w): {"job_id": text(str(e.latest), 64), "attempts": e.attempts,

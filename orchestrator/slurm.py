@@ -12,7 +12,7 @@ import subprocess
 import time
 from typing import Any
 
-from core.config import Config
+from core.config import Config, ExecutorConfig, replace
 from orchestrator.jobstatus import JobStatus
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,73 @@ def request_refusal(cfg: Config) -> str | None:
         return None
     said = sbatch_said(done.stderr)
     return f"{said or f'sbatch --test-only exited {done.returncode}'} (the worker jobs ask for {describe_request(params)})"
+
+
+def largest_node(partition: str | None) -> tuple[str, int, int, int | None] | None:
+    """(partition, CPUs, memory in MB, its time limit in minutes or None) of the node of `partition`
+    (the cluster's default partition when None) with the most memory, as `sinfo` reports them;
+    None when sinfo does not run or names no such node."""
+    try:
+        done = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P|%c|%m|%l"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    nodes = []
+    for line in done.stdout.splitlines():
+        name, cpus, mem, limit = (line.split("|") + ["", "", ""])[:4]
+        if (name.rstrip("*") == partition) if partition else name.endswith("*"):
+            try:
+                nodes.append((int(mem.rstrip("+")), int(cpus.rstrip("+")), name.rstrip("*"), minutes(limit)))
+            except ValueError:
+                continue
+    if not nodes:
+        return None
+    mem, cpus, name, limit = max(nodes, key=lambda n: n[:2])
+    return name, cpus, mem, limit
+
+
+def minutes(limit: str) -> int | None:
+    """A Slurm time limit (`infinite`, `30`, `1:00:00`, `2-00:00:00`) in whole minutes; None: no limit."""
+    limit = limit.strip()
+    if not limit or limit in ("infinite", "UNLIMITED"):
+        return None
+    days, _, clock = limit.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    if days:  # days-hours[:minutes[:seconds]]
+        h, m = parts[0], parts[1] if len(parts) > 1 else 0
+    else:  # minutes[:seconds], or hours:minutes:seconds
+        h, m = (parts[0], parts[1]) if len(parts) == 3 else (0, parts[0])
+    return int(days or 0) * 1440 + h * 60 + m  # seconds dropped: a job must fit under the limit
+
+
+def sized_request(cfg: Config, cpus: int, mem_mb: int, limit_min: int | None) -> dict[str, Any]:
+    """The executor keys (dotted) that bring a worker job's request down to a node of `cpus` CPUs and
+    `mem_mb` MB and a partition of `limit_min` minutes: only keys still at their defaults (a value
+    the user wrote stays, and is what Slurm refuses); {} when none would change. Pure."""
+    e, default, out = cfg.executor, ExecutorConfig(), {}
+    if e.mem_gb == default.mem_gb and round(e.mem_gb * 1024) > mem_mb:
+        out["executor.mem_gb"] = mem_mb / 1024
+    if e.cpus_per_task == default.cpus_per_task and e.cpus_per_task > cpus >= worker_tasks(cfg):
+        out["executor.cpus_per_task"] = cpus
+    if e.timeout_min == default.timeout_min and limit_min is not None and e.timeout_min > limit_min:
+        out["executor.timeout_min"] = limit_min
+    return out
+
+
+def fit_to_partition(cfg: Config) -> tuple[Config, str] | None:
+    """The config with its default worker request brought down to what its partition's largest node
+    has, and where that came from, when Slurm then takes the jobs (`sbatch --test-only`); else None."""
+    node = largest_node(cfg.executor.partition)
+    if node is None:
+        return None
+    name, cpus, mem, limit = node
+    changes = sized_request(cfg, cpus, mem, limit)
+    if not changes:
+        return None
+    sized = replace(cfg, **changes)
+    if request_refusal(sized) is not None:
+        return None
+    return sized, f"partition {name}'s largest node: {cpus} CPUs, {mem} MB" + (f", {limit} min" if limit else "")
 
 
 SACCT_FIELDS = "JobID,State,Submit,Start,End,NodeList"

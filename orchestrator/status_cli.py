@@ -55,7 +55,7 @@ def status_table(status: dict[str, Any]) -> Any:
                          "rejected", "merge s", "round s", "busy", "MB read",
                          title=f"{status['run_dir']}: {status['state']}, {status['algorithm']}, "
                                f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
-                               f"initial eval loss {_num(status['initial_eval_loss'], '{:.4f}')}")
+                               f"initial eval {status.get('loss', 'loss')} {_num(status['initial_eval_loss'], '{:.4f}')}")
     for r in status["rounds"]:
         loss = "damaged" if r.get("damaged") else "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = _num(r["round_s"] if r.get("round_s") is not None else r["wall_s"], "{:.1f}")  # older records: submit to commit

@@ -346,8 +346,8 @@ def test_a_worker_continues_from_its_own_coded_contribution(mem):
 
 
 @pytest.mark.parametrize("sets, msg", [
-    (["round.codec=int8"], "need round.contribution=delta"),
-    (["round.prune_keep=0.5"], "need round.contribution=delta"),
+    (["round.codec=int8"], "round.codec=int8 codes the outer gradient: it needs round.contribution=delta"),
+    (["round.prune_keep=0.5"], "round.prune_keep=0.5 codes the outer gradient: it needs round.contribution=delta"),
     (["round.contribution=delta", "round.prune_keep=0"], "round.prune_keep must be in"),
     (["round.contribution=delta", "algorithm=lte"], "does not apply to lte"),
 ])

@@ -26,7 +26,25 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path):
     msg = str(info.value)
     assert "unknown key 'workerz'" in msg and "valid keys here: algorithm, workers, rounds" in msg
     assert "unknown key 'inner.stepz'" in msg and "valid keys here: steps, batch_size, lr" in msg
+    assert "did you mean 'workers'?" in msg and "did you mean 'inner.steps'?" in msg
     assert str(path) in msg
+
+
+def test_a_mistyped_key_through_the_cli_says_which_was_meant(tmp_path, capsys):
+    from orchestrator.cli import main
+    for key, meant in (("inner.lrr", "inner.lr"), ("inner.warmup", "inner.warmup_steps"), ("innr.lr", "inner")):
+        assert main(["submit", "--set", f"{key}=1", "--run-dir", str(tmp_path / "run")]) == 2
+        out = capsys.readouterr().out
+        assert f"unknown key '{key.split('.')[0] if key.startswith('innr') else key}'; did you mean '{meant}'?" in out, out
+    assert main(["submit", "--set", "inner.zzz=1", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "did you mean" not in capsys.readouterr().out and not (tmp_path / "run").exists()
+
+
+def test_a_codec_without_delta_names_only_what_the_user_set():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"round": {"codec": "topk"}})
+    assert "round.codec=topk codes the outer gradient: it needs round.contribution=delta" in str(info.value)
+    assert "prune_keep" not in str(info.value)
 
 
 def test_every_problem_is_reported_at_once():

@@ -165,3 +165,28 @@ def test_a_damaged_cache_is_prepared_again(tmp_path):
         (Path(first.url) / "index.json").write_bytes(damage)
         again = dataset_for(cfg)
         assert again.url == first.url and sorted(documents(again)) == sorted(documents(first))
+
+
+def test_a_json_lines_source_is_prepared_on_first_use_and_a_failed_one_leaves_nothing(tmp_path, caplog, capsys):
+    """A raw .jsonl as data.source (as a user names their corpus): prepared once into the cache like
+    a text folder, each record's text a document, saying so and where; a second run reuses it. One
+    whose records have no `text` is one error through `submit`, naming the `data prepare` command,
+    and the cache keeps nothing of it."""
+    from orchestrator.cli import main
+    good = tmp_path / "corpus.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 40, "id": i}) + "\n" for i in range(60)))
+    cache = tmp_path / "cache"
+    ds = dataset_for(_cfg(cache, source=str(good)))
+    assert len(documents(ds)) == 60 and len(documents(ds, "eval")) >= 1
+    assert documents(ds)[0].startswith(b"document ")
+    assert "holds records (JSON lines or parquet): preparing them once" in caplog.text and str(cache) in caplog.text
+    caplog.clear()
+    assert dataset_for(_cfg(cache, source=str(good))).url == ds.url and "preparing" not in caplog.text
+    bad = tmp_path / "other.jsonl"
+    bad.write_text("".join(json.dumps({"body": "x" * 300}) + "\n" for _ in range(20)))
+    before = sorted(p.name for p in (cache / "data").iterdir())
+    assert main(["submit", "--executor", "local", "--run-dir", str(tmp_path / "run"), "--set", f"data.source={bad}",
+                 "--set", f"data.cache_dir={cache}"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"data.source {bad} could not be prepared" in out and f"orchestrate data prepare {bad} --out DIR" in out, out
+    assert sorted(p.name for p in (cache / "data").iterdir()) == before and not (tmp_path / "run").exists()

@@ -211,6 +211,8 @@ def test_diloco_two_workers_two_rounds_exports_a_hf_directory(hf_dir, texts, tmp
     from orchestrator.cli import main
     run = tmp_path / "run"
     assert main(_submit(run, hf_dir, texts, str(tmp_path / "cache"))) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "initial eval loss (nats/token)" in said and f"as a Hugging Face folder: {run / L.FINAL_HF}" in said, said
     st = _status(run, capsys)
     assert st["state"] == "done" and [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]]
     losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]
@@ -229,7 +231,16 @@ def test_diloco_two_workers_two_rounds_exports_a_hf_directory(hf_dir, texts, tmp
     assert all(torch.equal(sd[k], final[k]) for k in final)
     assert torch.equal(sd["lm_head.weight"], final["model.embed_tokens.weight"])
     from orchestrator.observe.checkpoint_eval import evaluate_checkpoints  # `orchestrate eval`: same tokens, same loss
-    assert evaluate_checkpoints([str(run)])["models"][0]["loss"] == pytest.approx(losses[-1], abs=1e-4)
+    evaluated = evaluate_checkpoints([str(run)])
+    assert evaluated["models"][0]["loss"] == pytest.approx(losses[-1], abs=1e-4)
+    assert evaluated["data"]["loss_per"] == "token" and "bits_per_token" in evaluated["models"][0]
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0  # off a terminal: plain lines, in the tokenizer's unit
+    out = capsys.readouterr().out
+    assert "x 32 tokens" in out and "bits/token" in out and "byte" not in out.replace(str(run), "")
+    assert st["loss"] == "loss (nats/token)"
+    main(["status", str(run)])
+    assert "initial eval loss (nats/token)" in " ".join(capsys.readouterr().out.split())
     reloaded = load_model(st["final_model"])  # rebuilt from the checkpoint's metadata alone
     assert isinstance(reloaded, HFCausalLM) and all(torch.equal(v, final[k]) for k, v in weights_of(reloaded).items())
     tok = transformers.AutoTokenizer.from_pretrained(st["final_hf"], local_files_only=True)

@@ -30,3 +30,21 @@ def test_job_array_completes_and_is_accounted(tmp_path):
     assert states == {f"{job_id}_0": "COMPLETED", f"{job_id}_1": "COMPLETED"}
     for task in (0, 1):
         assert (tmp_path / f"{job_id}_{task}.out").read_text().strip() == f"task={task}"
+
+
+def test_auto_sizes_the_default_request_to_the_local_clusters_nodes(capsys):
+    """The README's command on this cluster: its nodes claim 4000 MB, the default request asks for
+    4096 MB and Slurm refuses it; `auto` asks for what the default partition's largest node has and
+    the workers go to Slurm (before, they ran on this machine). A request the user wrote stays:
+    refused, one error."""
+    import pytest
+
+    from core.config import config_from_dict
+    from core.errors import IslandsError
+    from orchestrator.cli import _with_executor
+
+    cfg = _with_executor(config_from_dict({}))
+    assert cfg.executor.kind == "slurm" and round(cfg.executor.mem_gb * 1024) <= 4000
+    assert "instead, what partition debug's largest node" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(IslandsError, match="workers never run on this machine"):
+        _with_executor(config_from_dict({"executor": {"mem_gb": 64}}))

@@ -262,6 +262,16 @@ def test_tensorboard_events_when_available(tiny_run, tmp_path):
     assert "round/outer_grad_norm" in events.Tags()["scalars"]
 
 
+@slow
+def test_resume_of_a_finished_run_says_it_is_already_done(tiny_run, capsys):
+    """Nothing to resume: no "resuming", no service, no lease taken; what it made, in its unit."""
+    before = sorted(p.name for p in tiny_run.iterdir())
+    assert main(["resume", str(tiny_run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("already done: ") and "rounds, final eval loss (nats/byte) " in out and "resuming" not in out
+    assert f"final model: {tiny_run / L.FINAL}" in out and sorted(p.name for p in tiny_run.iterdir()) == before
+
+
 # -- eval -------------------------------------------------------------------------------------------
 @slow
 def test_eval_identical_checkpoints_and_their_ensemble(tiny_run, capsys):
@@ -270,6 +280,7 @@ def test_eval_identical_checkpoints_and_their_ensemble(tiny_run, capsys):
     result = json.loads(capsys.readouterr().out)
     a, b = result["models"]
     assert a["loss"] == b["loss"] and a["perplexity"] == pytest.approx(math.exp(a["loss"]), rel=1e-4)
+    assert result["data"]["loss_per"] == "byte" and a["bits_per_byte"] == pytest.approx(a["loss"] / math.log(2), rel=1e-4)
     assert result["ensemble"]["loss"] == pytest.approx(a["loss"], abs=1e-9)  # two copies of one model
     record = Storage(str(tiny_run)).read_json(L.round_record(1))
     assert a["loss"] == pytest.approx(record["eval_loss"], abs=1e-4)  # the merge service's own batches
@@ -425,7 +436,7 @@ def test_a_finished_local_run_leaves_no_empty_job_folder_and_status_shows_no_non
     (run / "run.json").write_text(json.dumps({**info, "initial_eval_loss": None}))
     assert main(["status", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "initial eval loss -" in out and "None" not in out
+    assert "initial eval loss (nats/byte) -" in " ".join(out.split()) and "None" not in out
 
 
 def test_status_of_a_run_in_progress_fits_80_columns_and_says_how_jobs_ended(tiny_run, tmp_path_factory):

@@ -9,7 +9,7 @@ import yaml
 
 from core.config import config_from_dict, load_config, replace, to_yaml
 from core.config_parse import load_preset
-from core.errors import ConfigError
+from core.errors import ConfigError, IslandsError
 from orchestrator.executor import sbatch_text
 from orchestrator.slurm import SlurmPoller, parse_sacct, parse_squeue
 
@@ -138,40 +138,82 @@ def _kind(kind: str):
 
 
 def test_auto_takes_slurm_only_when_its_controller_answers(tmp_path, monkeypatch, capsys):
-    from orchestrator.cli import _executor_kind
+    from orchestrator.cli import _with_executor
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch at all: this machine, nothing to say
-    assert _executor_kind(_kind("auto")) == "local" and capsys.readouterr().out == ""
+    assert _with_executor(_kind("auto")).executor.kind == "local" and capsys.readouterr().out == ""
     monkeypatch.setenv("PATH", _slurm_shims(tmp_path, controller_up=False))
-    assert _executor_kind(_kind("auto")) == "local"
+    assert _with_executor(_kind("auto")).executor.kind == "local"
     assert "not using Slurm: the Slurm controller does not answer" in capsys.readouterr().out
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\necho 'Slurmctld(primary) at vm is UP'\n")
-    assert _executor_kind(_kind("auto")) == "slurm" and _executor_kind(_kind("local")) == "local"
+    assert _with_executor(_kind("auto")).executor.kind == "slurm"
+    assert _with_executor(_kind("local")).executor.kind == "local"
 
 
-def test_auto_takes_slurm_only_when_it_would_run_the_worker_jobs(tmp_path, monkeypatch, capsys):
-    """A controller that answers but refuses the worker jobs' request (no node has the memory: the
-    README's first command on the local cluster): `auto` runs here and says why; `slurm` is one error
-    before anything is made. The request is asked of `sbatch --test-only` (a shim records it)."""
-    from orchestrator.cli import _executor_kind, main
+def _refusing(tmp_path, monkeypatch, sinfo: str | None) -> None:
+    """An answering controller whose sbatch refuses any job asking for more than 3000 MB (sbatch
+    --test-only's words; a shim records what was asked), and whose sinfo prints `sinfo`."""
     bin_dir = Path(_slurm_shims(tmp_path, controller_up=True))
-    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/asked\n"
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/asked\n"
+                                    "case \"$*\" in *--mem=3000MB*) exit 0;; esac\n"
                                     "echo 'sbatch: error: Memory specification can not be satisfied' >&2\n"
                                     "echo 'allocation failure: Requested node configuration is not available' >&2\n"
                                     "exit 1\n")
+    if sinfo is not None:
+        (bin_dir / "sinfo").write_text(f"#!/bin/sh\nprintf '{sinfo}'\n")
+        (bin_dir / "sinfo").chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + "/bin")
-    assert _executor_kind(_kind("auto")) == "local"
-    out = capsys.readouterr().out
-    assert ("not using Slurm: it refuses the worker jobs: Memory specification can not be satisfied; allocation "
-            "failure: Requested node configuration is not available (the worker jobs ask for 1 node, 1 task(s) x 2 "
-            "CPU(s), 4096MB of memory, 60 min); running on this machine") in out
-    assert (tmp_path / "asked").read_text().split() == [
+
+
+def test_auto_never_runs_here_while_slurm_answers_and_refuses(tmp_path, monkeypatch, capsys):
+    """A controller that answers but refuses the worker jobs' request, and no partition to size it
+    to: `auto` (the README's command on a login node) is one error before anything is made, naming
+    Slurm's words, the request and the settings; it never starts workers on this machine."""
+    from orchestrator.cli import main
+    _refusing(tmp_path, monkeypatch, sinfo=None)
+    for kind in ("auto", "slurm"):
+        run = tmp_path / f"run-{kind}"
+        assert main(["submit", "--executor", kind, "--run-dir", str(run)]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert (f"error: --executor {kind}: Slurm refuses the worker jobs: Memory specification can not be satisfied; "
+                "allocation failure: Requested node configuration is not available (the worker jobs ask for 1 node, "
+                "1 task(s) x 2 CPU(s), 4096MB of memory, 60 min)") in out and "executor.mem_gb" in out, out
+        assert "Traceback" not in out and not run.exists() and "running on this machine" not in out
+        assert ("workers never run on this machine (a login node); --executor local runs them here" in out) == (kind == "auto")
+    assert (tmp_path / "asked").read_text().splitlines()[0].split() == [
         "--test-only", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2", "--mem=4096MB", "--time=60", "--wrap=true"]
-    run = tmp_path / "run"
-    assert main(["submit", "--executor", "slurm", "--run-dir", str(run)]) == 2
-    out = capsys.readouterr().out
-    assert "error: --executor slurm: Slurm refuses the worker jobs: Memory specification" in out and "executor.mem_gb" in out
-    assert "Traceback" not in out and not run.exists()
+
+
+def test_auto_sizes_a_default_request_to_the_partitions_nodes(tmp_path, monkeypatch, capsys):
+    """Slurm refuses the default 4096 MB; the default partition's largest node has 3000 MB (sinfo):
+    `auto` asks for that instead, says so, and the run is Slurm's. A value the user wrote is theirs:
+    refused as it is."""
+    from orchestrator.cli import _with_executor
+    _refusing(tmp_path, monkeypatch, sinfo="debug*|4|2000|infinite\\ndebug*|4|3000|infinite\\nbig|64|512000|2-00:00:00\\n")
+    cfg = _with_executor(_kind("auto"))
+    assert cfg.executor.kind == "slurm" and cfg.executor.mem_gb * 1024 == 3000 and cfg.executor.cpus_per_task == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("asking for 1 node, 1 task(s) x 2 CPU(s), 3000MB of memory, 60 min instead, what partition debug's "
+            "largest node: 4 CPUs, 3000 MB (set executor.* to choose)") in out, out
+    with pytest.raises(IslandsError, match="Slurm refuses the worker jobs"):
+        _with_executor(config_from_dict({"executor": {"kind": "auto", "mem_gb": 8}}))
+
+
+@pytest.mark.parametrize("limit, minutes", [("infinite", None), ("30", 30), ("30:00", 30), ("1:00:00", 60),
+                                            ("2-00:00:00", 2880), ("2-12", 3600), ("2-12:30", 3630), ("0:45:59", 45)])
+def test_slurm_time_limits_in_minutes(limit, minutes):
+    from orchestrator.slurm import minutes as parse
+    assert parse(limit) == minutes
+
+
+def test_a_request_is_sized_only_where_the_user_left_the_default():
+    from orchestrator.slurm import sized_request
+    assert sized_request(_kind("auto"), 1, 1024, 30) == {"executor.mem_gb": 1.0, "executor.cpus_per_task": 1,
+                                                         "executor.timeout_min": 30}
+    assert sized_request(_kind("auto"), 64, 512000, None) == {}  # it fits already
+    two = config_from_dict({"executor": {"cpus_per_task": 4, "mem_gb": 4.0, "tasks_per_node": 2}})
+    assert sized_request(two, 2, 8000, None) == {}  # 4 CPUs written by the user stay (and are refused)
+    assert sized_request(_kind("auto"), 1, 8000, None) == {"executor.cpus_per_task": 1}
 
 
 def test_an_older_run_recorded_as_auto_follows_the_same_rule(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import textwrap
 
 import pytest
@@ -323,3 +324,17 @@ def test_a_users_task_under_a_time_budget_is_replayed_bit_for_bit(tmp_path):
         steps = [a.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["steps"] for w in range(2)]
         assert all(0 < n < 5000 for n in steps)  # the budget, not the step count, ended the round
         assert steps == [b.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["steps"] for w in range(2)]
+
+
+def test_task_digits_without_the_vision_extra_says_what_to_install(tmp_path, monkeypatch, capsys):
+    """scikit-learn missing (blocked in sys.modules, as an install without the extra has it): one
+    error naming the extra to install, before any run directory is made."""
+    from orchestrator.cli import main
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    run = tmp_path / "run"
+    assert main(["submit", "--executor", "local", "--set", "task=digits", "--workers", "2", "--rounds", "1",
+                 "--run-dir", str(run)]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "task digits needs sklearn" in out and "pip install 'islands[vision]'" in out and "Traceback" not in out
+    assert not run.exists()

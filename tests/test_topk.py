@@ -19,6 +19,8 @@ from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
 from core.config import load_config
 from core.errors import CheckpointError, ConfigError
+from core.layout import RunLayout
+from core.storage import Storage
 from merge.rounds import Contribution, RunningSum
 
 from codec_support import merge_g0, publish_delta
@@ -225,7 +227,7 @@ def test_a_damaged_topk_contribution_is_one_rejection_with_its_reason(mem, damag
     (["round.contribution=delta", "round.codec=topk", "round.error_feedback=1.5"], "error_feedback .* must be in"),
     (["round.contribution=delta", "round.codec=topk", "round.aggregate=median"], "almost always 0"),
     (["round.contribution=delta", "round.codec=topk", "round.prune_keep=0.5"], "drop prune_keep"),
-    (["round.codec=topk"], "need round.contribution=delta"),
+    (["round.codec=topk"], "round.codec=topk codes the outer gradient: it needs round.contribution=delta"),
 ])
 def test_config_refuses_topk_settings_that_mean_nothing(sets, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -274,3 +276,35 @@ def test_any_bytes_of_the_right_shape_decode_to_kept_entries_or_one_refusal(n, f
         return
     assert pos.dtype == torch.int64 and len(set(pos.tolist())) == len(pos)
     assert bool(((pos >= 0) & (pos < n)).all()) and bool(torch.isfinite(vals).all())
+
+
+def test_the_outer_learning_rate_warms_up_over_its_rounds():
+    from orchestrator.round_merge import round_spec
+    cfg = load_config(sets=["outer.optimizer=sgd", "outer.lr=3", "outer.warmup_rounds=4"])
+    assert [round_spec(cfg, r, {}, 1).outer.lr for r in range(6)] == [0.75, 1.5, 2.25, 3.0, 3.0, 3.0]
+    assert round_spec(load_config(sets=["outer.lr=3"]), 0, {}, 1).outer.lr == 3.0  # no warm-up: lr from round 0
+    with pytest.raises(ConfigError, match="outer.warmup_rounds must be >= 0"):
+        load_config(sets=["outer.warmup_rounds=-1"])
+
+
+@pytest.mark.slow
+def test_dense_first_rounds_then_topk_in_a_real_run(tmp_path, corpus_cache):
+    """round.dense_rounds 1: round 0's contributions are dense fp32 deltas (nothing left to the
+    buffer), round 1's top-k ones; the service merges both kinds."""
+    from orchestrator.cli import main
+    run = tmp_path / "run"
+    assert main(["submit", "--executor", "local", "--workers", "2", "--rounds", "2", "--inner-steps", "3",
+                 "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", "--set", "model.n_layer=1",
+                 "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
+                 "--set", "inner.batch_size=4", "--set", "data.eval_batches=1", "--set", "round.contribution=delta",
+                 "--set", "round.codec=topk", "--set", "round.dense_rounds=1", "--set", "outer.optimizer=sgd",
+                 "--set", "outer.lr=3", "--set", "outer.warmup_rounds=2"]) == 0
+    s, L = Storage(str(run)), RunLayout()
+    for r, want in ((0, "fp32"), (1, "topk")):
+        for w in (0, 1):
+            m = read_manifest(s, L.contribution(r, w))  # kept by retention, which deletes round 0's tensors
+            assert m["contribution"]["codec"] == want, (r, w, m["contribution"])
+    for w in (0, 1):
+        assert codec.encoding_of(load_checkpoint(s, L.contribution(1, w))[1], "c").codec == "topk"
+    for r in (0, 1):
+        assert s.read_json(L.round_record(r))["merged"] == [0, 1]

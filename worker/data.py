@@ -36,7 +36,7 @@ from core.errors import CheckpointError, StorageError
 from core.layout import local_cache_root
 from core.storage import Storage
 from worker.prepare import PrepareSpec, load_tokenizer, prepare, unit_hash
-from worker.sources import Unit
+from worker.sources import Unit, is_records
 
 if TYPE_CHECKING:
     from core.config import Config
@@ -212,12 +212,25 @@ def _text_dataset(source: str | None, include_tests: bool, cache_dir: str | os.P
         except (DatasetError, StorageError) as exc:  # derived data: prepared again
             logger.warning("the prepared corpus in %s is unusable (%s); preparing it again from %s", directory, exc, root)
             shutil.rmtree(directory)
-    names = [rel for rel, _, size, _ in files if size > 0]
-    spec = PrepareSpec(sources=(str(root),), out=str(directory), tokenizer=tokenizer, heldout=heldout,
-                       skip_bad=True, eval_names=frozenset(_heldout_names(names, heldout, seed=0)))
-    units = [Unit("text", "", batch[0][0], sum(s for _, _, s, _ in batch), files=tuple((r, str(p)) for r, p, _, _ in batch))
-             for batch in _batches(files)]
-    prepare(spec, units)
+    if any(is_records(rel) for rel, _, _, _ in files):  # JSON lines or parquet: records, as `data prepare` reads them
+        given = str(Path(source.removeprefix("file://")).expanduser().resolve())  # type: ignore[union-attr]
+        logger.warning("data.source %s holds records (JSON lines or parquet): preparing them once, each record's "
+                       "'text' field a document, into %s; `orchestrate data prepare` names other fields", given, directory)
+        spec, units = PrepareSpec(sources=(given,), out=str(directory), tokenizer=tokenizer, heldout=heldout,
+                                  skip_bad=True), None
+    else:
+        names = [rel for rel, _, size, _ in files if size > 0]
+        spec = PrepareSpec(sources=(str(root),), out=str(directory), tokenizer=tokenizer, heldout=heldout,
+                           skip_bad=True, eval_names=frozenset(_heldout_names(names, heldout, seed=0)))
+        units = [Unit("text", "", batch[0][0], sum(s for _, _, s, _ in batch), files=tuple((r, str(p)) for r, p, _, _ in batch))
+                 for batch in _batches(files)]
+    try:
+        prepare(spec, units)
+    except DatasetError as exc:  # nothing half-prepared is left in the cache
+        shutil.rmtree(directory, ignore_errors=True)
+        raise DatasetError(f"data.source {source or root} could not be prepared: {exc}. To choose how it is read, "
+                           f"prepare it yourself: `orchestrate data prepare {source or root} --out DIR` (--text-field, "
+                           "--heldout, ...) and set data.source=DIR") from None
     return Dataset(str(directory))
 
 

@@ -189,10 +189,9 @@ class Publisher:
         if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
             return weights, None, None
         base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
-        t0 = time.perf_counter()
-        tensors, metadata, feedback = codec.encode(base, weights, codec.encoding_for(rc, self.base_sha), self.feedback,
-                                                   rc.error_feedback)
-        manifest["contribution"] = _coding(rc, time.perf_counter() - t0)
+        t0, enc = time.perf_counter(), codec.encoding_for(rc, self.base_sha, self.task.round)
+        tensors, metadata, feedback = codec.encode(base, weights, enc, self.feedback, rc.error_feedback)
+        manifest["contribution"] = _coding(rc, enc, time.perf_counter() - t0)
         return tensors, metadata, feedback
 
     def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
@@ -227,7 +226,7 @@ class Publisher:
         if rc.contribution == "weights":
             specs = [(n, DTYPES[d], s, math.prod(s) * d.itemsize) for n, (d, s) in shapes.items()]
             return write_data(OutputFile(self.storage, key, specs, None, manifest), lambda: gathered), None
-        enc = codec.encoding_for(rc, self.base_sha)
+        enc = codec.encoding_for(rc, self.base_sha, self.task.round)
         stored = {n: codec.stored_specs({n: (DTYPES[d], s)}, enc) for n, (d, s) in shapes.items()}
         specs = [(k, d, s, math.prod(s) * ITEMSIZE[d]) for n in shapes for k, (d, s) in stored[n].items()]
         feedback, left, spent = self.feedback, {}, 0.0
@@ -243,14 +242,14 @@ class Publisher:
                     spent += time.perf_counter() - t0
                     yield from ((k, out[k]) for k in stored[n])
         written = write_data(OutputFile(self.storage, key, specs, enc.metadata(), manifest), coded)
-        written.entry.update(contribution=_coding(rc, spent))
+        written.entry.update(contribution=_coding(rc, enc, spent))
         return written, (left if feedback is not None else None)
 
 
-def _coding(rc: Any, encode_s: float) -> dict[str, Any]:
+def _coding(rc: Any, enc: codec.Encoding, encode_s: float) -> dict[str, Any]:
     """A delta contribution's record of its coding, in its manifest."""
-    return {"format": "delta", "codec": rc.codec, "prune_keep": rc.prune_keep, "encode_s": round(encode_s, 4),
-            **({"topk": rc.topk, "bits": rc.bits, "error_feedback": rc.error_feedback} if rc.codec == "topk" else {})}
+    return {"format": "delta", "codec": enc.codec, "prune_keep": enc.keep, "encode_s": round(encode_s, 4),
+            **({"topk": rc.topk, "bits": rc.bits, "error_feedback": rc.error_feedback} if enc.codec == "topk" else {})}
 
 
 @contextlib.contextmanager

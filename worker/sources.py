@@ -88,6 +88,11 @@ class BadRecord(DatasetError):
         super().__init__(f"{where}: {why}")
 
 
+def is_records(name: str) -> bool:
+    """Does a file of this name hold records (JSON lines or parquet) rather than text?"""
+    return _kind(name) != "text"
+
+
 def _kind(name: str) -> str:
     lower = name.lower()
     if lower.endswith(_JSONL):

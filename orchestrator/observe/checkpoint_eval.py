@@ -125,9 +125,10 @@ def ensemble_losses(models: Sequence[torch.nn.Module], batches: Sequence[tuple[t
     return [s / len(batches) for s in singles], mixed / len(batches)
 
 
-def row(label: str, loss: float) -> dict[str, Any]:
+def row(label: str, loss: float, per: str = "byte") -> dict[str, Any]:
+    """One model's figures; `per`: what the loss is per (a byte, or a tokenizer's token)."""
     return {"checkpoint": label, "loss": round(loss, 5), "perplexity": round(math.exp(loss), 4),
-            "bits_per_byte": round(loss / math.log(2), 5)}
+            f"bits_per_{per}": round(loss / math.log(2), 5)}
 
 
 # -- I/O ----------------------------------------------------------------------------------------
@@ -156,10 +157,11 @@ def evaluate_checkpoints(args: Sequence[str], batches: int | None = None, run: s
     n = batches or cfg.data.eval_batches
     data = eval_batches(dataset_for(cfg, cache_dir), block, cfg.inner.batch_size, n, cfg.seed)
     singles, mixed = ensemble_losses(models, data)
+    per = cfg.loss_per or "byte"
     return {"data": {"config": source, "batches": n, "batch_size": cfg.inner.batch_size, "block_size": block,
-                     "tokens": n * cfg.inner.batch_size * block},
-            "models": [row(t.label, v) for t, v in zip(targets, singles)],
-            "ensemble": row(f"ensemble of {len(models)} (mean of probabilities)", mixed) if len(models) > 1 else None}
+                     "tokens": n * cfg.inner.batch_size * block, "loss_per": per},
+            "models": [row(t.label, v, per) for t, v in zip(targets, singles)],
+            "ensemble": row(f"ensemble of {len(models)} (mean of probabilities)", mixed, per) if len(models) > 1 else None}
 
 
 def _task_metrics(targets: Sequence[Target], cfg: Config, source: str, n: int, run: str | None) -> dict[str, Any]:

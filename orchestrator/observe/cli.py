@@ -89,15 +89,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if "task" in d:  # a task's own metrics, one column each
         return _print_task_rows(rows, f"held-out eval of task {d['task']}: {d['batches']} batches of {d['batch_size']} "
                                       f"(data from {d['config']})")
-    title = (f"held-out eval: {d['batches']} batches x {d['batch_size']} x {d['block_size']} bytes "
-             f"({d['tokens']} tokens; data from {d['config']})")
+    per = d["loss_per"]  # the loss is per byte (the built-in model) or per token (a tokenizer's)
+    title = (f"held-out eval: {d['batches']} batches x {d['batch_size']} x {d['block_size']} {per}s "
+             f"({d['tokens']} {per}s; data from {d['config']})")
     if console.is_terminal:
-        table, labels = _table(rows, title, "loss (nats/byte)", "perplexity", "bits/byte")
+        table, labels = _table(rows, title, f"loss (nats/{per})", "perplexity", f"bits/{per}")
         for r, label in zip(rows, labels):
-            table.add_row(label, f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r['bits_per_byte']:.4f}")
+            table.add_row(label, f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r[f'bits_per_{per}']:.4f}")
         console.print(table)
         return 0
     print(title)
     for r in rows:
-        print(f"{r['checkpoint']}\tloss {r['loss']:.4f}\tperplexity {r['perplexity']:.2f}\tbits/byte {r['bits_per_byte']:.4f}")
+        print(f"{r['checkpoint']}\tloss {r['loss']:.4f}\tperplexity {r['perplexity']:.2f}\tbits/{per} {r[f'bits_per_{per}']:.4f}")
     return 0

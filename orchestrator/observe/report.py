@@ -87,7 +87,7 @@ def plot_loss(data: RunData) -> Any:
         by_round.plot(rounds, losses, marker="o", markersize=_marker(len(losses)), color="black")
         by_round.set_xlabel("rounds merged (0 = initial model)")
         _round_axis(by_round, len(rounds))
-    by_round.set_ylabel("eval loss (nats/byte, held-out)")
+    by_round.set_ylabel(f"eval {data.cfg.loss_label} (held-out)")
     by_round.set_title("Global model: eval loss per round")
     for i, (w, (xs, ys)) in enumerate(sorted(curves.items())):
         label = f"worker {w} (train loss)" if len(curves) <= 4 else "workers' train loss (one line each)" if i == 0 else None
@@ -104,7 +104,7 @@ def plot_loss(data: RunData) -> Any:
         by_step.legend(fontsize=8, loc="upper right")
     _round_axis(by_step, max([x for xs, _ in curves.values() for x in xs] + steps + [1]))
     by_step.set_xlabel(f"inner steps (H = {h} per round; dotted lines: merges)")
-    by_step.set_ylabel("loss (nats/byte)")
+    by_step.set_ylabel(data.cfg.loss_label)
     by_step.set_title("Per inner step: workers' training loss vs global eval loss")
     return fig
 
@@ -280,7 +280,7 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
     return [("run directory", data.run), ("state", data.state),
             ("shape", f"{c.algorithm}: {c.workers} workers x {c.rounds} rounds x {c.inner.steps} inner steps"),
             ("rounds committed", f"{len(rounds)} of {c.rounds}"),
-            ("eval loss", " -> ".join(f"{v:.4f}" for v in (losses[:1] + losses[-1:] if len(losses) > 1 else losses))),
+            (f"eval {data.cfg.loss_label}", " -> ".join(f"{v:.4f}" for v in (losses[:1] + losses[-1:] if len(losses) > 1 else losses))),
             *((f"eval {k}", " -> ".join(f"{v:.4f}" for v in vs)) for k, vs in _metric_ends(data.lines).items()),
             ("wall time", "" if created is None or not rounds else
              f"{max(r.get('evaluated_at') or r['committed_at'] for r in rounds) - created:.0f} s from the run's "

@@ -12,12 +12,15 @@ beside the CPU build of torch this project pins.) Needs `pip install 'islands[vi
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
 from core.config import Config
+from core.errors import IslandsError
 
 IMAGE = 16
 HELD_OUT_EVERY = 5
@@ -29,14 +32,16 @@ class Digits:
         self._splits: dict[str, list[tuple[torch.Tensor, int]]] | None = None
 
     def model(self) -> torch.nn.Module:
-        from transformers import ViTConfig, ViTForImageClassification
+        with _vision():
+            from transformers import ViTConfig, ViTForImageClassification
         return ViTForImageClassification(ViTConfig(image_size=IMAGE, patch_size=4, num_channels=1, hidden_size=64,
                                                    num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
                                                    num_labels=10))
 
     def examples(self, split: str) -> list[tuple[torch.Tensor, int]]:
         if self._splits is None:
-            from sklearn.datasets import load_digits
+            with _vision():
+                from sklearn.datasets import load_digits
             data = load_digits()
             images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
             images = F.interpolate(images, size=(IMAGE, IMAGE), mode="bilinear", align_corners=False)
@@ -56,3 +61,13 @@ class Digits:
     def metrics(self, model: torch.nn.Module, batch: Any) -> dict[str, float]:
         images, labels = batch
         return {"accuracy": (model(images).logits.argmax(-1) == labels).float().mean().item()}
+
+
+@contextlib.contextmanager
+def _vision() -> Iterator[None]:
+    """The imports of the `vision` extra: one missing is one error saying what to install."""
+    try:
+        yield
+    except ImportError as exc:
+        raise IslandsError(f"task digits needs {exc.name or 'a module'} ({exc}): install the vision extra, "
+                           "pip install 'islands[vision]' (scikit-learn and transformers)") from None
