@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,14 @@ class Executor:
         if self.kind == "local":
             with contextlib.suppress(OSError):  # absent, or not empty: then it is not ours to remove
                 (self.folder / "%j").rmdir()
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait, at most `timeout_s`, for this process's local jobs to end once the run is done (a
+        persistent worker exits when it sees the finish): `status` right after the done line then
+        shows none of them running. Slurm's jobs end on their own clock."""
+        deadline = time.monotonic() + timeout_s
+        while self.kind == "local" and self.own_jobs() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def own_jobs(self) -> list[str]:
         """The local jobs this process started that still run."""

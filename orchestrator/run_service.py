@@ -53,12 +53,9 @@ def requeued_service(run_url: str) -> int:
 def resume(run_url: str, opts: ServiceOptions) -> int:
     storage = run_storage(run_url)
     from orchestrator.runstate import run_status
-    status = run_status(storage)
-    if status["state"] == "done":  # nothing to resume: say so, and what it made
-        _say_done(storage, status, "already done")
-        return 0
-    console.print(f"resuming {storage.display()}")
-    return drive(storage, opts)
+    done = run_status(storage)["state"] == "done"  # the service still checks what it keeps (a lost outer state)
+    console.print(f"resuming {storage.display()}" + (" (it is done: checking what it keeps)" if done else ""))
+    return drive(storage, opts, already_done=done)
 
 
 def _say_done(storage: Storage, status: dict, done: str) -> None:
@@ -109,8 +106,9 @@ def run_storage(url: str) -> Storage:
     return storage
 
 
-def drive(storage: Storage, opts: ServiceOptions) -> int:
-    """Run the merge service on the run at `storage` until the run ends; the exit code."""
+def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) -> int:
+    """Run the merge service on the run at `storage` until the run ends; the exit code.
+    `already_done`: the run was done before this (a resume), which its last line says."""
     from orchestrator import lease as leases
     from orchestrator.console import log_to_file
     from orchestrator.executor import Executor
@@ -139,6 +137,7 @@ def drive(storage: Storage, opts: ServiceOptions) -> int:
                       + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""), markup=False)
         with view.live():
             service.run()
+        executor.settle()
         executor.tidy()
     except Cancelled as exc:
         console.print(str(exc), markup=False)
@@ -162,7 +161,7 @@ def drive(storage: Storage, opts: ServiceOptions) -> int:
         raise
     finally:
         lease.release()
-    _say_done(storage, run_status(storage), f"done in {duration(time.monotonic() - t0)}")
+    _say_done(storage, run_status(storage), "already done" if already_done else f"done in {duration(time.monotonic() - t0)}")
     return 0
 
 

@@ -215,6 +215,7 @@ def test_diloco_two_workers_two_rounds_exports_a_hf_directory(hf_dir, texts, tmp
     assert "initial eval loss (nats/token)" in said and f"as a Hugging Face folder: {run / L.FINAL_HF}" in said, said
     st = _status(run, capsys)
     assert st["state"] == "done" and [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]]
+    assert all(j["state"] != "RUNNING" for r in st["rounds"] for j in r["jobs"].values()), st["rounds"]  # right after done
     losses = [st["initial_eval_loss"]] + [r["eval_loss"] for r in st["rounds"]]
     assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0], losses
     s = Storage(str(run))
