@@ -19,6 +19,7 @@ from pathlib import Path
 
 import submitit
 
+from core.checkpoint import load_checkpoint
 from core.config import config_from_dict
 from core.layout import RunLayout
 from core.storage import Storage
@@ -63,8 +64,7 @@ def main() -> None:
                                 "run_dir": str(Path(tmp) / "run")})
         run = Storage(cfg.run_dir)
         create_run(run, cfg)
-        params = sum(t.numel() for t in __import__("core.checkpoint", fromlist=["x"]).load_checkpoint(
-            run, L.global_weights(0))[0].values())
+        params = sum(t.numel() for t in load_checkpoint(run, L.global_weights(0))[0].values())
         base = _job(Path(tmp) / "jobs", 1, None)[0]["peak_mb"]
         one = _job(Path(tmp) / "jobs", 1, WorkerTask(run.url, 0, 0, L.global_weights(0), threads=1))
         many = _job(Path(tmp) / "jobs", a.ranks, WorkerTask(run.url, 1, 0, L.global_weights(0), threads=a.ranks))

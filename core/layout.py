@@ -149,6 +149,15 @@ class RunLayout:
         return int(m.group(1)) if m else None
 
     @staticmethod
+    def parse_state(name: str, committed: bool = True) -> int | None:
+        """Round of a worker's state snapshot from a file name: its manifest `state_00003.json`, the
+        commit of a plain file or of a set of rank files (core/shards.py); `committed=False`: any file
+        of one (data, rank files and their manifests, leftovers of an unfinished write)."""
+        tail = r"\.json" if committed else r"(?:-rank\d+of\d+)?(?:\.json|" + re.escape(SAFETENSORS) + ")"
+        m = re.fullmatch(r"state_(\d{5,})" + tail, posixpath.basename(name))
+        return int(m.group(1)) if m else None
+
+    @staticmethod
     def parse_round(name: str, prefix: str) -> int | None:
         """Round number from `round_00003.safetensors` / `state_00003.safetensors` style names."""
         m = re.fullmatch(re.escape(prefix) + r"_(\d{5,})" + re.escape(SAFETENSORS), posixpath.basename(name))

@@ -93,12 +93,13 @@ class _Tensor:
 
 
 def read_checkpoint(storage: Storage, key: str, label: str = "", want: Want | None = None,
-                    prefer: int = 0) -> dict[str, torch.Tensor]:
+                    prefer: int = 0, manifest: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of the checkpoint at `key` (plain or a set of rank files) that `want` asks for
     (default: all, whole), each file read verified against its manifest's digest. `prefer`: the
-    rank whose file a whole copy is read from when several hold one (a rank reads its own)."""
+    rank whose file a whole copy is read from when several hold one (a rank reads its own).
+    `manifest`: its manifest, when the caller has read it already (read_manifest's, checked)."""
     label = label or storage.display(key)
-    m = read_manifest(storage, key, label)
+    m = manifest if manifest is not None else read_manifest(storage, key, label)
     if m is None:
         raise CheckpointError(f"{label}: no manifest, so the checkpoint is incomplete or absent")
     with contextlib.ExitStack() as files:

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +36,6 @@ from worker.params import feedback_tensors
 
 log = logging.getLogger(__name__)
 L = RunLayout()
-_STATE_FILE = re.compile(r"state_(\d{5,})(?:-rank\d+of\d+)?\.(?:json|safetensors)")  # plain, a set, or leftovers
 
 
 class Publisher:
@@ -201,7 +199,7 @@ class Publisher:
 
     def _prune_states(self, keep_from: int) -> None:
         folder = L.worker_dir(self.task.worker)
-        rounds = {int(m.group(1)) for n in self.storage.list(folder) if (m := _STATE_FILE.fullmatch(n))}
+        rounds = {r for n in self.storage.list(folder) if (r := L.parse_state(n, committed=False)) is not None}
         for r in sorted(r for r in rounds if r < keep_from):
             remove_checkpoint(self.storage, L.worker_state(self.task.worker, r))  # manifest first
 

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import math
 import posixpath
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +36,6 @@ log = logging.getLogger(__name__)
 L = RunLayout()
 SEP = "::"  # optimizer state keys are `param<SEP>slot`
 FEEDBACK = "error_feedback/"  # round.codec topk: the error-feedback buffer's keys are `FEEDBACK<param>`
-_STATE = re.compile(r"state_(\d{5,})\.json")  # a snapshot's manifest, plain or a set's: its commit
 
 
 @dataclass(frozen=True)
@@ -93,9 +91,10 @@ def checked(storage: Storage, key: str, label: str, feedback_bound: float, reade
     why, and its CheckpointError raised on every rank."""
     ranks, problem, tensors, present = reader.ranks, None, None, False
     try:
-        present = read_manifest(storage, key, label) is not None
+        manifest = read_manifest(storage, key, label)
+        present = manifest is not None
         if present:
-            tensors = read_checkpoint(storage, key, label, reader.want, prefer=ranks.rank)
+            tensors = read_checkpoint(storage, key, label, reader.want, prefer=ranks.rank, manifest=manifest)
             check_state(tensors, label, feedback_bound)
     except CheckpointError as exc:
         problem = str(exc)
@@ -112,8 +111,8 @@ def usable_state(storage: Storage, worker: int, before_round: int, feedback_boun
     with its tensors; a damaged one is set aside (naming it and why) and the one before is tried.
     None: no usable snapshot, the job starts from fresh AdamW state (and says so when one was refused)."""
     ranks = reader.ranks
-    rounds = ranks.lead_says(sorted({int(m.group(1)) for n in storage.list(L.worker_dir(worker))
-                                     if (m := _STATE.fullmatch(n))}) if ranks.lead else None)
+    rounds = ranks.lead_says(sorted({r for n in storage.list(L.worker_dir(worker)) if (r := L.parse_state(n)) is not None})
+                             if ranks.lead else None)
     refused = 0
     for r in sorted((r for r in rounds if r < before_round), reverse=True):
         key = L.worker_state(worker, r)
