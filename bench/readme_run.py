@@ -22,11 +22,12 @@ from pathlib import Path
 MODES = ("per_round", "persistent")
 
 
-def one_run(mode: str, workers: int, rounds: int, folder: Path) -> tuple[float, float]:
-    """(wall seconds, final eval loss) of one README run in `mode`."""
+def one_run(mode: str, workers: int, rounds: int, folder: Path, sets: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(wall seconds, final eval loss) of one README run in `mode`, with `--set` items `sets`."""
     run = folder / f"{mode}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--executor", "local", "--workers", str(workers),
            "--rounds", str(rounds), "--run-dir", str(run), "--set", f"round.worker_mode={mode}"]
+    cmd += [arg for item in sets for arg in ("--set", item)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True)
     wall = time.perf_counter() - t0

@@ -333,6 +333,23 @@ class ExecutorConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    wandb: str | None = None
+    """A Weights & Biases project: the merge service sends the numbers the report plots (the eval
+    loss, each worker's training loss per inner step, each round's costs) to one W&B run per
+    islands run, through the official client (`pip install 'islands[wandb]'`)."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """`offline` keeps the W&B run on disk (under the run directory's `wandb/` when it is local) for
+    `wandb sync`; `online` sends it as it goes (after `wandb login`). Default: the client's own,
+    WANDB_MODE or online."""
+    mlflow: str | None = None
+    """An MLflow tracking URI: a server (`http://host:5000`) or a local store (`sqlite:///PATH/mlflow.db`);
+    the same numbers as log.wandb go to one MLflow run per islands run (`pip install 'islands[mlflow]'`)."""
+    mlflow_experiment: str = "islands"
+    """The MLflow experiment the run is filed under (made if missing)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     algorithm: Algorithm = "diloco"
     """`diloco`: T rounds of H inner steps with an outer optimizer; `fedavg`: diloco with outer
@@ -368,6 +385,8 @@ class Config:
     """Quorum, deadline, stragglers and retries."""
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     """Where worker jobs run."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Where the run's metrics go besides its own metrics/ files, report and TensorBoard: W&B, MLflow."""
 
     @property
     def quorum(self) -> int:

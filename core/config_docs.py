@@ -12,7 +12,7 @@ import typing
 from core import config as C
 
 SECTIONS = [("", C.Config), ("model.", C.ModelConfig), ("data.", C.DataConfig), ("inner.", C.InnerConfig),
-            ("outer.", C.OuterConfig), ("lte.", C.LteConfig), ("round.", C.RoundConfig), ("executor.", C.ExecutorConfig)]
+            ("outer.", C.OuterConfig), ("lte.", C.LteConfig), ("round.", C.RoundConfig), ("executor.", C.ExecutorConfig), ("log.", C.LogConfig)]
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -96,6 +96,7 @@ class Index:
     shards: tuple[Shard, ...]
     documents: int
     skipped: int  # bad records skipped with --skip-bad
+    empty: int = 0  # documents with no text, dropped (0 in an index written before they were counted)
 
     @property
     def width(self) -> int:
@@ -108,7 +109,7 @@ class Index:
         t = self.tokenizer
         return {"format": FORMAT, "settings": self.settings, "dtype": self.dtype, "masked": self.masked,
                 "tokenizer": {"name": t.name, "vocab_size": t.vocab_size, "separator": t.separator},
-                "documents": self.documents, "skipped": self.skipped,
+                "documents": self.documents, "skipped": self.skipped, "empty": self.empty,
                 "tokens": {s: sum(x.tokens for x in self.split(s)) for s in SPLITS},
                 "shards": [s.to_json() for s in self.shards]}
 
@@ -191,12 +192,13 @@ def parse_index(obj: Any, where: str) -> Index:
     shards = parse_shards(p, obj.get("shards"), masked is True)
     documents = p.integer(obj, "documents", 1)
     skipped = p.integer(obj, "skipped", 0)
+    empty = p.integer(obj, "empty", 0) if "empty" in obj else 0
     if documents is not None:
         p.need(documents == sum(s.documents for s in shards), "documents is not the sum of the shards' documents")
     p.need(any(s.split == "train" for s in shards), "no train shard")
     p.need(any(s.split == "eval" for s in shards), "no eval shard (the held-out split)")
     p.done(fix)
-    return Index(settings, tokenizer, dtype, masked, tuple(shards), documents, skipped)  # type: ignore[arg-type]
+    return Index(settings, tokenizer, dtype, masked, tuple(shards), documents, skipped, empty)  # type: ignore[arg-type]
 
 
 def parse_part(obj: Any, where: str, masked: bool) -> tuple[list[Shard], int, int] | None:
@@ -206,6 +208,8 @@ def parse_part(obj: Any, where: str, masked: bool) -> tuple[list[Shard], int, in
         return None
     shards = parse_shards(p, obj.get("shards"), masked)
     documents, skipped = p.integer(obj, "documents", 0), p.integer(obj, "skipped", 0)
+    if "empty" in obj:
+        p.integer(obj, "empty", 0)
     p.need(documents == sum(s.documents for s in shards), "documents is not the sum of the shards' documents")
     return None if p.items else (shards, documents, skipped)  # type: ignore[return-value]
 

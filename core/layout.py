@@ -28,6 +28,7 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     jobs/                                         submitit's folder (job scripts, logs)
     metrics/round_00003.jsonl                     round 3's metrics as JSON lines (docs/observability.md)
     tensorboard/                                  TensorBoard event files, when tensorboard is installed
+    wandb/                                        the W&B client's files, with log.wandb (an offline run to sync)
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class RunLayout:
     JOBS = "jobs"
     METRICS = "metrics"
     TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
 
     def lease_epoch(self, epoch: int) -> str:
         """Created exclusively by whoever takes epoch `epoch` of the run's lease (orchestrator.lease):

@@ -11,7 +11,7 @@ from typing import Any
 
 from core.config import Algorithm, Config, load_config, replace
 from core.errors import ConfigError, IslandsError
-from orchestrator.console import HelpFormatter, console, setup_logging
+from orchestrator.console import HelpFormatter, console, say, setup_logging
 
 WATCH_S = 2.0
 SUBMIT_EXAMPLES = """examples:
@@ -111,6 +111,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.slurm import rank_problems
     if problems := rank_problems(cfg):  # before the run directory exists: nothing half-made is left
         raise ConfigError(problems, source="the worker jobs' ranks")
+    from orchestrator.observe.trackers import tracker_problems
+    if problems := tracker_problems(cfg):
+        raise ConfigError(problems, source="log")
     cfg = _with_executor(cfg)
     local_most = max(16, 4 * (os.cpu_count() or 1))
     if cfg.executor.kind == "local" and cfg.workers > local_most and not args.oversubscribe:  # one process each, here
@@ -128,13 +131,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.lease import refuse_unsafe
     refuse_unsafe(storage, allow_group=args.allow_group_write)  # a folder made beforehand, open to others
     create_run(storage, cfg, schedule)
-    console.print(f"run directory: {storage.display()}")
+    say(f"run directory: {storage.display()}")
     if args.detach:
         from orchestrator.executor import Executor
         executor = Executor(cfg, jobs_folder(storage))
         job = executor.submit_service(storage.url, requeued_service)
-        console.print(f"merge service started as {'Slurm job' if executor.kind == 'slurm' else 'process'} {job}; "
-                      f"follow it with: orchestrate status {storage.display()} --watch")
+        say(f"merge service started as {'Slurm job' if executor.kind == 'slurm' else 'process'} {job}; "
+            f"follow it with: orchestrate status {storage.display()} --watch")
         return 0
     return drive(storage, _options(args))
 
@@ -177,9 +180,8 @@ def _with_executor(cfg: Config) -> Config:
     if why is None and (refused := request_refusal(cfg)) is not None:
         if kind == "auto" and (fit := fit_to_partition(cfg)) is not None:
             sized, where = fit
-            console.print(f"Slurm refuses the worker jobs as configured ({refused}); asking for "
-                          f"{describe_request(slurm_parameters(sized))} instead, what {where} (set executor.* to "
-                          "choose)", markup=False, soft_wrap=not console.is_terminal)
+            say(f"Slurm refuses the worker jobs as configured ({refused}); asking for "
+                f"{describe_request(slurm_parameters(sized))} instead, what {where} (set executor.* to choose)")
             return replace(sized, executor__kind="slurm")
         raise IslandsError(f"--executor {kind}: Slurm refuses the worker jobs: {refused}. {FIX_REQUEST}"
                            + (". While Slurm answers, workers never run on this machine (a login node); "
@@ -191,8 +193,7 @@ def _with_executor(cfg: Config) -> Config:
         raise IslandsError(f"--executor slurm: {why}. Start it (docs/slurm.md: `bash slurm_templates/local-cluster.sh "
                            "up` for a one-machine cluster) or run here with --executor local")
     if shutil.which("sbatch"):  # installed but down: say why the run is not on Slurm
-        console.print(f"not using Slurm: {why}; running on this machine (--executor local)", markup=False,
-                      soft_wrap=not console.is_terminal)
+        say(f"not using Slurm: {why}; running on this machine (--executor local)")
     return replace(cfg, executor__kind="local")
 
 

@@ -26,6 +26,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+def say(text: str, out: Console | None = None) -> None:
+    """One line of a command's output (on `out`, else the one console). On a terminal it is wrapped
+    between words at its width, never inside a number or a word; a word longer than a line (a path)
+    stays whole for the terminal to wrap, so that it copies as one. In a pipe or a log it goes whole."""
+    out = out or console
+    if out.is_terminal:
+        text = "\n".join(textwrap.fill(line, out.width, break_long_words=False, break_on_hyphens=False)
+                         for line in text.splitlines())
+    out.print(text, markup=False, soft_wrap=True)
+
+
 def narrow_table(*columns: Any, title: str, fold: bool = False) -> Any:
     """A table for an 80-column terminal: no column rules or edge padding, its title on the left
     (wrapped at words); `fold`: a cell too long for its column folds onto more lines, never cut."""

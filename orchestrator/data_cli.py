@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from orchestrator.console import HelpFormatter, console
+from orchestrator.console import HelpFormatter, say
 
 EXAMPLES = """examples:
   orchestrate data prepare corpus/*.jsonl.zst --out /shared/$USER/data/c4 \\
@@ -67,14 +67,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     try:
         index = prepare(spec)
     except KeyboardInterrupt:
-        console.print(f"interrupted: the units finished so far are kept in {args.out}; the same command goes on "
-                      "from there", markup=False)
+        say(f"interrupted: the units finished so far are kept in {args.out}; the same command goes on from there")
         return 130
     tokens = index.to_json()["tokens"]
-    console.print(f"prepared {args.out}: {index.documents} documents ({index.skipped} bad records skipped), "
-                  f"{tokens['train']} train + {tokens['eval']} eval tokens ({index.dtype}) in {len(index.shards)} "
-                  f"shards, {len({s.group for s in index.shards})} group(s), {time.monotonic() - t0:.0f}s", markup=False)
-    console.print(f"train on it with: orchestrate submit --set data.source={args.out}", markup=False)
+    empty = f", {index.empty} empty documents dropped" if index.empty else ""
+    say(f"prepared {args.out}: {index.documents} documents ({index.skipped} bad records skipped{empty}), "
+        f"{tokens['train']} train + {tokens['eval']} eval tokens ({index.dtype}) in "
+        f"{len(index.shards)} shards, {len({s.group for s in index.shards})} group(s), {time.monotonic() - t0:.0f}s")
+    say(f"train on it with: orchestrate submit --set data.source={args.out}")
     return 0
 
 
@@ -87,6 +87,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     if problems:
         raise fmt.DatasetError(f"{ds.url}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems[:20])
                                + "\nPrepare it again (the same command resumes only what is missing).")
-    console.print(f"{ds.url}: {len(ds.index.shards)} shards, {ds.index.documents} documents: every size and checksum "
-                  "matches the index, every token id is inside the vocabulary", markup=False)
+    say(f"{ds.url}: {len(ds.index.shards)} shards, {ds.index.documents} documents: every size and checksum matches "
+        "the index, every token id is inside the vocabulary")
     return 0

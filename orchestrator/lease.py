@@ -132,6 +132,14 @@ def acquire(storage: Storage, *, force: bool = False, wait_s: float = 0.0) -> Le
         return Lease(storage, epoch + 1)
 
 
+def driven(storage: Storage) -> bool:
+    """Whether a merge service holds the run now (its lease taken, its heartbeat fresh, its process
+    alive where this machine can tell); False once it stopped, however it stopped."""
+    held = _read(storage, L.LOCK)
+    holder = _holder(storage, held, _latest_epoch(storage, held))
+    return bool(holder) and _lapsed(holder) is None
+
+
 def _latest_epoch(storage: Storage, held: dict[str, Any]) -> int:
     epochs = [int(m.group(1)) for n in storage.list(L.LEASE) if (m := re.fullmatch(r"epoch_(\d+)\.json", n))]
     mine = held.get("epoch", 0)

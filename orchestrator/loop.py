@@ -30,6 +30,7 @@ from merge.rounds import QuorumError
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.lease import Lease
 from orchestrator.observe.metrics import write_round_metrics
+from orchestrator.observe.trackers import Trackers
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
 from orchestrator import retention
@@ -49,8 +50,12 @@ class Cancelled(RunError):
 
 class Service:
     def __init__(self, lease: Lease, cfg: Config, executor: Executor,
-                 on_round: Callable[[RoundRecord], None] | None = None) -> None:
+                 on_round: Callable[[RoundRecord], None] | None = None, trackers: Trackers | None = None) -> None:
         self.lease, self.cfg, self.executor = lease, cfg, executor
+        self.trackers = trackers or Trackers()  # W&B, MLflow (log.*): sent each round's metrics
+        self.phase = "training"
+        """What the service does now, for the live footer: training (waiting for the round's workers),
+        merging, or evaluating (the round just committed)."""
         self.storage = lease.storage  # fenced: nothing is written once another service holds the run
         self.on_round = on_round or (lambda record: None)
         self.evaluator = Evaluator(cfg)
@@ -99,11 +104,13 @@ class Service:
             self._check_cancel(jobs)
             decision, states = self._poll(jobs)
             if decision.action == "merge":
+                self.phase = "merging"
                 try:
                     record = self.merger.merge(jobs, decision, states)
                 except QuorumError as exc:  # too many were refused: retry those workers instead
                     log.warning("round %d: %s", r, exc)
                     self.merger.set_aside(jobs, exc.rejected)
+                    self.phase = "training"
                     continue
                 self.merger.commit(jobs, record)
                 return record
@@ -135,6 +142,7 @@ class Service:
 
     def evaluate(self, record: RoundRecord) -> None:
         """Add the new global model's eval metrics to a committed round record (off the critical path)."""
+        self.phase = "evaluating"
         metrics = self.evaluator.metrics(self.storage, L.global_weights(record.round + 1))
         bad = sorted(k for k, v in metrics.items() if number(v) is None)
         if bad:  # a record never carries a non-finite figure: its loader would refuse the whole record
@@ -142,7 +150,9 @@ class Service:
         metrics = {k: v for k, v in metrics.items() if k not in bad}
         record.eval_loss, record.eval_metrics = metrics.pop("loss", None), metrics
         record.save(self.storage)
-        write_round_metrics(self.storage, self.cfg, record.to_json())  # metrics/round_r.jsonl (docs/observability.md)
+        lines = write_round_metrics(self.storage, self.cfg, record.to_json())  # metrics/round_r.jsonl (docs/observability.md)
+        self.trackers.send(lines)
+        self.phase = "training"
         self.on_round(record)
 
     def _check_cancel(self, jobs: RoundJobs) -> None:

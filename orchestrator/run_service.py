@@ -15,7 +15,7 @@ from pathlib import Path
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout
 from core.storage import Storage
-from orchestrator.console import console, setup_logging
+from orchestrator.console import console, say, setup_logging
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -54,17 +54,17 @@ def resume(run_url: str, opts: ServiceOptions) -> int:
     storage = run_storage(run_url)
     from orchestrator.runstate import run_status
     done = run_status(storage)["state"] == "done"  # the service still checks what it keeps (a lost outer state)
-    console.print(f"resuming {storage.display()}" + (" (it is done: checking what it keeps)" if done else ""))
+    say(f"resuming {storage.display()}" + (" (it is done: checking what it keeps)" if done else ""))
     return drive(storage, opts, already_done=done)
 
 
 def _say_done(storage: Storage, status: dict, done: str) -> None:
     """The lines that end a run: its rounds, final loss and where its final model is."""
     final = status["rounds"][-1]["eval_loss"] if status["rounds"] else None
-    console.print(f"{done}: {status['rounds_done']} rounds, final eval {status['loss']} "
-                  f"{'not evaluated' if final is None else format(final, '.4f')}; final model: {status['final_model']}"
-                  + (f"; as a Hugging Face folder: {status['final_hf']}" if status.get("final_hf") else ""), markup=False)
-    console.print(f"inspect it with: orchestrate status {storage.display()}", markup=False)
+    say(f"{done}: {status['rounds_done']} rounds, final eval {status['loss']} "
+        f"{'not evaluated' if final is None else format(final, '.4f')}; final model: {status['final_model']}"
+        + (f"; as a Hugging Face folder: {status['final_hf']}" if status.get("final_hf") else ""))
+    say(f"inspect it with: orchestrate status {storage.display()}")
 
 
 def jobs_folder(storage: Storage, create: bool = True) -> str:
@@ -113,6 +113,7 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
     from orchestrator.console import log_to_file
     from orchestrator.executor import Executor
     from orchestrator.loop import Cancelled, Service
+    from orchestrator.observe.trackers import Trackers
     from orchestrator.run_models import initial_eval
     from orchestrator.run_view import RunView, duration
     from orchestrator.runstate import load_run, run_status
@@ -129,28 +130,29 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
     # With the lease held we are the only service: clear what killed writers left (never a live one's).
     storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
     t0 = time.monotonic()
+    trackers = Trackers()
     try:
-        service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()))
-        view = RunView(console, storage, cfg, service.first_open_round())
-        console.print(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
-                      f"{executor.kind} executor; initial eval {cfg.loss_label} {initial_eval(storage, service.evaluator):.4f}"
-                      + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""), markup=False)
+        trackers = Trackers.open(storage, cfg)  # W&B, MLflow (log.*), continuing the run's own
+        service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()), trackers=trackers)
+        view = RunView(console, storage, cfg, service.first_open_round(), phase=lambda: service.phase)
+        say(f"{cfg.algorithm}: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner.steps} inner steps, "
+            f"{executor.kind} executor; initial eval {cfg.loss_label} {initial_eval(storage, service.evaluator):.4f}"
+            + (f"; a replay of {cfg.round.replay}" if cfg.round.replay else ""))
         with view.live():
             service.run()
         executor.settle()
         executor.tidy()
     except Cancelled as exc:
-        console.print(str(exc), markup=False)
+        say(str(exc))
         return 3
     except KeyboardInterrupt:
         where = storage.display()
         if executor.kind == "local":  # its jobs are this machine's processes: give the CPUs back
             executor.cancel(executor.own_jobs())
-            console.print(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues "
-                          "the run", markup=False)
+            say(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues the run")
         else:
-            console.print(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues "
-                          f"the run, `orchestrate cancel {where}` stops them", markup=False)
+            say(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues the run, "
+                f"`orchestrate cancel {where}` stops them")
         return 130
     except leases.LeaseLost:
         raise  # the service that took the run adopted the jobs: they are its to keep
@@ -160,6 +162,7 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
             log.warning("the merge service stopped: this run's local jobs are stopped")
         raise
     finally:
+        trackers.close()
         lease.release()
     _say_done(storage, run_status(storage), "already done" if already_done else f"done in {duration(time.monotonic() - t0)}")
     return 0

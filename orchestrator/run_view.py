@@ -13,7 +13,7 @@ global/round_00000 into global/round_00001. `(1/8)` beside it counts rounds done
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,6 +21,7 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from core.config import Config
+from orchestrator.console import say
 from core.storage import Storage
 from core.records import utilization
 from orchestrator.runstate import arrived_workers, read_heartbeat
@@ -42,8 +43,10 @@ def duration(seconds: float) -> str:
 class RunView:
     """The round lines and, on a terminal, the live footer. `round_done(record)` after each round."""
 
-    def __init__(self, console: Console, storage: Storage, cfg: Config, first_round: int) -> None:
+    def __init__(self, console: Console, storage: Storage, cfg: Config, first_round: int,
+                 phase: Callable[[], str] = lambda: "training") -> None:
         self.console, self.storage, self.cfg = console, storage, cfg
+        self.phase = phase  # the service's: training, merging or evaluating (orchestrator.loop.Service.phase)
         self.current = first_round
         self.last = time.time()  # the service's start, then its last commit: the round in progress runs since
         self.measured: list[float] = []
@@ -57,9 +60,7 @@ class RunView:
                 wall = rec["round_s"]
                 self.measured.append(wall)
                 self.last = rec["committed_at"]
-        # on a terminal narrower than the line, wrapped between words (a pipe or a log gets it whole)
-        self.console.print(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), markup=False,
-                           soft_wrap=not self.console.is_terminal)
+        say(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), self.console)  # wrapped between words
         self.console.file.flush()  # a file or a pipe (a Slurm log, `| tee`) gets each round when it ends
 
     def eta(self) -> float | None:
@@ -91,7 +92,11 @@ class RunView:
         r, total, now = self.current, self.cfg.rounds, time.time()
         if r >= total:  # the last round is committed: the final model is being written
             return Group(Text(f"all {total} rounds done: writing the final model", style="bold"))
-        head = f"round {r} ({r + 1}/{total}) running for {duration(now - self.last)}"
+        phase = self.phase()
+        if phase == "evaluating":  # round r is committed; its line comes with its eval loss
+            return Group(Text(f"round {r} ({r + 1}/{total}) merged: evaluating the new global model", style="bold"))
+        head = f"round {r} ({r + 1}/{total}) " + ("merging" if phase == "merging" else "running") + \
+            f" for {duration(now - self.last)}"
         if (eta := self.eta()) is not None:
             spent = sum(self.measured)
             rate = 3600 * len(self.measured) / spent if spent > 0 else 0.0

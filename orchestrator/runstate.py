@@ -14,6 +14,7 @@ from core.config import Config
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
+from orchestrator.lease import driven
 from core.records import LIMIT, RUN_INFO, Failure, RoundJobs, RoundRecord, RunInfo, number, text, utilization
 
 L = RunLayout()
@@ -99,9 +100,16 @@ def run_status(storage: Storage, cfg: Config | None = None) -> dict[str, Any]:
         info = dataclasses.asdict(RunInfo.load(storage))
     except RunError:  # damaged: its figures shown as absent, as a damaged round's
         info = dataclasses.asdict(RunInfo())
-    # every round committed is not the end: the last one is evaluated and the final model exported after
-    state = ("done" if _finished(storage, info) else "finishing") if r >= cfg.rounds else \
-        "failed" if failed else "cancelled" if storage.exists(L.CANCEL) else "running"
+    # every round committed is not the end: the last one is evaluated and the final model exported after;
+    # a run no merge service holds (Ctrl-C, a killed service) is stopped, whatever it was doing, unless
+    # its service never started yet (`submit --detach`: its Slurm job may queue)
+    live = driven(storage)
+    if r >= cfg.rounds:
+        state = "done" if _finished(storage, info) else "finishing" if live else "stopped"
+    elif failed or storage.exists(L.CANCEL):
+        state = "failed" if failed else "cancelled"
+    else:
+        state = "running" if live else "starting" if r == 0 and not storage.exists(L.round_jobs(0)) else "stopped"
     current = RoundJobs.load(storage, r) if r < cfg.rounds else None
     return {
         "run_dir": storage.display(), "state": state, "algorithm": cfg.algorithm, "workers": cfg.workers,

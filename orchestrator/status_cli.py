@@ -57,7 +57,8 @@ def status_table(status: dict[str, Any]) -> Any:
                                f"{status['rounds_done']}/{status['rounds_total']} rounds done, "
                                f"initial eval {status.get('loss', 'loss')} {_num(status['initial_eval_loss'], '{:.4f}')}")
     for r in status["rounds"]:
-        loss = "damaged" if r.get("damaged") else "evaluating" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        unscored = "evaluating" if status["state"] in ("running", "finishing") else "pending"  # resume evaluates it
+        loss = "damaged" if r.get("damaged") else unscored if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         wall = _num(r["round_s"] if r.get("round_s") is not None else r["wall_s"], "{:.1f}")  # older records: submit to commit
         table.add_row(str(r["round"]), loss, *(_num(r.get("eval_metrics", {}).get(k), "{:.4f}") for k in extra),
                       f"{len(r['merged'])}/{status['workers']}", _ids(r["dropped"]),
@@ -69,7 +70,7 @@ def status_table(status: dict[str, Any]) -> Any:
 def current_table(status: dict[str, Any]) -> Any | None:
     """The round in progress, a row per worker: its job, how the scheduler sees it, and its step."""
     current = status["current_round"]
-    if not current or status["state"] != "running":
+    if not current or status["state"] not in ("running", "stopped"):  # stopped: Slurm jobs may still run
         return None
     r = current["round"]
     table = narrow_table("worker", "job", "state", "queued", "ran", "progress",
@@ -145,6 +146,9 @@ def status_view(status: dict[str, Any]) -> Any:
     lines = [contribution_line(status["rounds"]), stored_line(status), jobs_line(status["rounds"])]
     if status["failure"]:
         lines.append(f"failed in round {status['failure'].get('round')}: {status['failure']['reason']}")
+    if status["state"] == "stopped":
+        lines.append(f"no merge service drives the run (it was interrupted or killed): `orchestrate resume "
+                     f"{status['run_dir']}` continues it")
     if status["scheduler"] != "answered":
         lines.append(f"scheduler {status['scheduler']}")
     current = current_table(status)
@@ -170,7 +174,7 @@ def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
             while True:
                 status = status_with_jobs(storage, jobs_folder)
                 live.update(status_view(status), refresh=True)
-                if status["state"] not in ("running", "finishing"):
+                if status["state"] not in ("starting", "running", "finishing"):
                     return 0
                 time.sleep(args.watch)
     finally:
@@ -184,7 +188,7 @@ def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:
     storage = Storage(args.run)
     cfg = load_run(storage)
     status = run_status(storage, cfg)
-    if status["state"] != "running":
+    if status["state"] not in ("running", "stopped"):  # stopped: its Slurm jobs may still run
         console.print(f"nothing to cancel: the run is {status['state']}", markup=False)
         return 0
     storage.write_bytes(L.CANCEL, str(time.time()).encode())

@@ -179,9 +179,28 @@ def test_the_readme_run_on_a_terminal_shows_round_lines_and_a_live_footer(tmp_pa
     assert re.fullmatch(rf"round 0 \(1/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+{busy}, ETA \w+",
                         lines[2]), lines
     assert re.fullmatch(rf"round 1 \(2/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+{busy}", lines[3]), lines
-    assert lines[4].startswith("done in ") and "".join(lines[4:]).endswith(f"inspect it with: orchestrate status {run}"), lines
+    assert lines[4].startswith("done in ") and " ".join(lines[4:]).endswith(f"inspect it with: orchestrate status {run}"), lines
     log = (run / "orchestrator.log").read_text()  # what -v would have shown is all in the run's log
     assert "INFO orchestrator.submission: round 0: submitted workers [0, 1]" in log
+
+
+@pytest.mark.slow
+def test_on_an_80_column_terminal_lines_break_between_words_and_the_footer_says_evaluating(tmp_path, corpus_cache):
+    """The run's lines wrapped between words (never inside a number), a path longer than a line left
+    whole for the terminal to wrap (it copies as one); while the service evaluates a committed round
+    (3000 eval batches: seconds), the footer says so rather than `running`."""
+    run = tmp_path / ("a-run-directory-whose-name-is-long-enough-to-need-a-line-of-its-own-" + "x" * 20)
+    cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--workers", "2", "--rounds", "2", "--inner-steps", "30",
+           "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY, "--set", "data.eval_batches=3000"]
+    raw, lines = in_a_terminal(cmd, cols=80, rows=40)
+    text = raw.decode(errors="replace")
+    pieces = [p for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).split("\r\n") for p in line.split("\r")]
+    assert all(len(p) <= 80 or " " not in p.strip() for p in pieces), [p for p in pieces if len(p) > 80]
+    assert "merged: evaluating the new global model" in text
+    cut = [(a, b) for a, b in zip(lines, lines[1:]) if " " in a and re.search(r"[\d.]$", a) and re.match(r"[\d.]", b)]
+    assert not cut, cut  # no number cut between two lines
+    assert re.search(r"initial eval loss (\(nats/byte\) )?\d\.\d{4}", " ".join(lines))
+    assert f"final model:\r\n{run}/final/model.safetensors\r\n" in text  # written whole: the terminal wraps it
 
 
 @pytest.mark.slow
@@ -271,6 +290,13 @@ def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, c
     assert "Traceback" not in text, text[-3000:]
     logs = "".join(p.read_text(errors="replace") for p in (run / "jobs").rglob("*.err"))
     assert "KeyboardInterrupt" not in logs and "Traceback" not in logs, logs[-3000:]
+    # what status says of it now: stopped, and how to go on (never "running": nothing drives it)
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    said = " ".join(status.stdout.split())
+    assert f"{run}: stopped," in said and "running" not in said, said
+    assert f"no merge service drives the run (it was interrupted or killed): `orchestrate resume {run}` continues it" \
+        in said, said
 
 
 @pytest.mark.slow

@@ -239,6 +239,10 @@ def test_diloco_two_workers_two_rounds_exports_a_hf_directory(hf_dir, texts, tmp
     assert main(["eval", str(run)]) == 0  # off a terminal: plain lines, in the tokenizer's unit
     out = capsys.readouterr().out
     assert "x 32 tokens" in out and "bits/token" in out and "byte" not in out.replace(str(run), "")
+    assert main(["eval", str(run / L.FINAL_HF), "--json"]) == 0  # the exported folder scores the final model's loss
+    by_hf = json.loads(capsys.readouterr().out)
+    assert by_hf["models"][0]["loss"] == pytest.approx(evaluated["models"][0]["loss"], abs=1e-5), by_hf
+    assert by_hf["data"]["config"] == evaluated["data"]["config"]
     assert st["loss"] == "loss (nats/token)"
     main(["status", str(run)])
     assert "initial eval loss (nats/token)" in " ".join(capsys.readouterr().out.split())

@@ -132,3 +132,17 @@ def test_no_long_function_and_no_argument_bundle_in_merge():
             if n.end_lineno - n.lineno + 1 > 60] == []
     assert [f"{where}: {_parameters(n)} parameters" for pkg, where, n in functions
             if pkg == "merge" and _parameters(n) > 6] == []
+
+
+def test_submitit_is_touched_by_the_two_modules_docs_architecture_names():
+    """orchestrator/executor.py submits and watches jobs; worker/ranks.py reads a running job's
+    environment. Nobody else imports submitit (docs/architecture.md)."""
+    touching = set()
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                if any(n == "submitit" or n.startswith("submitit.") for n in names):
+                    touching.add(_module(ROOT, path))
+    assert touching == {"orchestrator.executor", "worker.ranks"}, touching

@@ -301,3 +301,56 @@ def test_a_group_field_with_too_many_values_stops_the_unit_at_once(tmp_path, mon
     with pytest.raises(DatasetError, match="--group-field 'text' has more than 3 values: it is not a group"):
         prepare(PrepareSpec((str(src),), str(tmp_path / "out"), fields=Fields(group="text")))
     assert not any((tmp_path / "out").rglob("*.json"))  # no unit record, no index
+
+
+class _Recorder:
+    """A progress renderer (core.progress) that keeps every advance: what a bar would be told."""
+
+    def __init__(self) -> None:
+        self.moves: list[float] = []
+        self.total = None
+
+    def __call__(self, total, desc, unit):
+        self.total = total
+        return self
+
+    def advance(self, n: float = 1) -> None:
+        if n:
+            self.moves.append(n)
+
+    def note(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_progress_moves_within_a_unit_and_adds_up_to_the_input(tmp_path, monkeypatch, procs):
+    """The bar hears of input bytes as they are read, not once per 16 MB unit: a unit of 1.5 MB
+    moves it many times (one process) or at every poll while a pool works (a pause per batch keeps
+    the pool busy for several polls), and the moves add up to the input's size."""
+    from core import progress
+    src = _jsonl(tmp_path / "in.jsonl", _rows(6000))
+    monkeypatch.setattr("worker.sources.UNIT_BYTES", src.stat().st_size // 2 + 1)  # two units
+    monkeypatch.setenv("ISLANDS_SLOWPOINT", "prepare.batch=0.2")  # each unit lasts several of the pool's polls
+    rec = _Recorder()
+    previous = progress.set_renderer(rec)
+    try:
+        prepare(PrepareSpec((str(src),), str(tmp_path / "out"), procs=procs))
+    finally:
+        progress.set_renderer(previous)
+    assert sum(rec.moves) == pytest.approx(src.stat().st_size / 1e6) and rec.total == pytest.approx(sum(rec.moves))
+    assert len(rec.moves) >= 6, rec.moves  # not one move per unit
+
+
+def test_empty_documents_are_dropped_and_counted(tmp_path, capsys):
+    rows = _rows(200)
+    for i in (3, 50, 120):
+        rows[i]["text"] = ""
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    assert main(["data", "prepare", str(src), "--out", str(tmp_path / "out")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "197 documents (0 bad records skipped, 3 empty documents dropped)" in said, said
+    index = fmt.parse_index(json.loads((tmp_path / "out" / fmt.INDEX).read_text()), "index")
+    assert index.documents == 197 and index.empty == 3

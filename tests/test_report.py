@@ -50,6 +50,14 @@ def tiny_run(tmp_path_factory, corpus_cache) -> Path:
     return run
 
 
+def as_if_a_service_held_it(storage: Storage) -> None:
+    """lock.json as a live merge service writes it (this process, beating now): a run in progress."""
+    import os
+    import socket
+    import time
+    storage.write_json(L.LOCK, {"pid": os.getpid(), "host": socket.gethostname(), "epoch": 0, "heartbeat_at": time.time()})
+
+
 def _pngs_ok(result: dict, out: Path) -> str:
     html = (out / "report.html").read_text()
     assert [Path(p).stem for p in result["images"]] == list(FIGURES)
@@ -89,6 +97,7 @@ def test_report_of_a_run_in_progress_on_memory_storage(tiny_run, tmp_path):
     for key in (L.round_record(1), L.round_metrics(1), L.FINAL, "final/model.json", L.global_weights(2),
                 "global/round_00002.json", L.contribution(1, 1), "rounds/00001/contrib/worker_001.json"):
         mem.remove(key)  # round 2 not committed yet, worker 1 still training
+    as_if_a_service_held_it(mem)
     try:
         out = tmp_path / "report"
         result = write_report(mem, out)
@@ -409,10 +418,14 @@ def test_a_run_is_done_only_once_its_final_model_is_written(tiny_run, tmp_path, 
     (run / "run.json").write_text(json.dumps({**info, "finished_at": None}))  # the service is exporting
     (run / "final" / "model.safetensors").unlink()
     (run / "final" / "model.json").unlink()
+    as_if_a_service_held_it(Storage(str(run)))
     assert main(["status", str(run), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["state"] == "finishing" and st["rounds_done"] == 2 and st["final_model"] is None
-    assert main(["resume", str(run)]) == 0  # a service that died exporting: resume finishes the run
+    (run / L.LOCK).unlink()  # the service died exporting: nothing holds the run now
+    assert main(["status", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "stopped"
+    assert main(["resume", str(run)]) == 0  # resume finishes the run
     capsys.readouterr()
     assert main(["status", str(run), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
@@ -456,6 +469,7 @@ def test_status_of_a_run_in_progress_fits_80_columns_and_says_how_jobs_ended(tin
     rec = json.loads((run / "rounds/00000/record.json").read_text())
     rec["jobs"]["1"]["job_id"] = "999999"  # a job the scheduler no longer knows: as recorded at the commit
     (run / "rounds/00000/record.json").write_text(json.dumps(rec))
+    as_if_a_service_held_it(Storage(str(run)))
     raw, lines = in_a_terminal([sys.executable, "-m", "orchestrator.cli", "status", str(run)], cols=80, rows=40)
     written = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", x) for x in raw.decode().split("\r\n")]
     assert max(map(len, written)) <= 80, written  # the terminal never had to wrap a line mid-word
@@ -465,6 +479,30 @@ def test_status_of_a_run_in_progress_fits_80_columns_and_says_how_jobs_ended(tin
     for w in (0, 1):
         assert re.fullmatch(rf" {w}\s+\d+\s+COMPLETED\s+\w+\s+\w+\s+published", lines[at + 3 + w]), lines
     assert lines[-1] == "jobs: 1 COMPLETED, 1 FAILED; round 0 worker 1 job 999999 FAILED", lines
+
+
+@slow
+def test_a_run_stopped_before_its_last_evaluation_is_stopped_not_evaluating(tiny_run, tmp_path, capsys):
+    """Ctrl-C between a round's commit and its evaluation: no service holds the run, so status says
+    stopped and the round's evaluation pending (resume does it), never running / evaluating for ever."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    for p in (run / "final", run / "metrics" / "round_00001.jsonl"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    (run / "run.json").write_text(json.dumps({**json.loads((run / "run.json").read_text()), "finished_at": None}))
+    rec = json.loads((run / "rounds/00001/record.json").read_text())
+    (run / "rounds/00001/record.json").write_text(json.dumps({**rec, "eval_loss": None, "eval_metrics": {}}))
+    assert main(["status", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "stopped"
+    assert main(["status", str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{run}: stopped," in out and " 1 pending " in out and "evaluating" not in out, out
+    assert f"`orchestrate resume {run}` continues it" in out
+    as_if_a_service_held_it(Storage(str(run)))  # while a service holds it, the same round is being evaluated
+    assert main(["status", str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{run}: finishing," in out and "evaluating" in out and "resume" not in out, out
 
 
 def test_eval_on_an_80_column_terminal_keeps_checkpoint_names_apart(tiny_run, tmp_path):

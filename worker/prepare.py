@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,12 +26,14 @@ import numpy as np
 from core import dataset as fmt
 from core.dataset import DatasetError, Index, Shard, Tokenizer
 from core.errors import IslandsError, StorageError
+from core.failpoints import slowpoint
 from core.progress import human, progress
 from core.storage import Storage
 from worker.sources import BadRecord, Fields, Record, Unit, describe, plan_units, records
 
 log = logging.getLogger(__name__)
 _ENCODE_BATCH = 256  # documents handed to the tokenizer at once
+_POLL_S = 0.5  # how often a pool's progress is read
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ class _UnitWriter:
         self.dtype = fmt.dtype_for(tok.info.vocab_size)
         self.streams: dict[tuple[str, str], _Stream] = {}
         self.shards: list[Shard] = []
-        self.documents = self.skipped = self.tokens = 0
+        self.documents = self.skipped = self.empty = self.tokens = 0
 
     def add(self, batch: list[Record]) -> None:
         sep = np.array([self.tok.info.separator])
@@ -159,7 +162,8 @@ class _UnitWriter:
                 self.skipped += 1
                 continue
             tokens, mask = doc
-            if len(tokens) == 1:  # an empty document adds nothing but a separator
+            if len(tokens) == 1:  # an empty document adds nothing but a separator: dropped, counted
+                self.empty += 1
                 continue
             stream = self._stream(self._split(record), record.group)
             stream.add(tokens.astype(self.dtype), mask)
@@ -212,27 +216,35 @@ class _UnitWriter:
         for s in self.streams.values():
             self._flush(s)
         record = {"settings": settings_digest, "documents": self.documents, "skipped": self.skipped,
-                  "tokens": self.tokens, "shards": [s.to_json() for s in self.shards]}
+                  "empty": self.empty, "tokens": self.tokens, "shards": [s.to_json() for s in self.shards]}
         self.storage.write_json(fmt.part_key(self.number), record)  # last: the unit is done once it exists
         return record
 
 
 _TOKENIZER: Any = None
+_READ: Any = None  # a pool process's share of the parent's count of input bytes read (multiprocessing.Value)
 
 
-def _init_process(tokenizer: str) -> None:
-    global _TOKENIZER
+def _init_process(tokenizer: str, read: Any) -> None:
+    global _TOKENIZER, _READ
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
-    _TOKENIZER = load_tokenizer(tokenizer)
+    _TOKENIZER, _READ = load_tokenizer(tokenizer), read
 
 
-def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, digest: str, tok: Any = None) -> dict[str, Any]:
+def _count_read(n: int) -> None:
+    with _READ.get_lock():
+        _READ.value += n
+
+
+def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, digest: str, tok: Any = None,
+                 moved: Callable[[int], None] | None = None) -> tuple[dict[str, Any], int]:
     """Read, tokenize and write one unit (in a pool process, or here with `tok`); its record, stamped
-    with the settings' `digest`."""
+    with the settings' `digest`, and the input bytes it told `moved` of as it read (its progress)."""
     tok = tok or _TOKENIZER or load_tokenizer(spec.tokenizer)
+    moved = moved or (_count_read if _READ is not None else lambda n: None)
     writer = _UnitWriter(Storage(spec.out, follow_links=True), number, spec, tok)
     batch: list[Record] = []
-    last = "its start"
+    last, told = "its start", 0
     try:
         for rec in records(unit, spec.fields):
             if isinstance(rec, BadRecord):
@@ -245,7 +257,11 @@ def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, digest: str, tok: A
             batch.append(rec)
             if len(batch) >= _ENCODE_BATCH:
                 writer.add(batch)
+                if (read := min(rec.read, unit.size)) > told:
+                    moved(read - told)
+                    told = read
                 batch = []
+                slowpoint("prepare.batch")  # tests: a unit slow enough for a pool's progress to be polled
     except DatasetError:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt, truncated or vanished input is one error naming it
@@ -254,7 +270,7 @@ def prepare_unit(number: int, unit: Unit, spec: PrepareSpec, digest: str, tok: A
                            "fix or remove it, and run the same command again (finished units are kept)") from None
     if batch:
         writer.add(batch)
-    return writer.finish(digest)
+    return writer.finish(digest), told
 
 
 def _digest(spec: PrepareSpec, tok: Any) -> str:
@@ -310,11 +326,13 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
     docs, tokens = sum(r["documents"] for r in done.values()), sum(r["tokens"] for r in done.values())
     with progress(total, "preparing", unit="MB") as bar:
         bar.advance(sum(units[i].size for i in done) / 1e6)
-        for i, rec in _run(todo, units, spec, digest, tok):
+        if done:  # said on the bar until the next unit ends: a resume does not look stalled
+            bar.note(f"{len(done)} of {len(units)} units kept")
+        for i, rec, told in _run(todo, units, spec, digest, tok, lambda n: bar.advance(n / 1e6)):
             done[i] = rec
             docs, tokens = docs + rec["documents"], tokens + rec["tokens"]
             bar.note(f"{human(docs)} docs, {human(tokens)} tok")
-            bar.advance(units[i].size / 1e6)
+            bar.advance((units[i].size - told) / 1e6)  # the rest of the unit (all of it, where reads are not told)
     return _write_index(storage, spec, tok, [done[i] for i in range(len(units))], digest, masked)
 
 
@@ -339,22 +357,38 @@ def _refuse_foreign(storage: Storage) -> None:
                            "or one of its own datasets (to resume it); give another --out")
 
 
-def _run(todo: list[int], units: list[Unit], spec: PrepareSpec, digest: str, tok: Any):
+def _run(todo: list[int], units: list[Unit], spec: PrepareSpec, digest: str, tok: Any,
+         moved: Callable[[int], None]) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """(unit, record, input bytes told to `moved`) of each unit in `todo` as it finishes; `moved` hears
+    of input bytes read while units are under way (every _POLL_S from a pool)."""
     if spec.procs == 1 or len(todo) <= 1:
         for i in todo:
-            yield i, prepare_unit(i, units[i], spec, digest, tok)
+            yield i, *prepare_unit(i, units[i], spec, digest, tok, moved)
         return
     # spawn: a fresh interpreter per process (a fork would copy this one's threads and tokenizer state)
-    pool = multiprocessing.get_context("spawn").Pool(spec.procs, initializer=_init_process, initargs=(spec.tokenizer,))
+    ctx = multiprocessing.get_context("spawn")
+    read, told = ctx.Value("q", 0), 0
+    pool = ctx.Pool(spec.procs, initializer=_init_process, initargs=(spec.tokenizer, read))
     try:
-        yield from pool.imap_unordered(_prepare_job, [(i, units[i], spec, digest) for i in todo])
+        results = pool.imap_unordered(_prepare_job, [(i, units[i], spec, digest) for i in todo])
+        for _ in todo:
+            while True:
+                try:
+                    got = results.next(timeout=_POLL_S)
+                    break
+                except multiprocessing.TimeoutError:
+                    pass
+                finally:
+                    moved(read.value - told)
+                    told = read.value
+            yield got
     finally:  # Ctrl-C or a bad record: stop every unit at once; the finished ones stay for a re-run
         pool.terminate()
         pool.join()
 
 
-def _prepare_job(job: tuple[int, Unit, PrepareSpec, str]) -> tuple[int, dict[str, Any]]:
-    return job[0], prepare_unit(*job)
+def _prepare_job(job: tuple[int, Unit, PrepareSpec, str]) -> tuple[int, dict[str, Any], int]:
+    return job[0], *prepare_unit(*job)
 
 
 def _finished(storage: Storage, i: int, digest: str, masked: bool, files: tuple[int, dict[str, int]]
@@ -380,9 +414,10 @@ def _write_index(storage: Storage, spec: PrepareSpec, tok: Any, parts: list[dict
                  masked: bool) -> Index:
     shards = [s for rec in parts for s in rec["shards"]]
     documents, skipped = sum(r["documents"] for r in parts), sum(r["skipped"] for r in parts)
+    empty = sum(r.get("empty", 0) for r in parts)  # checked by parse_part when present
     splits = {s["split"] for s in shards}
     if documents == 0:
-        raise DatasetError(f"the sources hold no document to train on ({skipped} bad record(s) skipped, the rest "
+        raise DatasetError(f"the sources hold no document to train on ({skipped} bad record(s) skipped, {empty} "
                            "empty); check --text-field and the files")
     if len({s["group"] for s in shards}) > fmt.MAX_GROUPS:
         raise DatasetError(f"--group-field {spec.fields.group!r} has more than {fmt.MAX_GROUPS} values: it is not a "
@@ -393,10 +428,10 @@ def _write_index(storage: Storage, spec: PrepareSpec, tok: Any, parts: list[dict
                                f"{spec.heldout}): {'raise' if split == 'eval' else 'lower'} --heldout, or add documents")
     settings = {**spec.settings(), "digest": digest}
     obj = {"format": fmt.FORMAT, "settings": settings, "dtype": fmt.dtype_for(tok.info.vocab_size), "masked": masked,
-           "tokenizer": asdict(tok.info), "documents": documents, "skipped": skipped, "shards": shards}
+           "tokenizer": asdict(tok.info), "documents": documents, "skipped": skipped, "empty": empty, "shards": shards}
     index = fmt.parse_index(obj, storage.display())  # what a reader will check, checked before it is written
     storage.write_bytes(fmt.INDEX, json.dumps(index.to_json(), indent=1, sort_keys=True).encode())
-    log.info("prepared %s: %d documents (%d skipped), %d train + %d eval tokens in %d shards", storage.display(),
-             documents, skipped, sum(s.tokens for s in index.split("train")), sum(s.tokens for s in index.split("eval")),
+    log.info("prepared %s: %d documents (%d skipped, %d empty dropped), %d train + %d eval tokens in %d shards",
+             storage.display(), documents, skipped, empty, sum(s.tokens for s in index.split("train")), sum(s.tokens for s in index.split("eval")),
              len(index.shards))
     return index

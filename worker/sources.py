@@ -20,7 +20,7 @@ import json
 import logging
 import posixpath
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -80,6 +80,7 @@ class Record:
     text: str = ""
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of each turn
+    read: int = 0  # input bytes of its unit read through this record, for progress (0: not known until the end)
 
 
 class BadRecord(DatasetError):
@@ -234,9 +235,11 @@ def records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
 
 
 def _text_records(unit: Unit) -> Iterator[Record | BadRecord]:
+    read = 0
     for rel, url in unit.files:
         with fsspec.open(url, "rb") as f:
             data = f.read(RECORD_CAP + 1)
+        read += len(data)
         if len(data) > RECORD_CAP:
             yield BadRecord(rel, f"larger than {RECORD_CAP >> 20} MB, the cap on one document")
             continue
@@ -246,13 +249,14 @@ def _text_records(unit: Unit) -> Iterator[Record | BadRecord]:
             yield BadRecord(rel, f"not UTF-8 text (byte {exc.start})")
             continue
         parts = rel.split("/")
-        yield Record(rel, rel, parts[0] if len(parts) > 1 else "_toplevel", text)
+        yield Record(rel, rel, parts[0] if len(parts) > 1 else "_toplevel", text, read=read)
 
 
 def _jsonl_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
     with fsspec.open(unit.url, "rb", compression="infer") as raw:
         # zstandard's reader has no readline: a buffer over it gives one
         f = io.BufferedReader(raw, 1 << 20) if fsspec.utils.infer_compression(unit.rel) == "zstd" else raw
+        plain = fsspec.utils.infer_compression(unit.rel) is None  # a compressed file's position is not its size's
         pos, line_no = 0, 0
         if unit.start:
             f.seek(unit.start - 1)
@@ -280,6 +284,8 @@ def _jsonl_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
                 rec = BadRecord("", f"not a JSON object ({str(exc)[:120]})")
             if isinstance(rec, BadRecord):  # only now is the line's number worth counting
                 rec = BadRecord(f"{unit.rel} line {line_no if line_no is not None else _line_at(unit.url, at)}", rec.why)
+            elif plain:
+                rec = replace(rec, read=pos - unit.start)
             yield rec
 
 
@@ -303,18 +309,22 @@ def _table_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
             pf = pq.ParquetFile(f)
             names = pf.schema_arrow.names
             row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
+            first, rows = row, max(1, sum(pf.metadata.row_group(g).num_rows for g in range(unit.start, unit.end)))
+            read = lambda: unit.size * (row - first) // rows  # noqa: E731 -- rows read, as a share of its bytes
             _need_columns(unit, names, fields)
             batches = pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=range(unit.start, unit.end), columns=fields.columns())
         else:
             reader = pa.ipc.open_stream(f)
             names, row = reader.schema.names, 0
+            read = f.tell  # a stream read front to back
             _need_columns(unit, names, fields)
             batches = reader
         for batch in batches:
             cols = {name: batch.column(name).to_pylist() for name in fields.columns()}
             for i in range(batch.num_rows):
-                yield _record({k: v[i] for k, v in cols.items()}, f"{unit.rel}#{row}", f"{unit.rel} row {row}", fields)
+                rec = _record({k: v[i] for k, v in cols.items()}, f"{unit.rel}#{row}", f"{unit.rel} row {row}", fields)
                 row += 1
+                yield rec if isinstance(rec, BadRecord) else replace(rec, read=read())
 
 
 def _need_columns(unit: Unit, names: list[str], fields: Fields) -> None:

@@ -12,6 +12,7 @@ computed by the same function, so the ensemble of one model is that model's loss
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import posixpath
 from collections.abc import Sequence
@@ -37,8 +38,9 @@ L = RunLayout()
 @dataclass(frozen=True)
 class Target:
     label: str  # what the user typed, plus which checkpoint of a run was taken
-    url: str  # the checkpoint file
+    url: str  # the checkpoint file, or a Hugging Face model folder
     run: str | None  # the run directory it belongs to, if any
+    hf: bool = False  # url is a Hugging Face folder (a run's final/hf): loaded with from_pretrained
 
 
 def _latest_global(storage: Storage) -> str | None:
@@ -70,20 +72,27 @@ def resolve(arg: str) -> Target:
             raise RunError(f"run {storage.display()} has no global model yet")
         label = arg if key == L.FINAL else f"{arg} ({key})"
         return Target(label, posixpath.join(storage.url, key), storage.url)
+    if storage.exists("config.json") and storage.exists("model.safetensors"):  # final/hf, or a copy of it
+        if storage.local_path("") is None:
+            raise RunError(f"{arg}: a Hugging Face folder is read from this machine's disk; copy it here, or give "
+                           "the run directory")
+        return Target(arg, storage.url, _run_of(storage.url.rstrip("/") + "/model.safetensors"), hf=True)
     root, name = posixpath.split(storage.url)
     if not Storage(root or ".").exists(name):
         raise RunError(f"{arg}: no such file or directory; give a run directory or the path of a .safetensors "
                        "checkpoint")
     if name.endswith(SAFETENSORS):
         return Target(arg, storage.url, _run_of(storage.url))
-    raise RunError(f"{arg} is neither a run directory (no {L.CONFIG}) nor a checkpoint file ({SAFETENSORS}); "
-                   "give a run directory or the path of a .safetensors checkpoint")
+    raise RunError(f"{arg} is neither a run directory (no {L.CONFIG}) nor a checkpoint file ({SAFETENSORS}) nor a "
+                   "Hugging Face folder (config.json and model.safetensors); give one of those")
 
 
 def load(target: Target, run: str | None = None) -> torch.nn.Module:
     """The model of a checkpoint: rebuilt from its metadata (global and final models carry it), or
     from the config of its run, else of `run` (`--run`): workers' contributions, and a manual merge
-    of them written anywhere, carry none."""
+    of them written anywhere, carry none. A Hugging Face folder: from_pretrained, as the run's model.hf."""
+    if target.hf:
+        return _load_hf(target, run)
     root, name = posixpath.split(target.url)
     storage = Storage(root or ".", follow_links=True)  # a path the user names
     config_of = target.run or run
@@ -97,6 +106,20 @@ def load(target: Target, run: str | None = None) -> torch.nn.Module:
     model = task_for(load_run(Storage(config_of))).build_model(pretrained=False)
     load_weights(model, tensors, target.label)
     return model
+
+
+def _load_hf(target: Target, run: str | None) -> torch.nn.Module:
+    """A run's final/hf (or a copy of it) as the run's own model.hf is loaded: its config says the
+    block size, the folder gives the weights."""
+    config_of = target.run or run
+    if config_of is None:
+        raise RunError(f"{target.label}: a Hugging Face folder outside a run; give the run it came from with --run RUN")
+    cfg = load_run(Storage(config_of))
+    if cfg.task != "lm" or cfg.model.hf is None:
+        raise RunError(f"{target.label}: evaluating a Hugging Face folder needs a task lm run with model.hf (this "
+                       f"run's task is {cfg.task}); evaluate the run directory or its final/model.safetensors")
+    from worker import hf
+    return hf.build(dataclasses.replace(cfg.model, hf=Storage(target.url).local_path("")), pretrained=True)
 
 
 # -- the maths: one function for single models and the ensemble ---------------------------------

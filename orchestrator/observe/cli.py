@@ -23,7 +23,7 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(observe_handler=cmd_report)
     p = sub.add_parser("eval", help="held-out loss of checkpoints and of their ensemble")
     p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
-                   help="a .safetensors checkpoint, or a run directory (its final model)")
+                   help="a .safetensors checkpoint, a run directory (its final model), or a run's final/hf folder")
     p.add_argument("--batches", type=int, help="held-out batches (default: the run's data.eval_batches)")
     p.add_argument("--run", help="run directory whose held-out data to use (default: the first checkpoint's run)")
     p.add_argument("--json", action="store_true", help="print the losses (and metrics) as one JSON object (for scripts)")

@@ -212,16 +212,21 @@ def round_metrics(storage: Storage, cfg: Config, record: Mapping[str, Any], eval
 
 
 def write_round_metrics(storage: Storage, cfg: Config, record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The merge service's hook, called once a round is evaluated. Never fails the run: a metrics
-    problem is logged and the round goes on (readers derive a missing file from the record)."""
+    """The merge service's hook, called once a round is evaluated; the lines (for the trackers). Never
+    fails the run: a metrics problem is logged and the round goes on (readers derive a missing file
+    from the record)."""
     try:
         now = time.time()
         lines = round_metrics(storage, cfg, record, evaluated_at=now, t=now)
-        storage.write_bytes(L.round_metrics(record["round"]), to_jsonl(lines))
     except (IslandsError, OSError, TypeError, ValueError, KeyError) as exc:
-        log.warning("round %s: metrics not written (%s); `orchestrate report` derives them from the record",
+        log.warning("round %s: metrics not gathered (%s); `orchestrate report` derives them from the record",
                     record.get("round"), exc)
         return []
+    try:
+        storage.write_bytes(L.round_metrics(record["round"]), to_jsonl(lines))
+    except (IslandsError, OSError) as exc:
+        log.warning("round %s: metrics not written (%s); `orchestrate report` derives them from the record",
+                    record.get("round"), exc)
     write_tensorboard(storage, lines)
     return lines
 

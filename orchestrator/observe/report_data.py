@@ -69,7 +69,7 @@ def collect(storage: Storage, now: float | None = None) -> RunData:
     lines = read_metrics(storage, cfg)
     r = sum(1 for line in lines if line["kind"] == "round")
     current = None
-    if r < cfg.rounds and status["state"] == "running":
+    if r < cfg.rounds and status["state"] in ("running", "stopped"):
         jobs = RoundJobs.load(storage, r).to_json()
         manifests = {w: m for w in arrived_workers(storage, r) if (m := read_manifest(storage, L.contribution(r, w)))}
         progress = {int(w): read_heartbeat(storage, int(w)) for w in jobs["workers"]}
