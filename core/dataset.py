@@ -225,11 +225,7 @@ def expected_sizes(shard: Shard, width: int) -> dict[str, int]:
 def listed_sizes(storage: Any) -> dict[str, int]:
     """{key: bytes} of every file under shards/ of the dataset at `storage`, from one listing (on an
     object store asking each file its size is a request)."""
-    try:
-        listed = storage.fs.find(storage.path("shards"), detail=True)
-    except OSError:
-        return {}
-    return {"shards/" + k.rsplit("/", 1)[-1]: int(v["size"]) for k, v in listed.items()}
+    return storage.sizes("shards")
 
 
 def size_problems(shards: list[Shard] | tuple[Shard, ...], width: int, sizes: dict[str, int]) -> list[str]:

@@ -30,7 +30,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, TypeVar
 
 import fsspec
@@ -230,6 +230,22 @@ class Storage:
                 return []
             return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
         return [n for n in self._retry(f"list {prefix}", ls) if not n.startswith(TMP_PREFIX)]
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """{`prefix`/NAME: bytes} of the files of the flat folder `prefix`, from one listing (on an object
+        store asking each file its size is a request); {} when it is absent or cannot be listed."""
+        try:
+            listed = self.fs.find(self.path(prefix), detail=True)
+        except OSError:
+            return {}
+        return {posixpath.join(prefix, k.rsplit("/", 1)[-1]): int(v["size"]) for k, v in listed.items()}
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """The bytes [start, end) of each (key, start, end), as one batch of range requests (fsspec's
+        cat_ranges: concurrent on an object store)."""
+        paths, starts, ends = [self.path(k) for k, _, _ in ranges], [a for _, a, _ in ranges], [b for _, _, b in ranges]
+        return [bytes(b) for b in self._retry(f"read {len(ranges)} ranges",
+                                              lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"))]
 
     # -- writing --------------------------------------------------------------------------------
     def stage(self, key: str) -> Staged:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from core.errors import CheckpointError
@@ -125,16 +126,13 @@ def decode_offsets(name: str, coded: torch.Tensor, lay: Layout) -> torch.Tensor:
 
 
 def to_bytes(bits: torch.Tensor) -> torch.Tensor:
-    """uint8 [rows, ceil(n / 8)] of 0/1 entries [rows, n], the first in the lowest bit."""
-    rows, n = bits.shape
-    padded = torch.zeros(rows, math.ceil(n / 8), 8, dtype=torch.uint8)
-    padded.view(rows, padded.shape[1] * 8)[:, :n] = bits
-    return (padded << _SHIFTS).sum(dim=2, dtype=torch.uint8)  # no two bits overlap: a sum is an or
+    """uint8 [rows, ceil(n / 8)] of 0/1 entries [rows, n], the first in the lowest bit (numpy.packbits)."""
+    return torch.from_numpy(np.packbits(bits.to(torch.uint8).numpy(), axis=1, bitorder="little"))
 
 
 def to_bits(coded: torch.Tensor, n: int) -> torch.Tensor:
-    """uint8 0/1 [rows, n] of uint8 [rows, >= n / 8] (to_bytes undone)."""
-    return ((coded[:, :, None] >> _SHIFTS) & 1).reshape(coded.shape[0], coded.shape[1] * 8)[:, :n]
+    """uint8 0/1 [rows, n] of uint8 [rows, >= n / 8] (to_bytes undone: numpy.unpackbits)."""
+    return torch.from_numpy(np.unpackbits(coded.numpy(), axis=1, count=n, bitorder="little"))
 
 
 def pack(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -161,7 +159,7 @@ def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor) ->
     """(flat positions int64, fp32 values) of the kept entries of tensor `name`, from its stored
     rows (shape already checked against the header); positions in padding are dropped.
     Raises CheckpointError for offsets out of range or not strictly ascending (a duplicate), and for
-    scales that are negative or not finite."""
+    scales that are negative, not finite, or so large that the values overflow."""
     lay = layout(numel, topk)
     code_end = 4 + lay.code_bytes(bits)
     idx = decode_offsets(name, rows[:, code_end:], lay)
@@ -175,6 +173,9 @@ def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor) ->
         raise CheckpointError(f"tensor {name}: a chunk's scale is negative or not finite: the file is damaged")
     step = (2 * scale / (1 << bits))[:, None]
     vals = torch.addcmul(0.5 * step - scale[:, None], unpack(rows[:, 4:code_end], lay.k, bits, torch.float32), step)
+    if not bool(torch.isfinite(vals).all()):  # a finite scale near float32's largest: its values overflow
+        raise CheckpointError(f"tensor {name}: a chunk's scale ({float(scale.max()):.3g}) is too large for its values "
+                              "to be float32 numbers: the file is damaged")
     pos = (idx + torch.arange(lay.chunks)[:, None] * lay.chunk).reshape(-1)
     vals = vals.reshape(-1)
     if lay.chunks * lay.chunk == numel:  # no padding

@@ -11,11 +11,15 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.console import console, say, setup_logging
+
+if TYPE_CHECKING:
+    from orchestrator.executor import Executor
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -46,7 +50,12 @@ def service_main(run_url: str, opts: ServiceOptions) -> int:
 
 def requeued_service(run_url: str) -> int:
     """The service's Slurm job (orchestrator.executor.ServiceJob): never forcing, a requeued service
-    waits for its earlier self's lease to lapse, and stops if a live service holds the run."""
+    waits for its earlier self's lease to lapse, and stops if a live service holds the run. A run
+    cancelled while this job queued or was requeued stays cancelled (only `resume` takes it up again)."""
+    if run_storage(run_url).exists(L.CANCEL):
+        console.print(f"the run was cancelled (marker {run_storage(run_url).display(L.CANCEL)}): this service job "
+                      "stops; `orchestrate resume` takes the run up again", markup=False)
+        return 3
     return service_main(run_url, ServiceOptions(wait_lease=True))
 
 
@@ -65,6 +74,16 @@ def _say_done(storage: Storage, status: dict, done: str) -> None:
         f"{'not evaluated' if final is None else format(final, '.4f')}; final model: {status['final_model']}"
         + (f"; as a Hugging Face folder: {status['final_hf']}" if status.get("final_hf") else ""))
     say(f"inspect it with: orchestrate status {storage.display()}")
+
+
+def _interrupted(where: str, executor: Executor) -> None:
+    """Ctrl-C: local jobs stopped (they are this machine's processes: the CPUs go back), Slurm's kept."""
+    if executor.kind == "local":
+        executor.cancel(executor.own_jobs())
+        say(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues the run")
+    else:
+        say(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues the run, "
+            f"`orchestrate cancel {where}` stops them")
 
 
 def jobs_folder(storage: Storage, create: bool = True) -> str:
@@ -130,7 +149,7 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
     # With the lease held we are the only service: clear what killed writers left (never a live one's).
     storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
     t0 = time.monotonic()
-    trackers = Trackers()
+    trackers, ended = Trackers(), "FAILED"  # how the service ended, for the trackers' runs
     try:
         trackers = Trackers.open(storage, cfg)  # W&B, MLflow (log.*), continuing the run's own
         service = Service(lease, cfg, executor, on_round=lambda rec: view.round_done(rec.to_json()), trackers=trackers)
@@ -142,17 +161,14 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
             service.run()
         executor.settle()
         executor.tidy()
+        ended = "FINISHED"
     except Cancelled as exc:
+        ended = "KILLED"
         say(str(exc))
         return 3
     except KeyboardInterrupt:
-        where = storage.display()
-        if executor.kind == "local":  # its jobs are this machine's processes: give the CPUs back
-            executor.cancel(executor.own_jobs())
-            say(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues the run")
-        else:
-            say(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues the run, "
-                f"`orchestrate cancel {where}` stops them")
+        ended = "KILLED"
+        _interrupted(storage.display(), executor)
         return 130
     except leases.LeaseLost:
         raise  # the service that took the run adopted the jobs: they are its to keep
@@ -162,7 +178,7 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
             log.warning("the merge service stopped: this run's local jobs are stopped")
         raise
     finally:
-        trackers.close()
+        trackers.close(ended)
         lease.release()
     _say_done(storage, run_status(storage), "already done" if already_done else f"done in {duration(time.monotonic() - t0)}")
     return 0

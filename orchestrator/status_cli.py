@@ -188,7 +188,7 @@ def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:
     storage = Storage(args.run)
     cfg = load_run(storage)
     status = run_status(storage, cfg)
-    if status["state"] not in ("running", "stopped"):  # stopped: its Slurm jobs may still run
+    if status["state"] not in ("starting", "running", "stopped"):  # stopped: its Slurm jobs may still run
         console.print(f"nothing to cancel: the run is {status['state']}", markup=False)
         return 0
     storage.write_bytes(L.CANCEL, str(time.time()).encode())

@@ -116,6 +116,17 @@ assert main(["cancel", {run!r}]) == 0
     assert "cancelled the run during round 0: jobs []" in done.stdout
 
 
+def test_a_run_cancelled_before_its_detached_service_started_stays_cancelled(tmp_path, corpus_cache, capsys):
+    """`submit --detach` on a busy cluster: the run is starting (made, its service job queued); cancel
+    marks it, and the service job, once it starts, stops rather than run it."""
+    from orchestrator.run_service import requeued_service
+    run = _tiny_run(tmp_path, corpus_cache)
+    assert main(["status", run, "--json"]) == 0 and json.loads(capsys.readouterr().out)["state"] == "starting"
+    assert main(["cancel", run]) == 0 and "cancelled the run during round 0" in capsys.readouterr().out
+    assert requeued_service(run) == 3 and "this service job stops" in capsys.readouterr().out
+    assert not (Path(run) / "lock.json").exists() and not (Path(run) / "rounds").exists()  # nothing ran
+
+
 def test_the_merge_methods_the_cli_offers_are_the_method_table():
     from merge import METHOD_NAMES
     from merge.methods import METHODS

@@ -12,53 +12,19 @@ import pytest
 import torch
 
 from core.checkpoint import load_checkpoint, read_manifest
-from core.checkpoint_writer import write_checkpoint
-from core.config import load_config
 from core.layout import RunLayout
 from core.storage import Storage
 from orchestrator.jobstatus import JobStatus
-from test_late import G0, ThreadExecutor, run_service
+from service_support import G0, Scripted, ThreadExecutor, publish, scripted_run
 
 L = RunLayout()
 pytestmark = pytest.mark.slow
-WORK = {"steps": 25, "tokens": 25 * 16 * 128}
-"""What a worker of the default config reports: inner.steps x inner.batch_size x model.block_size
-tokens (the service derives a contribution's weight from the same figures: orchestrator.plan)."""
-
-
-class Scripted(ThreadExecutor):
-    """Worker `w`'s jobs run `behaviour[w](storage, task)` instead of publishing base + delta."""
-
-    def __init__(self, behaviour) -> None:
-        super().__init__()
-        self.behaviour = behaviour
-
-    def _work(self, job_id, t) -> None:
-        time.sleep(0.2)
-        s = Storage(t.run_url)
-        if t.worker in self.behaviour:
-            self.behaviour[t.worker](s, t)
-        else:
-            publish(s, t.round, t.worker, t.base_key, -0.5)
-
-
-def publish(s: Storage, r: int, w: int, base_key: str, delta: float, **manifest) -> None:
-    base = load_checkpoint(s, base_key)[0]
-    write_checkpoint(s, L.contribution(r, w), {k: v + delta for k, v in base.items()},
-                     manifest={"round": r, "worker": w, **WORK,
-                               "base_digest": read_manifest(s, base_key)["digest"], **manifest})
 
 
 def _run(tmp_path, ex: ThreadExecutor, rounds: int = 1, policy: str = "continue") -> Storage:
-    s = Storage(str(tmp_path / "run"))
-    cfg = load_config(None, {"workers": 2, "rounds": rounds, "executor.kind": "local", "run_dir": s.url}, [
-        "round.min_workers=1", "round.worker_mode=per_round", "round.poll_s=0.05", "round.max_retries=0", f"round.late_policy={policy}",
-        "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"])
-    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
-    run_service(s, cfg, ex)
-    for th in ex.jobs.values():
-        th.join(timeout=10)
-    return s
+    return scripted_run(tmp_path, ex, [
+        "round.min_workers=1", "round.worker_mode=per_round", "round.poll_s=0.05", "round.max_retries=0",
+        f"round.late_policy={policy}", "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"], rounds=rounds)
 
 
 def test_duplicate_from_a_requeued_job_is_merged_once(tmp_path):

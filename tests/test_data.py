@@ -96,12 +96,13 @@ def test_a_missing_or_empty_source_is_one_clear_error(tmp_path):
 
 
 def _segments(s: BatchSampler) -> set[int]:
-    return {(s.a * (s.offset + i * s.stride) + s.b) % s.total for i in range(s.count)}
+    d = s.deal
+    return {(d.a * (d.offset + i * d.stride) + d.b) % d.total for i in range(d.count)}
 
 
 def test_iid_shares_deal_every_segment_to_exactly_one_worker(stdlib):
     shares = [_segments(BatchSampler(stdlib, 64, 4, seed=3, worker=w, num_workers=4)) for w in range(4)]
-    total = BatchSampler(stdlib, 64, 4, seed=3, worker=0, num_workers=4).total
+    total = BatchSampler(stdlib, 64, 4, seed=3, worker=0, num_workers=4).deal.total
     assert set().union(*shares) == set(range(total)) and sum(map(len, shares)) == total
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
     assert _segments(BatchSampler(stdlib, 64, 4, seed=4, worker=0, num_workers=4)) != shares[0]  # the seed deals

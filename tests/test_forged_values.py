@@ -27,8 +27,7 @@ from core.records import RoundRecord
 from core.storage import Storage
 from merge.round_spec import Contribution, QuorumError, RoundSpec
 from merge.rounds import RunningSum
-from test_contributions import WORK, Scripted
-from test_late import run_service
+from service_support import WORK, Scripted, scripted_run
 from test_resident import _run as _worker_run, _task
 from worker.params import FEEDBACK
 from worker.state import usable_state
@@ -72,11 +71,7 @@ FORGED = {  # name -> (codec, forge): finite values far past any round's reach
 
 
 def _service_run(tmp_path, behaviour, sets=SETS) -> Storage:
-    s = Storage(str(tmp_path / "run"))
-    cfg = load_config(None, {"workers": 2, "rounds": 1, "executor.kind": "local", "run_dir": s.url}, sets)
-    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
-    run_service(s, cfg, Scripted(behaviour))
-    return s
+    return scripted_run(tmp_path, Scripted(behaviour), list(sets), g0=G0)
 
 
 @pytest.mark.parametrize("case", sorted(FORGED))

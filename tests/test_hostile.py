@@ -23,13 +23,11 @@ import xxhash
 
 from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
-from core.config import load_config
 from core.errors import RunError
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from orchestrator.cli import main
-from test_contributions import WORK, Scripted, publish
-from test_late import run_service
+from service_support import WORK, Scripted, publish, scripted_run
 
 L = RunLayout()
 G0 = {"b": torch.tensor([0.5]), "w": torch.tensor([1.0, 2.0, 3.0])}
@@ -102,13 +100,8 @@ LIVE = {
 
 
 def _run(tmp_path, behaviour, workers: int = 2, quorum: int = 1) -> Storage:
-    s = Storage(str(tmp_path / "run"))
-    cfg = load_config(None, {"workers": workers, "rounds": 1, "executor.kind": "local", "run_dir": s.url}, [
-        f"round.min_workers={quorum}", "round.poll_s=0.05", "round.max_retries=0", "outer.optimizer=sgd",
-        "outer.lr=1.0"])
-    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
-    run_service(s, cfg, Scripted(behaviour))
-    return s
+    return scripted_run(tmp_path, Scripted(behaviour), [f"round.min_workers={quorum}", "round.poll_s=0.05",
+                        "round.max_retries=0", "outer.optimizer=sgd", "outer.lr=1.0"], workers=workers, g0=G0)
 
 
 @pytest.mark.slow
@@ -325,10 +318,7 @@ def test_a_refused_contribution_that_cannot_be_set_aside_still_lets_its_worker_r
             _plant_bytes(raw)(s, t)
         else:
             publish(s, t.round, t.worker, t.base_key, -0.5)
-    s = Storage(str(tmp_path / "run"))
-    cfg = load_config(None, {"workers": 2, "rounds": 1, "executor.kind": "local", "run_dir": s.url}, [
-        "round.min_workers=2", "round.poll_s=0.05", "round.max_retries=1", "outer.optimizer=sgd", "outer.lr=1.0"])
-    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
-    run_service(s, cfg, Scripted({1: first_bad}))
+    s = scripted_run(tmp_path, Scripted({1: first_bad}), [
+        "round.min_workers=2", "round.poll_s=0.05", "round.max_retries=1", "outer.optimizer=sgd", "outer.lr=1.0"], g0=G0)
     rec = s.read_json(L.round_record(0))
     assert rec["merged"] == [0, 1] and len(tries) == 2, rec

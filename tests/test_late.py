@@ -8,9 +8,6 @@ weighted mean of the merge inputs.
 """
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
@@ -19,92 +16,21 @@ from core.checkpoint_writer import write_checkpoint
 from core.config import load_config
 from core.layout import RunLayout
 from core.storage import Storage
-from orchestrator.jobstatus import JobStatus
 from merge.late import rebase
 from orchestrator.late import prepare_folds
 from orchestrator.plan import Fold, fold_plan, next_bases
-from orchestrator.lease import acquire
-from orchestrator.loop import Service
+from service_support import G0, ThreadExecutor, scripted_run
 
 L = RunLayout()
-G0 = {"w": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([0.5])}
-DELTA = {0: -0.25, 1: -0.5, 2: -1.0}  # worker 2 is the straggler
-DELAY = {0: 0.3, 1: 0.3, 2: 3.0}  # 10x slower
 DEADLINE = 2.0
 
 
-class ThreadExecutor:
-    """Jobs are threads that sleep, then publish base + DELTA[worker]; cancel stops one before it writes."""
-
-    kind, folder = "fake", "(threads)"
-
-    def __init__(self) -> None:
-        self.jobs: dict[str, threading.Thread] = {}
-        self.cancelled: set[str] = set()
-        self.submitted: list[tuple[int, int, str]] = []  # (round, worker, base)
-
-    def submit(self, tasks) -> list[str]:
-        ids = []
-        for t in tasks:
-            job_id = str(len(self.jobs))
-            self.submitted.append((t.round, t.worker, t.base_key))
-            th = threading.Thread(target=self._work, args=(job_id, t), daemon=True)
-            self.jobs[job_id] = th
-            th.start()
-            ids.append(job_id)
-        return ids
-
-    def _work(self, job_id: str, t) -> None:
-        deadline = time.monotonic() + DELAY[t.worker]
-        while time.monotonic() < deadline:
-            if job_id in self.cancelled:
-                return
-            time.sleep(0.02)
-        s = Storage(t.run_url)
-        base, _, _ = load_checkpoint(s, t.base_key)
-        write_checkpoint(s, L.contribution(t.round, t.worker), {k: v + DELTA[t.worker] for k, v in base.items()},
-                         manifest={"round": t.round, "worker": t.worker, "steps": 25, "tokens": 25 * 16 * 128,
-                                   "base_digest": read_manifest(s, t.base_key)["digest"]})
-
-    def status(self, ids):
-        return {j: JobStatus(j, "RUNNING" if self.jobs[j].is_alive() else "COMPLETED") for j in ids}
-
-    def watch(self, ids, news):
-        return self.status(ids)
-
-    def cancel(self, ids) -> None:
-        self.cancelled.update(ids)
-
-    def stderr_tail(self, job_id: str) -> str:
-        return ""
-
-    def cancelled_here(self, job_id: str) -> bool:
-        return job_id in self.cancelled
-
-
-def run_service(s: Storage, cfg, ex) -> Service:
-    """The real merge service on `s` (holding its lease) with `ex` for a scheduler, run to the end;
-    evaluation is skipped: the tests' models are hand-made tensors."""
-    lease = acquire(s)
-    try:
-        service = Service(lease, cfg, ex)
-        service.evaluator.metrics = lambda storage, key: {"loss": 0.0}
-        service.run()
-    finally:
-        lease.release()
-    return service
-
-
 def _run(tmp_path, policy: str) -> tuple[Storage, ThreadExecutor]:
-    s = Storage(str(tmp_path / "run"))
-    cfg = load_config(None, {"workers": 3, "rounds": 3, "executor.kind": "local", "run_dir": s.url}, [
-        "round.min_workers=2", "round.worker_mode=per_round", f"round.deadline_s={DEADLINE}", f"round.late_policy={policy}", "round.poll_s=0.05",
-        "round.staleness_decay=0.5", "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"])
-    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
     ex = ThreadExecutor()
-    run_service(s, cfg, ex)
-    for th in ex.jobs.values():
-        th.join(timeout=10)
+    s = scripted_run(tmp_path, ex, [
+        "round.min_workers=2", "round.worker_mode=per_round", f"round.deadline_s={DEADLINE}", f"round.late_policy={policy}",
+        "round.poll_s=0.05", "round.staleness_decay=0.5", "outer.optimizer=sgd", "outer.lr=1.0", "outer.weighting=uniform"],
+        workers=3, rounds=3)
     return s, ex
 
 

@@ -20,8 +20,7 @@ from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from merge.rounds import Contribution, merge_round
 from merge.round_spec import RoundSpec
-from test_contributions import WORK, Scripted, publish
-from test_late import run_service
+from service_support import WORK, Scripted, publish, scripted_run
 
 L = RunLayout()
 pytestmark = pytest.mark.slow
@@ -36,14 +35,9 @@ def _late(seconds: float, delta: float):
 
 
 def _run(tmp_path, behaviour, stream: bool, quorum: int = 3) -> Storage:
-    s = Storage(str(tmp_path / "run"))
-    cfg = load_config(None, {"workers": 3, "rounds": 1, "executor.kind": "local", "run_dir": s.url}, [
+    return scripted_run(tmp_path, Scripted(behaviour), [
         "round.poll_s=0.05", "round.max_retries=0", f"round.min_workers={quorum}", f"round.stream_merge={str(stream).lower()}",
-        "outer.optimizer=nesterov", "outer.weighting=tokens"])
-    write_checkpoint(s, L.global_weights(0), G0, manifest={"round": 0})
-    ex = Scripted(behaviour)
-    run_service(s, cfg, ex)
-    return s
+        "outer.optimizer=nesterov", "outer.weighting=tokens"], workers=3, g0=G0)
 
 
 def _same_as_replay(s: Storage, order: list[int]) -> bool:

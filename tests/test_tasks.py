@@ -77,7 +77,7 @@ def test_workers_shares_of_examples_are_disjoint_covering_and_balanced(n, k, see
     shares = []
     for w in range(k):
         s = ExampleSampler(range(n), list, seed, w, k, 1)
-        shares.append({(s.a * (w + p * k) + s.b) % n for p in range(s.count)})
+        shares.append({(s.deal.a * (w + p * k) + s.deal.b) % n for p in range(s.deal.count)})
     assert sorted(i for share in shares for i in share) == list(range(n))  # each example once
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
@@ -85,7 +85,7 @@ def test_workers_shares_of_examples_are_disjoint_covering_and_balanced(n, k, see
 def test_a_workers_batches_are_a_pure_function_of_seed_worker_and_step():
     a, b = ExampleSampler(range(100), list, 7, 2, 4, 16), ExampleSampler(range(100), list, 7, 2, 4, 16)
     assert a.indices(5) == b.indices(5) and a.indices(5) != a.indices(6)
-    share = {(a.a * (2 + p * 4) + a.b) % 100 for p in range(a.count)}
+    share = {(a.deal.a * (2 + p * 4) + a.deal.b) % 100 for p in range(a.deal.count)}
     assert set(a.indices(5)) <= share
 
 

@@ -150,3 +150,20 @@ def test_submit_names_the_extra_of_a_missing_client_before_anything_is_made(tmp_
 def test_wandb_mode_is_one_of_the_clients_modes():
     with pytest.raises(Exception, match="log.wandb_mode"):
         load_config(sets=["log.wandb_mode=sometimes"])
+
+
+def test_a_service_that_stops_ends_its_tracker_runs_as_it_ended(tmp_path):
+    """Ctrl-C or cancel: KILLED; an error: FAILED (drive passes how it ended); a resumed service takes
+    the same MLflow run up again, RUNNING."""
+    from mlflow.tracking import MlflowClient
+    storage = Storage(str(tmp_path / "run"))
+    cfg = load_config(sets=[f"log.mlflow=sqlite:///{tmp_path / 'mlflow.db'}"])
+    client = MlflowClient(cfg.log.mlflow)
+    for ended in ("KILLED", "FAILED"):
+        trackers = Trackers.open(storage, cfg)
+        assert trackers.ready()
+        (tracker,) = trackers.live
+        assert client.get_run(tracker.run_id).info.status == "RUNNING"
+        trackers.close(ended)
+        assert client.get_run(tracker.run_id).info.status == ended
+    assert len(client.search_runs([client.get_experiment_by_name("islands").experiment_id])) == 1

@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import sysconfig
+from dataclasses import dataclass
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,9 +105,8 @@ class Dataset:
         w = dtype.itemsize
         if self.storage.is_local:
             return [np.frombuffer(os.pread(self._fd(key), (b - a) * w, a * w), dtype=dtype) for key, a, b in picks]
-        paths = [self.storage.path(key) for key, _, _ in picks]
-        blobs = self.storage.fs.cat_ranges(paths, [a * w for _, a, _ in picks], [b * w for _, _, b in picks])
-        return [np.frombuffer(bytes(b), dtype=dtype) for b in blobs]
+        blobs = self.storage.read_ranges([(key, a * w, b * w) for key, a, b in picks])
+        return [np.frombuffer(b, dtype=dtype) for b in blobs]
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -302,6 +302,36 @@ def affine(n: int, seed: int) -> tuple[int, int]:
     return a, int(unit_hash(seed, "deal-b") * n)
 
 
+@dataclass(frozen=True)
+class Deal:
+    """A worker's share of range(total), and where a draw lands in it: every stride-th position from
+    `offset` of a seeded affine permutation (disjoint, covering shares, balanced to one item), or
+    all of range(total) in order (stride 1: a non-iid worker owns its groups whole). The one deal of
+    token segments (BatchSampler) and of a task's examples (worker.tasks.ExampleSampler)."""
+    total: int
+    count: int
+    stride: int = 1
+    offset: int = 0
+    a: int = 1
+    b: int = 0
+
+    @classmethod
+    def share(cls, total: int, seed: int, worker: int, num_workers: int) -> Deal:
+        a, b = affine(total, seed)
+        return cls(total, len(range(worker, total, num_workers)), num_workers, worker, a, b)
+
+    def item(self, r: int) -> int:
+        """The item of range(total) that draw `r` (any natural number) lands on, in this share."""
+        return (self.a * (self.offset + (r % self.count) * self.stride) + self.b) % self.total
+
+
+def step_generator(seed: int, worker: int, step: int) -> torch.Generator:
+    """The generator of one step's draws, seeded by (seed, worker, step) alone: a fresh one per step
+    instead of one advancing generator is what makes a resumed or replayed worker's batches identical
+    without saving any sampler state."""
+    return torch.Generator().manual_seed(int(unit_hash(seed, worker, step) * 2**63))
+
+
 def _deal_groups(shards: list[Shard], num_workers: int, url: str) -> list[list[str]]:
     sizes: dict[str, int] = {}
     for s in shards:
@@ -341,26 +371,21 @@ class BatchSampler:
         self.shards = shards
         self.cum = np.cumsum([math.ceil(s.tokens / self.segment) for s in shards]) if shards else np.zeros(0, np.int64)
         total = int(self.cum[-1]) if shards else 0
-        if mode == "iid":
-            if total < num_workers:
-                raise DatasetError(f"Cannot shard the train split of {ds.url} ({total} segments of {self.segment} "
-                                   f"tokens) over {num_workers} workers (iid); use fewer workers, a smaller "
-                                   "model.block_size or more data.")
-            self.a, self.b = affine(total, seed)
-            self.count, self.stride, self.offset = len(range(worker, total, num_workers)), num_workers, worker
-        else:
-            self.a, self.b, self.count, self.stride, self.offset = 1, 0, total, 1, 0
-        if self.count == 0:
+        if mode == "iid" and total < num_workers:
+            raise DatasetError(f"Cannot shard the train split of {ds.url} ({total} segments of {self.segment} "
+                               f"tokens) over {num_workers} workers (iid); use fewer workers, a smaller "
+                               "model.block_size or more data.")
+        self.deal = Deal.share(total, seed, worker, num_workers) if mode == "iid" else Deal(total, total)
+        if self.deal.count == 0:
             raise DatasetError(f"Worker {worker}'s share of {ds.url} is empty (no train shard of more than "
                                f"{block_size} tokens); use a smaller model.block_size or more data.")
-        self.total = total
 
     @property
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.block_size
 
     def _pick(self, r_seg: int, r_pos: int) -> tuple[Shard, int]:
-        g = (self.a * (self.offset + (r_seg % self.count) * self.stride) + self.b) % self.total
+        g = self.deal.item(r_seg)
         i = int(np.searchsorted(self.cum, g, side="right"))
         shard = self.shards[i]
         first = (g - (int(self.cum[i - 1]) if i else 0)) * self.segment
@@ -371,9 +396,7 @@ class BatchSampler:
         """x, y of shape (batch_size, block_size), int64, y[:, t] = x[:, t + 1] in the shard (-1: no loss)."""
         if step < 0:
             raise ValueError(f"BatchSampler.batch needs step >= 0, got {step}.")
-        # a fresh generator per step, instead of one advancing generator, is what makes a
-        # resumed worker's batches identical without saving any sampler state
-        g = torch.Generator().manual_seed(int(unit_hash(self.seed, self.worker, step) * 2**63))
+        g = step_generator(self.seed, self.worker, step)
         picks = []
         for _ in range(self.batch_size):
             for _attempt in range(8):  # fine-tuning data: a window whose targets are all prompt is drawn again

@@ -321,19 +321,24 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
     if procs < spec.procs:
         log.info("--procs %d: %d processes (%d unit(s) to prepare, %d cores)", spec.procs, procs, len(todo),
                  os.cpu_count() or 1)
-    spec = dataclasses.replace(spec, procs=procs)
-    total = sum(u.size for u in units) / 1e6
+    _prepare_units(dataclasses.replace(spec, procs=procs), units, todo, done, (digest, tok))
+    return _write_index(storage, spec, tok, [done[i] for i in range(len(units))], digest, masked)
+
+
+def _prepare_units(spec: PrepareSpec, units: list[Unit], todo: list[int], done: dict[int, dict[str, Any]],
+                   how: tuple[str, Any]) -> None:
+    """Units `todo` prepared into `done` under one progress bar (the units `done` already hold count
+    as read); `how`: the settings' digest and the tokenizer."""
     docs, tokens = sum(r["documents"] for r in done.values()), sum(r["tokens"] for r in done.values())
-    with progress(total, "preparing", unit="MB") as bar:
+    with progress(sum(u.size for u in units) / 1e6, "preparing", unit="MB") as bar:
         bar.advance(sum(units[i].size for i in done) / 1e6)
         if done:  # said on the bar until the next unit ends: a resume does not look stalled
             bar.note(f"{len(done)} of {len(units)} units kept")
-        for i, rec, told in _run(todo, units, spec, digest, tok, lambda n: bar.advance(n / 1e6)):
+        for i, rec, told in _run(todo, units, spec, *how, lambda n: bar.advance(n / 1e6)):
             done[i] = rec
             docs, tokens = docs + rec["documents"], tokens + rec["tokens"]
             bar.note(f"{human(docs)} docs, {human(tokens)} tok")
             bar.advance((units[i].size - told) / 1e6)  # the rest of the unit (all of it, where reads are not told)
-    return _write_index(storage, spec, tok, [done[i] for i in range(len(units))], digest, masked)
 
 
 OWN = (fmt.INDEX, "parts", "shards")

@@ -38,7 +38,7 @@ class Tracker(Protocol):
 
     def send(self, scalars: list[tuple[str, int, float]]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, ended: str) -> None: ...
 
 
 def axis(tag: str) -> str:
@@ -121,8 +121,8 @@ class WandbTracker:
         for (x, step), values in sorted(rows.items(), key=lambda item: (item[0][1], item[0][0])):
             self.run.log({x: step, **values})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, ended: str) -> None:
+        self.run.finish(exit_code=0 if ended == "FINISHED" else 1)
 
 
 class MlflowTracker:
@@ -156,8 +156,8 @@ class MlflowTracker:
         for i in range(0, len(metrics), MLFLOW_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MLFLOW_BATCH])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, ended: str) -> None:
+        self.client.set_terminated(self.run_id, status=ended)
 
 
 class Trackers:
@@ -203,12 +203,14 @@ class Trackers:
         for tracker in list(self.live):
             self._call(tracker, lambda t: t.send(scalars))
 
-    def close(self) -> None:
+    def close(self, ended: str = "FINISHED") -> None:
+        """End the tracker runs as the service ended: FINISHED, KILLED (Ctrl-C, cancel) or FAILED;
+        a resumed service takes them up again."""
         if not self.ready(CLOSE_WAIT_S):  # a client still connecting (a server that does not answer)
             log.warning("trackers still starting after %.0fs: not waited for", CLOSE_WAIT_S)
             return
         for tracker in list(self.live):
-            self._call(tracker, lambda t: t.close())
+            self._call(tracker, lambda t: t.close(ended))
         self.live = []
 
     def _call(self, tracker: Tracker, action: Any) -> None:

@@ -39,7 +39,7 @@ import torch
 from core.config import Config
 from core.trust import stranger
 from core.errors import IslandsError
-from worker.prepare import unit_hash
+from worker.data import Deal, step_generator
 
 BUILTIN = {"lm": "worker.tasks.lm:LanguageModel", "digits": "worker.tasks.digits:Digits"}  # core.config_parse.BUILTIN_TASKS
 REQUIRED = ("model", "examples", "collate", "loss")
@@ -114,20 +114,17 @@ class ExampleSampler:
 
     def __init__(self, train: Sequence[Any], collate: Callable[[list[Any]], Any], seed: int, worker: int,
                  num_workers: int, batch_size: int) -> None:
-        from worker.data import affine  # the permutation the token data deals its segments with
         n = len(train)
         if n < num_workers:
             raise TaskError(f"{n} train examples cannot be shared by {num_workers} workers; use fewer workers or "
                             "more examples")
-        self.train, self.collate, self.n, self.seed, self.worker, self.batch_size = train, collate, n, seed, worker, batch_size
-        self.a, self.b = affine(n, seed)
-        self.count, self.stride = len(range(worker % num_workers, n, num_workers)), num_workers
+        self.train, self.collate, self.seed, self.worker, self.batch_size = train, collate, seed, worker, batch_size
+        self.deal = Deal.share(n, seed, worker % num_workers, num_workers)  # as the token data deals its segments
         self.tokens_per_batch = batch_size  # examples: what weighs a contribution
 
     def indices(self, step: int) -> list[int]:
-        g = torch.Generator().manual_seed(int(unit_hash(self.seed, self.worker, step) * 2**63))
-        picks = torch.randint(0, self.count, (self.batch_size,), generator=g).tolist()
-        return [(self.a * (self.worker % self.stride + p * self.stride) + self.b) % self.n for p in picks]
+        picks = torch.randint(0, self.deal.count, (self.batch_size,), generator=step_generator(self.seed, self.worker, step))
+        return [self.deal.item(p) for p in picks.tolist()]
 
     def batch(self, step: int) -> Any:
         return self.collate([self.train[i] for i in self.indices(step)])
