@@ -354,3 +354,20 @@ def test_empty_documents_are_dropped_and_counted(tmp_path, capsys):
     assert "197 documents (0 bad records skipped, 3 empty documents dropped)" in said, said
     index = fmt.parse_index(json.loads((tmp_path / "out" / fmt.INDEX).read_text()), "index")
     assert index.documents == 197 and index.empty == 3
+
+
+def test_data_prepare_on_a_terminal_shows_the_bar_moving_within_a_unit(tmp_path):
+    """The real command in an 80-column pty: one 16 MB unit's worth of input no longer sits at 0% until
+    it ends; the bar passes through several percentages (each batch slowed by a slowpoint, as a
+    tokenizer slower than the byte one would), and the last line counts the empty documents."""
+    import re as _re
+    from terminal_support import in_a_terminal
+    rows = _rows(1500)
+    rows[10]["text"] = ""
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    cmd = ["env", "ISLANDS_SLOWPOINT=prepare.batch=0.3", sys.executable, "-m", "orchestrator.cli", "data", "prepare",
+           str(src), "--out", str(tmp_path / "out")]
+    raw, lines = in_a_terminal(cmd, cols=80, rows=40)
+    shown = {int(p) for p in _re.findall(r"preparing[^\r\n]*?\s(\d+)%", raw.decode(errors="replace"))}
+    assert len({p for p in shown if 0 < p < 100}) >= 3, shown
+    assert "1 empty documents dropped" in " ".join(lines), lines

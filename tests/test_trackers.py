@@ -167,3 +167,24 @@ def test_a_service_that_stops_ends_its_tracker_runs_as_it_ended(tmp_path):
         trackers.close(ended)
         assert client.get_run(tracker.run_id).info.status == ended
     assert len(client.search_runs([client.get_experiment_by_name("islands").experiment_id])) == 1
+
+
+def test_a_tracker_server_that_does_not_answer_never_holds_a_round_up(tmp_path, caplog, monkeypatch):
+    """A tracking server that takes the connection and never answers (a real socket): the round's
+    send returns while the client still waits (its metrics kept), and the client's own timeout then
+    switches the tracker off with one warning."""
+    import socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)  # the kernel accepts connections; nobody reads or answers them
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")  # far longer than two statements take, however loaded
+    try:
+        cfg = load_config(sets=[f"log.mlflow=http://127.0.0.1:{server.getsockname()[1]}"])
+        trackers = Trackers.open(Storage(str(tmp_path / "run")), cfg)
+        trackers.send([{"kind": "run", "step": 0, "eval_loss": 1.5, "eval_metrics": {}}])
+        assert not trackers.ready(0) and trackers._pending == [("eval_loss", 0, 1.5)]  # returned while it waits
+        trackers.close()
+        assert trackers.live == [] and "MLflow logging is off for this service" in caplog.text
+    finally:
+        server.close()

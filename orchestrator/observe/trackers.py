@@ -166,6 +166,7 @@ class Trackers:
     def __init__(self, trackers: Iterable[Tracker] = ()) -> None:
         self.live = list(trackers)
         self._opening: threading.Thread | None = None
+        self._pending: list[tuple[str, int, float]] = []  # scalars sent while the trackers were opening
 
     @classmethod
     def open(cls, storage: Storage, cfg: Config) -> Trackers:
@@ -197,18 +198,22 @@ class Trackers:
         return True
 
     def send(self, lines: list[dict[str, Any]]) -> None:
-        """One round's metrics lines (metrics.round_metrics) to every live tracker."""
-        self.ready()
-        scalars = [s for line in lines for s in tensorboard_scalars(line)]
+        """One round's metrics lines (metrics.round_metrics) to every live tracker; kept for the next
+        call while the trackers are still opening (a slow server never holds a round up)."""
+        self._pending += [s for line in lines for s in tensorboard_scalars(line)]
+        if not self.ready(0):
+            return
+        scalars, self._pending = self._pending, []
         for tracker in list(self.live):
             self._call(tracker, lambda t: t.send(scalars))
 
     def close(self, ended: str = "FINISHED") -> None:
-        """End the tracker runs as the service ended: FINISHED, KILLED (Ctrl-C, cancel) or FAILED;
-        a resumed service takes them up again."""
+        """Send what is kept and end the tracker runs as the service ended: FINISHED, KILLED (Ctrl-C,
+        cancel) or FAILED; a resumed service takes them up again."""
         if not self.ready(CLOSE_WAIT_S):  # a client still connecting (a server that does not answer)
             log.warning("trackers still starting after %.0fs: not waited for", CLOSE_WAIT_S)
             return
+        self.send([])
         for tracker in list(self.live):
             self._call(tracker, lambda t: t.close(ended))
         self.live = []
