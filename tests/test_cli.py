@@ -235,7 +235,8 @@ def test_cancel_stops_a_run_started_under_setsid_nohup(tmp_path, corpus_cache):
         assert main(["cancel", str(run)]) == 0
     _wait(lambda: not _processes_of(run), 30, out)
     text = out.read_text()
-    assert "run cancelled during round 1" in text and "Traceback" not in text, text[-3000:]
+    # round 1 or later: 300 tiny steps may finish a round before the cancel lands (an idle machine)
+    assert re.search(r"run cancelled during round [1-9]\d* \(marker", text) and "Traceback" not in text, text[-3000:]
     logs = "".join(p.read_text(errors="replace") for p in (run / "jobs").rglob("*.err"))
     assert "Traceback" not in logs and "KeyboardInterrupt" not in logs, logs[-3000:]
     assert json.loads(subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run), "--json"],
