@@ -274,7 +274,7 @@ def _collector() -> tuple[list[str], Callable[[bool, str], None]]:
 def check(cfg: Config) -> list[str]:
     """Range and cross-field checks, all of them, on a well-typed config."""
     p = [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
-    for part in (_check_run, _check_round, _check_model, _check_training, _check_io):
+    for part in (_check_run, _check_round, _check_schedule, _check_model, _check_training, _check_io):
         p += part(cfg)
     return p
 
@@ -335,6 +335,13 @@ def _check_round(cfg: Config) -> list[str]:
          "round.contribution=delta does not apply to lte, whose workers send LoRA heads: drop it")
     need(rc.contribution == "weights" or rc.late_policy != "fold",
          "round.contribution=delta with round.late_policy=fold is not supported yet: use late_policy continue or drop")
+    return p
+
+
+def _check_schedule(cfg: Config) -> list[str]:
+    """A round's time budget, overlap, robust aggregation and replay."""
+    p, need = _collector()
+    rc = cfg.round
     need((rc.budget == "seconds") == (rc.budget_seconds > 0),
          f"round.budget={rc.budget} with round.budget_seconds={rc.budget_seconds}: a time budget needs both "
          "(e.g. --set round.budget=seconds --set round.budget_seconds=600, with inner.steps as the most a worker may "

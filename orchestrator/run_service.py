@@ -19,7 +19,9 @@ from core.storage import Storage
 from orchestrator.console import console, say, setup_logging
 
 if TYPE_CHECKING:
+    from core.config import Config
     from orchestrator.executor import Executor
+    from orchestrator.lease import Lease
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -76,6 +78,24 @@ def _say_done(storage: Storage, status: dict, done: str) -> None:
     say(f"inspect it with: orchestrate status {storage.display()}")
 
 
+def _take_run(storage: Storage, opts: ServiceOptions) -> tuple[Config, Executor, Lease]:
+    """The run's config, its executor and its lease, taken (its log file opened, what killed writers
+    left cleared): what a service holds before it drives the run."""
+    from orchestrator import lease as leases
+    from orchestrator.console import log_to_file
+    from orchestrator.executor import Executor
+    from orchestrator.runstate import load_run
+    leases.refuse_unsafe(storage, allow_group=opts.allow_group_write)  # before its config is read
+    cfg = load_run(storage)
+    folder = jobs_folder(storage)
+    log_to_file(Path(storage.local_path(L.LOG) or Path(folder) / L.LOG))
+    wait = leases.STALE_S + 2 * leases.HEARTBEAT_S if opts.wait_lease else 0.0
+    lease = leases.acquire(storage, force=opts.force, wait_s=wait)
+    # With the lease held we are the only service: clear what killed writers left (never a live one's).
+    storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
+    return cfg, Executor(cfg, folder), lease
+
+
 def _interrupted(where: str, executor: Executor) -> None:
     """Ctrl-C: local jobs stopped (they are this machine's processes: the CPUs go back), Slurm's kept."""
     if executor.kind == "local":
@@ -129,25 +149,15 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
     """Run the merge service on the run at `storage` until the run ends; the exit code.
     `already_done`: the run was done before this (a resume), which its last line says."""
     from orchestrator import lease as leases
-    from orchestrator.console import log_to_file
-    from orchestrator.executor import Executor
     from orchestrator.loop import Cancelled, Service
     from orchestrator.observe.trackers import Trackers
     from orchestrator.run_models import initial_eval
     from orchestrator.run_view import RunView, duration
-    from orchestrator.runstate import load_run, run_status
+    from orchestrator.runstate import run_status
     from core import iostat
 
     iostat.report_at_exit("service")  # benchmarks only (ISLANDS_IO_REPORT): bytes read and written
-    leases.refuse_unsafe(storage, allow_group=opts.allow_group_write)  # before its config is read
-    cfg = load_run(storage)
-    folder = jobs_folder(storage)
-    log_to_file(Path(storage.local_path(L.LOG) or Path(folder) / L.LOG))
-    executor = Executor(cfg, folder)
-    wait = leases.STALE_S + 2 * leases.HEARTBEAT_S if opts.wait_lease else 0.0
-    lease = leases.acquire(storage, force=opts.force, wait_s=wait)
-    # With the lease held we are the only service: clear what killed writers left (never a live one's).
-    storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
+    cfg, executor, lease = _take_run(storage, opts)
     t0 = time.monotonic()
     trackers, ended = Trackers(), "FAILED"  # how the service ended, for the trackers' runs
     try:

@@ -85,6 +85,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--live --submit: stop waiting after this (default 300)")
     p.add_argument("--buckets", help="node-count buckets, e.g. 1,2-4,5-8,9+ (the default; "
                                       "with --live one bucket per probe size)")
+    _projection_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a figure of the distributions (and projection)")
+    p.set_defaults(bench_handler=run)
+    return p
+
+
+def _projection_args(p: argparse.ArgumentParser) -> None:
+    """The end-to-end projection's arguments (--project)."""
     p.add_argument("--project", action="store_true", help="project end-to-end time of T rounds (needs the next 3)")
     p.add_argument("--rounds", type=int, help="T: rounds")
     p.add_argument("--round-seconds", type=duration_s, help="S: compute time of one round")
@@ -95,10 +104,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="projection (d): workers that must run before training starts (default: half of K)")
     p.add_argument("--samples", type=int, default=2000, help="Monte-Carlo samples (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the simulation (default 0)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="write a figure of the distributions (and projection)")
-    p.set_defaults(bench_handler=run)
-    return p
 
 
 def _load(args: argparse.Namespace) -> Any:
