@@ -200,6 +200,8 @@ class Trackers:
     def send(self, lines: list[dict[str, Any]]) -> None:
         """One round's metrics lines (metrics.round_metrics) to every live tracker; kept for the next
         call while the trackers are still opening (a slow server never holds a round up)."""
+        if not self.live and self._opening is None:  # none asked for, or all switched off: nothing to build
+            return
         self._pending += [s for line in lines for s in tensorboard_scalars(line)]
         if not self.ready(0):
             return
