@@ -33,7 +33,7 @@ from core.checkpoint import DTYPES, ITEMSIZE
 from core.config import ModelConfig, load_config
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from merge.rounds import Contribution, merge_round
 from merge.round_spec import RoundSpec
 from orchestrator.run_models import Evaluator, create_run
@@ -79,7 +79,7 @@ def run_variant(name: str, args: argparse.Namespace, root: Path) -> dict:
     for r in range(args.rounds):
         contribs = []
         for w in range(args.workers):
-            run_worker(WorkerTask(s.url, r, w, L.global_weights(r), threads=args.threads))
+            run_worker(Assignment(s.url, r, w, L.global_weights(r), threads=args.threads))
             m = s.read_json(manifest_key(L.contribution(r, w)))
             sent.append(m["bytes"])
             encode.append((m.get("contribution") or {}).get("encode_s", 0.0) / m["seconds"])

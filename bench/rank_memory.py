@@ -23,7 +23,7 @@ from core.checkpoint import load_checkpoint
 from core.config import config_from_dict
 from core.layout import RunLayout
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from orchestrator.run_models import create_run
 
 L = RunLayout()
@@ -33,7 +33,7 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _round(task: WorkerTask | None) -> dict:
+def _round(task: Assignment | None) -> dict:
     """In each rank: one worker round (None: only the imports), then this process's peak RSS."""
     import worker.train as train
     rank = 0
@@ -42,7 +42,7 @@ def _round(task: WorkerTask | None) -> dict:
     return {"rank": rank, "peak_mb": round(_peak_mb(), 1)}
 
 
-def _job(folder: Path, ranks: int, task: WorkerTask | None) -> list[dict]:
+def _job(folder: Path, ranks: int, task: Assignment | None) -> list[dict]:
     ex = submitit.LocalExecutor(folder=folder / "%j")
     ex.update_parameters(tasks_per_node=ranks, timeout_min=30)
     out = ex.submit(_round, task).results()
@@ -66,8 +66,8 @@ def main() -> None:
         create_run(run, cfg)
         params = sum(t.numel() for t in load_checkpoint(run, L.global_weights(0))[0].values())
         base = _job(Path(tmp) / "jobs", 1, None)[0]["peak_mb"]
-        one = _job(Path(tmp) / "jobs", 1, WorkerTask(run.url, 0, 0, L.global_weights(0), threads=1))
-        many = _job(Path(tmp) / "jobs", a.ranks, WorkerTask(run.url, 1, 0, L.global_weights(0), threads=a.ranks))
+        one = _job(Path(tmp) / "jobs", 1, Assignment(run.url, 0, 0, L.global_weights(0), threads=1))
+        many = _job(Path(tmp) / "jobs", a.ranks, Assignment(run.url, 1, 0, L.global_weights(0), threads=a.ranks))
     top = max(r["peak_mb"] for r in many)
     print(json.dumps({"ranks": a.ranks, "model": f"{a.n_layer}x{a.n_embd}", "batch": a.batch, "params_m": round(params / 1e6, 1),
                       "adamw_state_mb": round(8 * params / 2**20, 1), "baseline_mb": base,

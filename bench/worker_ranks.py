@@ -23,7 +23,7 @@ from core.checkpoint import read_manifest
 from core.config import config_from_dict
 from core.layout import RunLayout
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from orchestrator.run_models import create_run
 from worker.train import run_worker
 
@@ -32,7 +32,7 @@ L = RunLayout()
 
 def _round(run: Storage, r: int, ranks: int, folder: Path, gpus: int) -> float:
     """One worker round on `ranks` ranks; its tokens/s from its manifest."""
-    task = WorkerTask(run.url, r, 0, L.global_weights(0), threads=ranks)
+    task = Assignment(run.url, r, 0, L.global_weights(0), threads=ranks)
     ex = submitit.LocalExecutor(folder=folder / "%j")  # a fresh process for both: the same cold start
     ex.update_parameters(tasks_per_node=ranks, gpus_per_node=gpus, timeout_min=30)
     ex.submit(run_worker, task).results()

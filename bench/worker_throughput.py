@@ -35,11 +35,12 @@ import torch
 
 from core.config import config_from_dict
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from orchestrator.run_models import create_run
 from worker.data import BatchSampler, dataset_for
 from worker.params import make_optimizer
-from worker.train import lr_at, pick_device, run_worker, serve_round
+from worker.round import lr_at
+from worker.train import pick_device, run_worker, serve_round
 from worker.weights import build_model
 
 
@@ -70,14 +71,14 @@ def bare_loop(cfg, steps: int) -> float:
 def harness(cfg, run_dir: str, round_: int) -> float:
     """One whole worker round through run_worker, storage included. Returns seconds."""
     t0 = time.perf_counter()
-    run_worker(WorkerTask(run_dir, round_, 0, f"global/round_{0:05d}.safetensors", threads=torch.get_num_threads()))
+    run_worker(Assignment(run_dir, round_, 0, f"global/round_{0:05d}.safetensors", threads=torch.get_num_threads()))
     return time.perf_counter() - t0
 
 
 def resident(run_dir: str, round_: int, carry):
     """One round of a persistent worker carrying `carry` (None: its first). Returns (seconds, trainer)."""
     t0 = time.perf_counter()
-    task = WorkerTask(run_dir, round_, 0, f"global/round_{0:05d}.safetensors", threads=torch.get_num_threads())
+    task = Assignment(run_dir, round_, 0, f"global/round_{0:05d}.safetensors", threads=torch.get_num_threads())
     _, trainer = serve_round(task, 0.0, carry, persistent=True)
     return time.perf_counter() - t0, trainer
 

@@ -4,7 +4,8 @@ the next global weights and outer optimizer state out, bad contributions rejecte
 The merge of a DiLoCo / FedAvg / lo-fi round is linear: the outer gradient is base - the workers'
 weighted mean. So each contribution is folded into a running sum S = sum_i w_i x_i the moment it
 lands (RunningSum.add, while the others still train), and the merge after the last one lands
-reads that one contribution, then takes one outer step per tensor from S.
+reads that one contribution, then takes one outer step per tensor from S (merge/round_step.py).
+Contributions are read by merge/contributions.py; this module adds what it reads, checked.
 
 - Space: x_i are weights, or, when the contributions are deltas against this round's base
   (round.contribution: delta, core/codec.py), the deltas themselves, whose mean is the outer
@@ -26,35 +27,30 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from core import codec
-from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, read_manifest
-from core.checkpoint_writer import OutputFile
+from core.checkpoint import FLOATS, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, read_manifest
 from core.errors import CheckpointError
-from core.failpoints import failpoint
 from core.storage import Storage
-from merge.engine import DEPTH, Buffer, Prefetch, Read, merging
-from merge.inputs import compare_specs, finite, nonfinite, refusal
+from merge.contributions import ContributionReader, decoded
+from merge.engine import merging
+from merge.inputs import finite, nonfinite, refusal
 from merge.lte import merge_lte_round
-from merge.outer import OuterStep, StepOverflow, state_in_specs, state_key, state_out_specs, state_slots
-from merge.robust import Values
-from merge.robust import aggregate as robust_aggregate
+from merge.outer import StepOverflow
 from merge.round_spec import Contribution, MergeResult, QuorumError, RoundSpec
+from merge.round_step import digest_now, outer_step
 
 log = logging.getLogger(__name__)
 
-FOLD_CHUNK = 1 << 22
-"""Elements per read of a large tensor stored plain: read buffers of 16 MiB whatever the model (a
-coded tensor is read whole: its rows need their scales and indices)."""
-
 
 @dataclass(frozen=True)
-class _Folded:
+class Folded:
+    """A contribution in the running sum."""
     worker: int
     key: str
     weight: float
@@ -77,24 +73,25 @@ class RunningSum:
         with open_checkpoint(storage, base_key, f"global weights {storage.display(base_key)}") as base:
             self.ref: dict[str, TensorSpec] = dict(base.specs)
             self.base_digest: str = base.manifest["digest"]  # type: ignore[index]
-            self._sum = {n: base.read(n).clone() if sp.dtype not in FLOATS else torch.zeros(sp.shape)
+            self.sums = {n: base.read(n).clone() if sp.dtype not in FLOATS else torch.zeros(sp.shape)
                          for n, sp in self.ref.items()}  # non-float tensors: every input must equal the base's
-        self._held: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}  # key -> (digest, tensors)
+        self.held: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        """key -> (digest, tensors): the global weights and outer state read ahead (`preload`)."""
         if preload:
             for key, what in [(base_key, "the global weights"), *([(state_key, "the outer state")] if state_key else [])]:
                 try:
                     tensors, _, m = load_checkpoint(storage, key)
-                    self._held[key] = (m["digest"], tensors)
+                    self.held[key] = (m["digest"], tensors)
                 except CheckpointError as exc:  # not held: the merge reads it, and reports it there if still bad
                     log.warning("merge: cannot hold %s in memory: %s", what, exc)
         self.space: str | None = None
         """`weights` or `delta`; None: the space of the first contribution folded."""
-        self.folded: list[_Folded] = []
+        self.folded: list[Folded] = []
         self.rejected: dict[int, tuple[str, str]] = {}
         """worker -> (digest@written_at of the refused file's manifest, why): a republished file is tried again."""
         self._dirty = False  # S holds a partial add, or was divided into the mean
         self._bound, self._peak = math.inf, 0.0  # the contribution being folded: its bound and largest entry
-        self._buffers = [Buffer() for _ in range(DEPTH)]  # reused by every fold: fresh pages cost more than reads
+        self.reader = ContributionReader(self.ref)  # its read buffers serve every fold
 
     # -- folding ------------------------------------------------------------------------
     def add(self, c: Contribution) -> bool:
@@ -126,18 +123,12 @@ class RunningSum:
             return False
         self._dirty = False
         self.rejected.pop(c.worker, None)
-        self.folded.append(_Folded(c.worker, c.key, c.weight, digest, nbytes, c.bound, self._peak))
+        self.folded.append(Folded(c.worker, c.key, c.weight, digest, nbytes, c.bound, self._peak))
         log.info("merge: folded worker %d in %.2fs", c.worker, time.perf_counter() - t0)
         return True
 
-    def _manifest(self, key: str) -> dict[str, Any]:
-        try:
-            return read_manifest(self.storage, key) or {}
-        except CheckpointError:  # damaged: _fold refuses the contribution, naming why
-            return {}
-
-    def _rebuild(self, todo: Sequence[_Folded]) -> None:
-        for n, t in self._sum.items():
+    def _rebuild(self, todo: Sequence[Folded]) -> None:
+        for n, t in self.sums.items():
             if t.is_floating_point():
                 t.zero_()
         self.folded, self._dirty = [], False
@@ -151,65 +142,28 @@ class RunningSum:
             enc = codec.encoding_of(f.metadata, label)
             if enc is not None and enc.base_digest != self.base_digest or \
                     self.space is not None and (enc is None) != (self.space == "weights"):
-                return self._fold_whole(c, label, f)  # a delta against another base, or the other space
+                return self._fold_decoded(c, label, f)  # a delta against another base, or the other space
             self.space = self.space or ("weights" if enc is None else "delta")
             self._bound = c.bound if self.space == "delta" else c.bound * codec.DRIFT
-            want = {n: (s.dtype, s.shape) for n, s in self.ref.items()}
-            want = codec.stored_specs(want, enc) if enc else want
-            problems = compare_specs({n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in want.items()}, f.specs,
-                                     "the global weights" if enc is None else f"a {enc.codec} delta of the global weights")
-            if problems:
-                raise CheckpointError(f"{label}: {problems[0]}")
+            self.reader.check_layout(f, enc, label)
             try:
-                self._stream(c, label, f, enc)
+                with self.reader.pieces(f, enc, label, c.worker) as pieces:
+                    for p in pieces:
+                        if p.positions is not None:
+                            self._add_sparse(c, label, p.name, p.positions, p.values)
+                        else:
+                            self._add(c, label, p.name, p.values, p.start, p.stop)
             except CheckpointError:
                 f.verify()  # a damaged file is named as such, before what its bytes decode to
                 raise
             f.verify()
             return f.manifest["digest"], f.size  # type: ignore[index]
 
-    def _stream(self, c: Contribution, label: str, f: TensorFile, enc: codec.Encoding | None) -> None:
-        """Add `f` as it is read in file order: a tensor stored alone (plain, or a dense fp32/bf16
-        delta, whose decoding is the cast) slice by slice; a topk delta's chunk rows scattered as
-        read; one stored with its indices or scales once all its entries are in (they are copied
-        out of the read buffers, being small)."""
-        entries = {n: [e for e in (n, n + codec.INDEX, n + codec.SCALE) if e in f.specs] for n in self.ref}
-        owner = {e: n for n, es in entries.items() for e in es}
-        plan = []
-        for e, sp in f.specs.items():
-            numel = math.prod(sp.shape)
-            if sp.dtype in FLOATS and numel > FOLD_CHUNK and entries[owner[e]] == [e]:
-                plan += [[Read(e, f, e, a, min(a + FOLD_CHUNK, numel), (min(a + FOLD_CHUNK, numel) - a,))]
-                         for a in range(0, numel, FOLD_CHUNK)]
-            else:
-                plan.append([Read(e, f, e, 0, numel, sp.shape)])
-        groups: dict[str, dict[str, torch.Tensor]] = {}
-        topk = enc is not None and enc.codec == "topk"
-        reader = Prefetch(label, c.worker, plan, buffers=self._buffers)
-        try:
-            for (read,) in plan:
-                buf, got = reader.take()
-                name, t = owner[read.tag], got[read.tag]
-                if topk and self.ref[name].dtype in FLOATS:  # one entry, scattered into S: never a dense copy
-                    kept = codec.sparse_tensor(name, self.ref[name].shape, enc, {name: t}.__getitem__)
-                    self._add_sparse(c, label, name, *kept)
-                elif entries[name] == [read.tag]:
-                    self._add(c, label, name, t, read.start, read.stop)
-                else:
-                    groups.setdefault(name, {})[read.tag] = t.clone()
-                    if len(groups[name]) == len(entries[name]):
-                        got_all, shape = groups.pop(name), self.ref[name].shape
-                        self._add(c, label, name, codec.decode_tensor(name, shape, enc, got_all.__getitem__))
-                reader.give_back(buf)
-        finally:
-            if not reader.close():  # a read still running may yet fill one of them: new ones for the next fold
-                self._buffers = [Buffer() for _ in range(DEPTH)]
-
     def _add(self, c: Contribution, label: str, name: str, x: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         """S[name][start:stop] += w x (a float tensor), or check that a non-float one equals the base's.
         The product is rounded before the add, not fused into it, so that a sum of two is the same
         in either order."""
-        s = self._sum[name]
+        s = self.sums[name]
         if not s.is_floating_point():
             if not torch.equal(x.reshape(-1), s.reshape(-1)[start:stop]):
                 raise CheckpointError(f"{label}: tensor {name} is {self.ref[name].dtype} (not floating point) and "
@@ -228,7 +182,7 @@ class RunningSum:
             raise CheckpointError(nonfinite(label, name))
         self._check_bound(label, name, values)
         self._dirty = True
-        self._sum[name].view(-1).index_add_(0, positions, values.mul(float(c.weight)))
+        self.sums[name].view(-1).index_add_(0, positions, values.mul(float(c.weight)))
 
     def _check_bound(self, label: str, name: str, x: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         """Refuse an outer gradient entry past the contribution's bound (core.codec.max_update): a
@@ -243,18 +197,14 @@ class RunningSum:
 
     def _base(self, name: str) -> torch.Tensor:
         """A tensor of the global weights, from the copy held in memory (read now if it is not)."""
-        if self.base_key not in self._held:
+        if self.base_key not in self.held:
             tensors, _, m = load_checkpoint(self.storage, self.base_key)
-            self._held[self.base_key] = (m["digest"], tensors)
-        return self._held[self.base_key][1][name]
+            self.held[self.base_key] = (m["digest"], tensors)
+        return self.held[self.base_key][1][name]
 
-    def _fold_whole(self, c: Contribution, label: str, f: TensorFile) -> tuple[str, int]:
-        """An input in the other space: decode it whole (codec.load_weights), convert per tensor."""
-        weights = codec.load_weights(self.storage, c.key, label)
-        problems = compare_specs(self.ref, {n: TensorSpec(n, DTYPES[t.dtype], tuple(t.shape), 0, 0) for n, t in weights.items()},
-                                 "the global weights")
-        if problems:
-            raise CheckpointError(f"{label}: {problems[0]}")
+    def _fold_decoded(self, c: Contribution, label: str, f: TensorFile) -> tuple[str, int]:
+        """An input in the other space: decoded whole, converted per tensor."""
+        weights = decoded(self.storage, c.key, label, self.ref)
         self.space = self.space or "weights"
         self._bound = c.bound * codec.DRIFT  # a delta against an older base carries the global's moves since
         base = load_checkpoint(self.storage, self.base_key)[0] if self.space == "delta" else {}
@@ -273,7 +223,7 @@ class RunningSum:
         keep = []
         for f in self.folded:  # still wanted, with the same file and weight?
             c = want.get(f.worker)
-            if c is None or c.key != f.key or c.weight != f.weight or self._manifest(f.key).get("digest") != f.digest:
+            if c is None or c.key != f.key or c.weight != f.weight or digest_now(self.storage, f.key) != f.digest:
                 break
             keep.append(f)
         if len(keep) != len(self.folded) or self._dirty:
@@ -289,7 +239,8 @@ class RunningSum:
                               f"{spec.min_inputs}; rejected: {rejected or 'none'}", rejected)
         try:
             with merging():
-                out_manifest, grad_sq = self._step(spec, order)
+                self._dirty = True  # S becomes the mean
+                out_manifest, grad_sq = outer_step(self, spec, order)
         except StepOverflow as exc:  # the round is refused whole, the input farthest out named; the run goes on
             worst = max(self.folded, key=lambda f: f.peak)
             why = f"worker {worst.worker}: its outer gradient (largest entry {worst.peak:.3g}) made the merged " \
@@ -298,74 +249,6 @@ class RunningSum:
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=sum(f.nbytes for f in self.folded),
                            seconds=time.perf_counter() - t0, outer_grad_norm=grad_sq ** 0.5, manifest=out_manifest,
                            order=order)
-
-    def _source(self, key: str, label: str, opened: list[TensorFile]) -> tuple[Callable[[str], torch.Tensor],
-                                                                            dict[str, tuple[str, tuple[int, ...]]]]:
-        """(a tensor of the checkpoint at `key` by name, its entries' dtypes and shapes): the copy
-        held in memory if it is still the file on storage (same digest; it is given up, since the
-        step overwrites it), else the file, added to `opened` (verified and closed by the caller)."""
-        held = self._held.pop(key, None)
-        if held is not None and self._manifest(key).get("digest") == held[0]:
-            return held[1].__getitem__, {k: (DTYPES[t.dtype], tuple(t.shape)) for k, t in held[1].items()}
-        opened.append(open_checkpoint(self.storage, key, label))
-        return opened[-1].read, {k: (sp.dtype, sp.shape) for k, sp in opened[-1].specs.items()}
-
-    def _step(self, spec: RoundSpec, order: list[int]) -> tuple[dict[str, Any], float]:
-        """The outer step (merge.outer.OuterStep), tensor by tensor, from S: the pseudo-gradient
-        `base - S / total` (the mean of deltas, for deltas), or with a robust spec.aggregate the
-        contributions' median or trimmed mean instead of S / total, over tensors this merge owns
-        (held copies or fresh reads)."""
-        s, total, outer = self.storage, float(sum(f.weight for f in self.folded)), spec.outer
-        assert outer is not None
-        self._dirty = True  # S becomes the mean
-        layout = [(n, sp.dtype, sp.shape) for n, sp in self.ref.items()]
-        robust = None if spec.aggregate == "mean" else (spec.aggregate, spec.trim)
-        manifest = {**spec.manifest, "merge_order": order, **({"aggregate": spec.aggregate} if robust else {})}
-        opened: list[TensorFile] = []
-        values = Values(s, self.folded, self.space or "weights", self.base_digest) if robust else None
-        step = OuterStep([OutputFile(s, spec.out, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in layout],
-                                     spec.metadata, manifest)],
-                         OutputFile(s, spec.state_out, state_out_specs(layout, outer), None,
-                                    {"optimizer": outer.optimizer}) if spec.state_out else None, outer)
-        try:
-            base, _ = self._source(spec.base, f"global weights {s.display(spec.base)}", opened)
-            state, have = self._state(spec, layout, opened)
-            for name, sp in self.ref.items():
-                b = base(name)
-                if sp.dtype not in FLOATS:
-                    step.keep(name, b)
-                    continue
-                grad = self._sum[name].div_(total) if values is None else \
-                    robust_aggregate(values.get(name, lambda: b), *robust)  # type: ignore[misc]
-                if self.space != "delta":
-                    torch.sub(b.to(torch.float32), grad, out=grad)
-                step.step(name, b, grad, {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])},
-                          owned=True)
-                failpoint("merge.while_reading")  # crash tests: half the step written, temporaries on disk
-            step.finish()
-            for f in opened:
-                f.verify()
-            if values is not None:
-                values.verify()
-            return step.commit(), step.grad_sq
-        except BaseException:
-            step.abort()
-            raise
-        finally:
-            for f in opened:
-                f.close()
-            if values is not None:
-                values.close()
-
-    def _state(self, spec: RoundSpec, layout: list[tuple[str, str, tuple[int, ...]]], opened: list[TensorFile]
-               ) -> tuple[Callable[[str], torch.Tensor], dict[str, list[tuple[str, bool]]]]:
-        """(the outer state's tensors by key, each model tensor's state slots): none on a first step."""
-        if spec.state_in is None:
-            return lambda key: torch.empty(0), {}
-        label = f"outer optimizer state {self.storage.display(spec.state_in)}"
-        state, entries = self._source(spec.state_in, label, opened)
-        return state, state_in_specs(entries, layout, state_slots(spec.outer), label)  # it fits model and optimizer
-
 
 def merge_round(storage: Storage, spec: RoundSpec, contributions: Sequence[Contribution],
                 accumulator: RunningSum | None = None) -> MergeResult:

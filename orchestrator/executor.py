@@ -1,6 +1,6 @@
 """The one module that talks to submitit (and, for cheap polling, to sacct).
 
-Workers are submitted as plain data (a WorkerTask); a round's K workers go out as one batch,
+Workers are submitted as plain data (a Assignment); a round's K workers go out as one batch,
 which on Slurm is one job array (one sbatch per round). Job state for all of a run's jobs comes
 from one call per poll. The worker callable is Checkpointable: on preemption or time limit it
 saves an in-flight checkpoint to storage and asks to be requeued with the same task.
@@ -28,7 +28,7 @@ import submitit
 
 from core.config import Config
 from core.errors import RunError
-from core.task import WorkerTask
+from core.assignment import Assignment
 from orchestrator.jobstatus import JobStatus
 from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, local_gpus, sbatch_said,
                                service_parameters, slurm_parameters, unreachable, worker_tasks)
@@ -43,7 +43,7 @@ FAILED_LINE = "Submitted job triggered an exception"
 class WorkerJob(submitit.helpers.Checkpointable):
     """The callable submitit runs on the node. Plain data in, a small summary out."""
 
-    def __call__(self, task: WorkerTask) -> dict[str, Any]:
+    def __call__(self, task: Assignment) -> dict[str, Any]:
         # worker/ (torch) is imported on the node only: `status` and `cancel` use this module without it
         from core import iostat
         from worker.persistent import run_persistent
@@ -51,7 +51,7 @@ class WorkerJob(submitit.helpers.Checkpointable):
         iostat.report_at_exit("worker")  # benchmarks only (ISLANDS_IO_REPORT): bytes read and written
         return run_persistent(task) if task.persistent else run_worker(task)
 
-    def checkpoint(self, task: WorkerTask) -> submitit.helpers.DelayedSubmission:
+    def checkpoint(self, task: Assignment) -> submitit.helpers.DelayedSubmission:
         # Called in the job when Slurm signals a time limit or preemption: save where we are so
         # the requeued job resumes mid-round instead of starting the round over. A persistent
         # worker comes back at the round it was serving, not the one it started with.
@@ -125,14 +125,14 @@ class Executor:
                         "on the CPU; set executor.gpus_per_node=1 to give each worker a GPU", count)
         return count
 
-    def _submit_one(self, task: WorkerTask) -> submitit.Job:
+    def _submit_one(self, task: Assignment) -> submitit.Job:
         if self.kind == "local" and self._gpus is None:  # not before: status and cancel never import torch
             self._gpus = self._local_gpu_count()
         if self.kind == "local" and self.cfg.executor.gpus_per_node:  # each local worker its own GPUs, if there are enough
             self._ex.update_parameters(visible_gpus=local_gpus(task.worker, self.cfg.executor.gpus_per_node, self._gpus))
         return self._ex.submit(WorkerJob(), task)
 
-    def submit(self, tasks: list[WorkerTask]) -> list[str]:
+    def submit(self, tasks: list[Assignment]) -> list[str]:
         """Submit a round's tasks together (one job array on Slurm); return their job ids."""
         batch = self._ex.batch() if self.kind == "slurm" else contextlib.nullcontext()
         with _sbatch_refusal(slurm_parameters(self.cfg), "worker"), _sigint_ignored(self.kind == "local"), batch:

@@ -1,8 +1,9 @@
 """Pure decisions of the round loop: no I/O, no clocks, no scheduler. Tested with plain values.
 
 Given who has contributed, whose job is still alive and how often each was submitted, decide
-whether to wait, merge, resubmit lost workers, or give up; which weights each worker starts the
-next round from; and what a contribution weighs in the merge.
+whether to wait, merge, resubmit lost workers, or give up; once merged, which workers were dropped,
+why, and whose jobs are cancelled; which weights each worker starts the next round from; and what
+a contribution weighs in the merge.
 """
 from __future__ import annotations
 
@@ -55,6 +56,46 @@ def decide(
         return Decision("merge", arrived, "quorum in; nothing else can arrive")
     return Decision("fail", (), f"only {len(arrived)} of the quorum of {quorum} contributed and workers "
                     f"{[v.worker for v in lost]} failed {max_retries + 1} time(s) each")
+
+
+@dataclass(frozen=True)
+class JobView:
+    job_id: str
+    state: str
+    """The scheduler's word for it (RUNNING, COMPLETED, ...)."""
+    alive: bool
+    """Pending or running."""
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The workers of a merged round in neither its merged nor its rejected list."""
+    workers: tuple[int, ...]
+    reasons: dict[str, str]
+    """Worker (as a str, the record's key) -> why it is not in the merge."""
+    ended: tuple[int, ...]
+    """Those whose job ended without a contribution: lost work, to record."""
+    cancel: tuple[str, ...]
+    """The jobs of stragglers to cancel (none while a later round can fold their work in)."""
+
+
+def dropped_workers(workers: int, merged: Sequence[int], rejected: Sequence[int], jobs: Mapping[int, JobView],
+                    *, runs_on: bool) -> Dropped:
+    """Who a merged round dropped and what becomes of them. `jobs`: each worker's latest job;
+    `runs_on`: late_policy fold with a later round to fold a straggler's work into."""
+    dropped = tuple(sorted(set(range(workers)) - set(merged) - set(rejected)))
+    reasons, ended, cancel = {}, [], []
+    for w in dropped:
+        job = jobs[w]
+        if job.alive:
+            reasons[str(w)] = (f"still {job.state} at the merge (straggler): job {job.job_id} "
+                               + ("runs on, to be folded in later" if runs_on else "cancelled"))
+            if not runs_on:
+                cancel.append(job.job_id)
+        else:
+            reasons[str(w)] = f"job {job.job_id} ended {job.state} without a contribution"
+            ended.append(w)
+    return Dropped(dropped, reasons, tuple(ended), tuple(cancel))
 
 
 def next_bases(

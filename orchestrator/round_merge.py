@@ -26,7 +26,7 @@ from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, Ro
 from merge.rounds import RunningSum, merge_round
 from orchestrator import late
 from orchestrator.executor import JobStatus
-from orchestrator.plan import Decision, contribution_weight
+from orchestrator.plan import Decision, JobView, contribution_weight, dropped_workers
 from core.records import RoundJobs, RoundRecord, number
 from orchestrator.runstate import arrived_workers
 from orchestrator.submission import UNKNOWN, Submitter
@@ -111,15 +111,18 @@ class RoundMerger:
         if len(merged) < self.cfg.quorum:  # folds never make up a quorum: not committed, global_r+1 is redone
             raise QuorumError(f"only {len(merged)} on-time contribution(s) merged, the quorum is {self.cfg.quorum}",
                               rejected)
-        dropped = sorted(set(range(self.cfg.workers)) - set(merged) - set(rejected))
-        why = self._why_dropped(jobs, dropped, states)
+        views = {w: JobView(e.latest, (s := states.get(e.latest, UNKNOWN)).state, s.alive) for w, e in jobs.workers.items()}
+        dropped = dropped_workers(self.cfg.workers, merged, list(rejected), views, runs_on=fold and r + 1 < self.cfg.rounds)
+        if dropped.ended:
+            self.submitter.record_losses(jobs, list(dropped.ended), states)
+            jobs.save(self.storage)
         final = self.executor.status(list(jobs.latest().values()))  # one call: queue wait and run time per job
-        self._cancel_stragglers(jobs, dropped, why, fold)
+        self._cancel(r, list(dropped.cancel), fold)
         committed = time.time()
         return RoundRecord(
-            round=r, merged=merged, dropped=dropped, rejected=sorted(rejected),
-            rejected_reasons={str(w): why for w, why in rejected.items()}, dropped_reasons=why,
-            late=sorted(set(dropped) & set(arrived_workers(self.storage, r))), reason=decision.reason,
+            round=r, merged=merged, dropped=list(dropped.workers), rejected=sorted(rejected),
+            rejected_reasons={str(w): why for w, why in rejected.items()}, dropped_reasons=dropped.reasons,
+            late=sorted(set(dropped.workers) & set(arrived_workers(self.storage, r))), reason=decision.reason,
             merge_seconds=round(result.seconds, 3), bytes_read=result.bytes_read,
             outer_grad_norm=number(result.outer_grad_norm), weights={str(c.worker): c.weight for c in contribs},
             submitted_at=jobs.submitted_at or t0, merge_started_at=t0, committed_at=committed,
@@ -200,30 +203,10 @@ class RoundMerger:
                 return False
         return True
 
-    def _why_dropped(self, jobs: RoundJobs, dropped: list[int], states: dict[str, JobStatus]) -> dict[str, str]:
-        """For each dropped worker: its job's end state (recorded with its log), or that it is a straggler."""
-        why, ended = {}, []
-        folds_later = self.cfg.round.late_policy == "fold" and jobs.round + 1 < self.cfg.rounds
-        for w in dropped:
-            job_id = jobs.workers[w].latest
-            status = states.get(job_id, UNKNOWN)
-            if status.alive:
-                why[str(w)] = (f"still {status.state} at the merge (straggler): job {job_id} "
-                               + ("runs on, to be folded in later" if folds_later else "cancelled"))
-            else:
-                why[str(w)] = f"job {job_id} ended {status.state} without a contribution"
-                ended.append(w)
-        if ended:
-            self.submitter.record_losses(jobs, ended, states)
-            jobs.save(self.storage)
-        return why
-
-    def _cancel_stragglers(self, jobs: RoundJobs, dropped: list[int], why: dict[str, str], fold: bool) -> None:
-        r = jobs.round
-        stragglers = [jobs.workers[w].latest for w in dropped if why[str(w)].startswith("still")]
-        if fold and r + 1 < self.cfg.rounds:  # fold: stragglers run on; their work joins a later merge
-            stragglers = []
-        elif fold:  # the last round: no later merge can fold anything in
+    def _cancel(self, r: int, stragglers: list[str], fold: bool) -> None:
+        """Cancel the stragglers' jobs; in the last round of a fold run, the late jobs still running
+        too (no later merge can fold anything in)."""
+        if fold and r + 1 >= self.cfg.rounds:
             stragglers += late.unfinished_late_jobs(self.storage, r, self.cfg.round.max_staleness)
         if stragglers:
             self.storage.check_fence(L.round_record(r))  # a service whose run was taken cancels nothing

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout
-from core.storage import Storage
+from core.storage import Storage, sweep_temporaries
 from orchestrator.console import console, say, setup_logging
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def _take_run(storage: Storage, opts: ServiceOptions) -> tuple[Config, Executor,
     wait = leases.STALE_S + 2 * leases.HEARTBEAT_S if opts.wait_lease else 0.0
     lease = leases.acquire(storage, force=opts.force, wait_s=wait)
     # With the lease held we are the only service: clear what killed writers left (never a live one's).
-    storage.sweep_temporaries(TMP_SWEEP_AGE_S, skip=(L.JOBS,))
+    sweep_temporaries(storage, TMP_SWEEP_AGE_S, skip=(L.JOBS,))
     return cfg, Executor(cfg, folder), lease
 
 

@@ -11,7 +11,7 @@ from core.checkpoint import read_manifest
 from core.config import Config
 from core.layout import RunLayout
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import next_bases
 from core.records import JobEntry, RoundJobs, RoundRecord, text
@@ -45,7 +45,7 @@ class Submitter:
         for w in workers:
             e = jobs.workers.setdefault(w, JobEntry())
             e.base, e.base_digest, e.persistent = bases[w], digests[bases[w]], persistent
-            tasks.append(WorkerTask(self.storage.url, jobs.round, w, e.base, attempt=e.attempts, threads=self._threads(),
+            tasks.append(Assignment(self.storage.url, jobs.round, w, e.base, attempt=e.attempts, threads=self._threads(),
                                     persistent=persistent))
         self.storage.check_fence(L.round_jobs(jobs.round))  # a service whose run was taken submits nothing
         ids = self.executor.submit(tasks)

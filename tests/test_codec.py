@@ -17,7 +17,7 @@ from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.rounds import Contribution, merge_round
 from merge.round_spec import QuorumError, RoundSpec
-from merge import rounds
+from merge import contributions, rounds
 from merge.rounds import RunningSum
 
 from codec_support import NESTEROV, merge_g0, publish_delta
@@ -246,8 +246,8 @@ def _round1(mem, contribs, out, acc=None):
 def test_held_global_and_state_are_stepped_in_place_and_give_the_same_bytes(mem):
     cs = _second_round(mem, seed=11)
     acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
-    assert set(acc._held) == {"g1.safetensors", "state_g1.safetensors"}
-    held = {key: tensors for key, (_, tensors) in acc._held.items()}
+    assert set(acc.held) == {"g1.safetensors", "state_g1.safetensors"}
+    held = {key: tensors for key, (_, tensors) in acc.held.items()}
     for c in cs[:2]:
         assert acc.add(c)
     _round1(mem, cs, "g2.safetensors", acc)
@@ -259,7 +259,7 @@ def test_held_global_and_state_are_stepped_in_place_and_give_the_same_bytes(mem)
     for old_key, new_key in [("g1.safetensors", "g2.safetensors"), ("state_g1.safetensors", "state_g2.safetensors")]:
         f, new = held[old_key], load_checkpoint(mem, new_key)[0]
         assert all(torch.equal(f[n], new[n]) for n in f), old_key
-    assert acc._held == {}
+    assert acc.held == {}
     _round1(mem, cs, "k2.safetensors", acc)  # the same merge again reads round 1's files
     assert _bytes(mem, "k2.safetensors") == _bytes(mem, "h2.safetensors")
     assert _bytes(mem, "state_k2.safetensors") == _bytes(mem, "state_h2.safetensors")
@@ -295,7 +295,7 @@ def test_an_overflowing_in_place_step_is_refused_and_publishes_nothing(mem):
                     RoundSpec(base="g1.safetensors", out="g2.safetensors", outer=huge,
                               state_in="state_g1.safetensors", state_out="state_g2.safetensors"), cs, acc)
     assert not mem.exists("g2.safetensors") and not mem.exists("state_g2.safetensors")
-    assert acc._held == {}
+    assert acc.held == {}
 
 
 def test_a_held_state_replaced_on_storage_is_read_again(mem):
@@ -314,7 +314,7 @@ def test_a_damaged_state_is_not_held_and_the_merge_names_it(mem, caplog):
     raw[-2] ^= 0x01
     mem.fs.pipe_file(mem.path("state_g1.safetensors"), bytes(raw))
     acc = RunningSum(mem, "g1.safetensors", state_key="state_g1.safetensors", preload=True)
-    assert "state_g1.safetensors" not in acc._held
+    assert "state_g1.safetensors" not in acc.held
     assert "cannot hold the outer state in memory" in caplog.text
     with pytest.raises(CheckpointError, match=r"outer optimizer state .*state_g1\.safetensors.*checksum does not match"):
         _round1(mem, cs, "g2.safetensors", acc)
@@ -396,7 +396,7 @@ def test_a_fold_in_slices_gives_the_bytes_of_whole_tensors(mem, monkeypatch, cod
     whole = RunningSum(mem, "g0.safetensors")
     assert whole.add(cs[0]) and whole.add(cs[1])
     _merge(mem, cs, "g1.safetensors", accumulator=whole)
-    monkeypatch.setattr(rounds, "FOLD_CHUNK", 100)
+    monkeypatch.setattr(contributions, "FOLD_CHUNK", 100)
     sliced = RunningSum(mem, "g0.safetensors")
     assert sliced.add(cs[0]) and sliced.add(cs[1])
     reads = []

@@ -19,7 +19,8 @@ import torch
 
 from core.checkpoint_writer import write_checkpoint
 from core.errors import IslandsError, NotARegularFile, StorageError
-from core.storage import Storage
+from core.local_files import LocalFiles
+from core.storage import Storage, sweep_temporaries
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_the_sweep_of_temporaries_does_not_follow_a_link_out(run_and_outside):
     old.write_bytes(b"x")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     os.symlink(outside, os.path.join(s.root, "metrics"))
-    s.sweep_temporaries(3600)
+    sweep_temporaries(s, 3600)
     assert old.exists()
 
 
@@ -124,7 +125,7 @@ def test_a_link_swapped_in_after_the_walk_changes_nothing(run_and_outside, monke
     s, outside = run_and_outside
     final, aside = s.path("final"), s.path("final-real")
     os.mkdir(final)
-    reach, walks, swap_at = Storage._open_folder, [0], [1]
+    reach, walks, swap_at = LocalFiles.open_folder, [0], [1]
 
     def reach_then_swap(self, path, create):
         fd = reach(self, path, create)
@@ -133,7 +134,7 @@ def test_a_link_swapped_in_after_the_walk_changes_nothing(run_and_outside, monke
             os.rename(final, aside)
             os.symlink(outside, final)
         return fd
-    monkeypatch.setattr(Storage, "_open_folder", reach_then_swap)
+    monkeypatch.setattr(LocalFiles, "open_folder", reach_then_swap)
 
     def put_back(walks_next_op: int) -> None:
         os.unlink(final)

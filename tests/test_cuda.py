@@ -20,7 +20,7 @@ from core.config import config_from_dict
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from orchestrator import executor
 from orchestrator.executor import Executor
 from orchestrator.run_models import create_run
@@ -43,8 +43,8 @@ def _run(tmp_path, corpus_cache, name: str, device: str, parallel: str = "ddp") 
     return storage
 
 
-def _task(storage: Storage) -> WorkerTask:
-    return WorkerTask(storage.url, 0, 0, L.global_weights(0), threads=2)
+def _task(storage: Storage) -> Assignment:
+    return Assignment(storage.url, 0, 0, L.global_weights(0), threads=2)
 
 
 def test_a_rank_without_a_gpu_is_refused(monkeypatch):
@@ -66,21 +66,21 @@ def test_local_workers_take_their_own_gpus():
 def test_a_local_worker_job_sees_its_gpus_and_none_beyond(tmp_path, monkeypatch, caplog):
     """submitit hides every GPU from a local job it gives none; the executor gives each worker job its
     own (a four-GPU machine, mocked: this machine has none; the job's environment is real)."""
-    def see_gpus(task: WorkerTask) -> str:  # defined here: pickled by value into the job
+    def see_gpus(task: Assignment) -> str:  # defined here: pickled by value into the job
         return os.environ["CUDA_VISIBLE_DEVICES"]
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(executor, "WorkerJob", lambda: see_gpus)
     cfg = config_from_dict({"workers": 3, "executor": {"kind": "local", "gpus_per_node": 1}})
     ex = Executor(cfg, tmp_path / "jobs")
-    ids = ex.submit([WorkerTask("file:///run", 0, w, L.global_weights(0)) for w in range(3)])
+    ids = ex.submit([Assignment("file:///run", 0, w, L.global_weights(0)) for w in range(3)])
     assert [ex._jobs[i].result() for i in ids] == ["0", "1", "2"]
     none = Executor(config_from_dict({"executor": {"kind": "local"}}), tmp_path / "jobs")
-    assert [none._jobs[i].result() for i in none.submit([WorkerTask("file:///run", 0, 0, L.global_weights(0))])] == [""]
+    assert [none._jobs[i].result() for i in none.submit([Assignment("file:///run", 0, 0, L.global_weights(0))])] == [""]
     assert "executor.gpus_per_node=0: local workers see none" in caplog.text
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(RunError, match=r"executor.gpus_per_node=1 but this machine has 0 GPU\(s\)"):
-        Executor(cfg, tmp_path / "jobs").submit([WorkerTask("file:///run", 0, 0, L.global_weights(0))])
+        Executor(cfg, tmp_path / "jobs").submit([Assignment("file:///run", 0, 0, L.global_weights(0))])
 
 
 def test_the_rounds_log_line_names_the_device(tmp_path, corpus_cache, caplog):

@@ -28,7 +28,7 @@ from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
 from core.errors import CheckpointError, RunError, StorageError
 from core.layout import RunLayout, manifest_key
-from core.storage import Storage
+from core.storage import Storage, sweep_temporaries
 from merge.rounds import Contribution, merge_round
 from merge.round_spec import RoundSpec
 from merge.manual import ManualMerge, MergeError, manual_merge
@@ -66,7 +66,7 @@ def slept(monkeypatch) -> list[float]:
 def test_default_back_off_schedule(tmp_path, monkeypatch, slept):
     s = Storage(str(tmp_path / "run"))
     s.write_bytes("x.bin", b"data")
-    _flaky(monkeypatch, s, "open_fd", None)  # local reads open a descriptor themselves (core.storage)
+    _flaky(monkeypatch, s.files, "open_fd", None)  # local reads open a descriptor themselves (core.local_files)
     with pytest.raises(StorageError) as info:
         s.read_bytes("x.bin")
     assert slept == [0.2, 0.4, 0.8, 1.6]  # 5 attempts, 3.0 s of back-off before giving up
@@ -421,7 +421,7 @@ def test_sweep_deletes_old_temporaries_only(tmp_path):
     t = threading.Thread(target=writer)
     t.start()
     live.wait(10)
-    gone = s.sweep_temporaries(3600, skip=("jobs",))
+    gone = sweep_temporaries(s, 3600, skip=("jobs",))
     release.set()
     t.join()
     assert sorted(gone) == sorted(old)

@@ -12,7 +12,7 @@ import torch
 from core.checkpoint import read_manifest
 from core.checkpoint_writer import write_checkpoint
 from core.storage import Storage
-from merge import rounds
+from merge import contributions, rounds
 from merge.rounds import Contribution, RunningSum
 
 WEIGHTS = [1.0, 2.0, 0.5]
@@ -37,33 +37,33 @@ def _setup(tmp_path) -> Storage:
 def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, chunk):
     """chunk 1000: tensors a and c are read and added in slices of 1000 elements (c in 70)."""
     if chunk:
-        monkeypatch.setattr(rounds, "FOLD_CHUNK", chunk)
+        monkeypatch.setattr(contributions, "FOLD_CHUNK", chunk)
     s = _setup(tmp_path)
     acc = RunningSum(s, "g.safetensors")
     buffers = []
     for i, w in enumerate(WEIGHTS):
         assert acc.add(Contribution(i, f"w{i}.safetensors", w))
-        buffers.append(sorted(b.raw.data_ptr() for b in acc._buffers))
+        buffers.append(sorted(b.raw.data_ptr() for b in acc.reader.buffers))
     want = {n: torch.zeros(t.shape) for n, t in _model(0).items() if t.is_floating_point()}
     for i, w in enumerate(WEIGHTS):
         for n, t in _model(i + 1).items():
             if n in want:
                 want[n] += t.float() * w
     for n, t in want.items():
-        assert torch.equal(acc._sum[n], t), n
-    assert torch.equal(acc._sum["d"], torch.tensor([1, 2, 3], dtype=torch.uint8))
+        assert torch.equal(acc.sums[n], t), n
+    assert torch.equal(acc.sums["d"], torch.tensor([1, 2, 3], dtype=torch.uint8))
     assert [f.digest for f in acc.folded] == [read_manifest(s, f"w{i}.safetensors")["digest"] for i in range(3)]
     # the sum's own read buffers served every fold: grown by the first, the very same ones after
     assert buffers[0] == buffers[1] == buffers[2]
     # a buffer holds one read: a slice of 1000 bf16, or all of c (70,000 bf16)
-    assert max(b.raw.numel() for b in acc._buffers) == 2 * (chunk or 70_000)
+    assert max(b.raw.numel() for b in acc.reader.buffers) == 2 * (chunk or 70_000)
 
 
 def test_a_nan_in_a_local_contribution_is_refused_and_the_sum_is_what_it_was(tmp_path):
     s = _setup(tmp_path)
     acc = RunningSum(s, "g.safetensors")
     assert acc.add(Contribution(0, "w0.safetensors", 1.0))
-    before = {n: acc._sum[n].clone() for n in ("a", "b", "c")}
+    before = {n: acc.sums[n].clone() for n in ("a", "b", "c")}
     bad = _model(2)
     bad["c"][69_999] = float("nan")  # the last value of the last summed tensor: the rest was added already
     write_checkpoint(s, "bad.safetensors", bad, manifest={"round": 0, "worker": 1})
@@ -71,7 +71,7 @@ def test_a_nan_in_a_local_contribution_is_refused_and_the_sum_is_what_it_was(tmp
     assert "tensor c has NaN or Inf values" in acc.rejected[1][1] and "worker 1" in acc.rejected[1][1]
     assert acc.add(Contribution(2, "w2.safetensors", 1.0))  # S was rebuilt from worker 0 before this
     for n, t in before.items():
-        assert torch.equal(acc._sum[n], t + _model(3)[n].float()), n
+        assert torch.equal(acc.sums[n], t + _model(3)[n].float()), n
 
 
 def test_a_truncated_local_contribution_is_refused_naming_the_worker(tmp_path):
@@ -108,7 +108,7 @@ def test_any_exception_while_folding_is_one_rejection_not_a_crash(tmp_path, monk
     monkeypatch.setattr(rounds.RunningSum, "_add", explode)
     assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
     assert "TypeError: unhashable type" in acc.rejected[1][1] and "worker 1" in acc.rejected[1][1]
-    assert torch.equal(acc._sum["a"], _model(1)["a"].float())
+    assert torch.equal(acc.sums["a"], _model(1)["a"].float())
 
 
 @pytest.fixture
@@ -131,9 +131,9 @@ def test_after_a_stalled_read_the_next_fold_gets_buffers_of_its_own(stalled_w1):
     """The stalled read's thread may still write into the buffer it was filling: the sum must not
     hand that buffer to the next contribution."""
     acc = RunningSum(stalled_w1, "g.safetensors")
-    before = list(acc._buffers)
+    before = list(acc.reader.buffers)
     assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
     assert "it stalls" in acc.rejected[1][1], acc.rejected[1][1]
-    assert not set(map(id, acc._buffers)) & set(map(id, before))
+    assert not set(map(id, acc.reader.buffers)) & set(map(id, before))
     assert acc.add(Contribution(0, "w0.safetensors", 1.0))
-    assert torch.equal(acc._sum["a"], _model(1)["a"].float())
+    assert torch.equal(acc.sums["a"], _model(1)["a"].float())

@@ -15,7 +15,7 @@ from core.config import LteConfig, config_from_dict, to_yaml
 from core.errors import ConfigError
 from core.layout import RunLayout
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from merge.rounds import Contribution, QuorumError
 from merge.round_spec import LteRule, RoundSpec
 from merge.lte import lte_update, merge_lte_round
@@ -265,7 +265,7 @@ def _run(tmp_path, corpus_cache, name: str, **lte) -> Storage:
 
 
 def _round(storage: Storage, r: int, worker: int = 0) -> InnerTrainer:
-    return InnerTrainer(WorkerTask(storage.url, r, worker, L.global_weights(r), threads=1))
+    return InnerTrainer(Assignment(storage.url, r, worker, L.global_weights(r), threads=1))
 
 
 def _merge(storage: Storage, r: int) -> None:

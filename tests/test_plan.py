@@ -1,7 +1,7 @@
 """The round loop's decisions, from plain values (no storage, no scheduler)."""
 from __future__ import annotations
 
-from orchestrator.plan import WorkerView, decide, next_bases
+from orchestrator.plan import JobView, WorkerView, decide, dropped_workers, next_bases
 
 
 def V(w, arrived=False, alive=False, attempts=1):
@@ -70,3 +70,23 @@ def test_a_contribution_weight_is_derived_from_the_config_not_taken_from_the_man
         assert "claims" in contribution_weight({"steps": 25, "tokens": tokens}, cfg)
     uniform = load_config(None, {"workers": 2}, ["outer.weighting=uniform"])
     assert contribution_weight({"steps": 0, "tokens": 1e30}, uniform) == 1.0
+
+
+def test_dropped_workers_are_named_with_their_job_and_stragglers_cancelled():
+    jobs = {0: JobView("11", "COMPLETED", False), 1: JobView("12", "RUNNING", True),
+            2: JobView("13", "FAILED", False), 3: JobView("14", "PENDING", True)}
+    out = dropped_workers(4, merged=[0], rejected=[], jobs=jobs, runs_on=False)
+    assert out.workers == (1, 2, 3)
+    assert out.reasons == {"1": "still RUNNING at the merge (straggler): job 12 cancelled",
+                           "2": "job 13 ended FAILED without a contribution",
+                           "3": "still PENDING at the merge (straggler): job 14 cancelled"}
+    assert out.ended == (2,) and out.cancel == ("12", "14")
+
+
+def test_a_rejected_worker_is_not_dropped_and_stragglers_run_on_under_fold():
+    jobs = {0: JobView("11", "COMPLETED", False), 1: JobView("12", "COMPLETED", False), 2: JobView("13", "RUNNING", True)}
+    out = dropped_workers(3, merged=[0], rejected=[1], jobs=jobs, runs_on=True)
+    assert out.workers == (2,) and out.cancel == () and out.ended == ()
+    assert out.reasons == {"2": "still RUNNING at the merge (straggler): job 13 runs on, to be folded in later"}
+    everyone = dropped_workers(3, merged=[0, 1, 2], rejected=[], jobs=jobs, runs_on=False)
+    assert (everyone.workers, everyone.reasons, everyone.ended, everyone.cancel) == ((), {}, (), ())

@@ -26,7 +26,7 @@ from core.layout import RunLayout
 from core.records import RUN_INFO
 from core.shards import read_checkpoint
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from orchestrator.run_models import create_run
 from orchestrator.slurm import rank_problems, service_parameters, slurm_parameters, worker_tasks
 
@@ -50,11 +50,11 @@ def _run(tmp_path, corpus_cache, name: str, algorithm: str = "diloco", parallel:
     return storage
 
 
-def _task(storage: Storage, r: int, threads: int = 1) -> WorkerTask:
-    return WorkerTask(storage.url, r, 0, L.global_weights(r), threads=threads)
+def _task(storage: Storage, r: int, threads: int = 1) -> Assignment:
+    return Assignment(storage.url, r, 0, L.global_weights(r), threads=threads)
 
 
-def _two_ranks(tmp_path, task: WorkerTask, ranks: int = 2) -> list[dict]:
+def _two_ranks(tmp_path, task: Assignment, ranks: int = 2) -> list[dict]:
     ex = submitit.LocalExecutor(folder=tmp_path / "jobs" / "%j")
     ex.update_parameters(tasks_per_node=ranks, timeout_min=5)
     job = ex.submit(train.run_worker, task)
@@ -167,7 +167,7 @@ def test_a_sharded_worker_continues_from_its_own_coded_contribution(tmp_path, co
     runs = {name: _run(tmp_path, corpus_cache, name, parallel="fsdp", round_=TOPK) for name in ("one", "sharded")}
     for r in range(2):
         for name, s in runs.items():
-            task = WorkerTask(s.url, r, 0, L.global_weights(0) if r == 0 else L.contribution(0, 0), threads=2)
+            task = Assignment(s.url, r, 0, L.global_weights(0) if r == 0 else L.contribution(0, 0), threads=2)
             _two_ranks(tmp_path / f"{name}{r}", task) if name == "sharded" else train.run_worker(dataclasses.replace(task, threads=1))
     _assert_close(runs["one"], runs["sharded"], L.contribution(1, 0))
     assert read_manifest(runs["sharded"], L.contribution(1, 0))["base"] == L.contribution(0, 0)
@@ -266,7 +266,7 @@ def _signalled_round_is_the_uninterrupted_one(tmp_path, one: Storage, two: Stora
     assert read_manifest(two, L.worker_state(0, r))["digest"] == read_manifest(one, L.worker_state(0, r))["digest"]
 
 
-def _slowed_job_training(tmp_path, storage: Storage, task: WorkerTask, ranks: int, monkeypatch) -> submitit.Job:
+def _slowed_job_training(tmp_path, storage: Storage, task: Assignment, ranks: int, monkeypatch) -> submitit.Job:
     """Worker 0's round as a checkpointable local job of `ranks` tasks (what the orchestrator
     submits), each step held 0.25 s (3 s for 12 steps: time to signal it mid-round), once it trains."""
     from orchestrator.executor import WorkerJob

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import worker.learner as learner
 import worker.params as params
 import worker.train as train
 from core.checkpoint import read_manifest
@@ -19,7 +20,7 @@ from core.config import config_from_dict
 from core.errors import StorageError
 from core.layout import RunLayout
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from merge.rounds import Contribution, merge_round
 from merge.round_spec import RoundSpec
 from orchestrator.run_models import create_run
@@ -40,8 +41,8 @@ def _run(tmp_path, corpus_cache, name: str, **cfg) -> Storage:
     return storage
 
 
-def _task(storage: Storage, r: int) -> WorkerTask:
-    return WorkerTask(storage.url, r, 0, L.global_weights(r), threads=1)
+def _task(storage: Storage, r: int) -> Assignment:
+    return Assignment(storage.url, r, 0, L.global_weights(r), threads=1)
 
 
 def _merge(storage: Storage, r: int) -> None:
@@ -80,7 +81,7 @@ def test_resident_round_reads_no_state_file(tmp_path, corpus_cache, monkeypatch)
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     trainer.settle()
     _merge(s, 0)
-    monkeypatch.setattr(train, "usable_state", lambda *a: pytest.fail("a resident round read a state file"))
+    monkeypatch.setattr(learner, "usable_state", lambda *a: pytest.fail("a resident round read a state file"))
     _, again = train.serve_round(_task(s, 1), 0.0, trainer, persistent=True)
     assert again is trainer
     again.settle()
@@ -93,7 +94,7 @@ def test_resident_rounds_reuse_their_host_buffers(tmp_path, corpus_cache):
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     trainer.settle()
     _merge(s, 0)
-    host = {name: getattr(trainer, name) for name in ("_host_base", "_host_out", "_host_state")}
+    host = {"base": trainer.learner.host_base, "out": trainer.publisher.host_out, "state": trainer.publisher.host_state}
     before = {name: {k: t.data_ptr() for k, t in h._bufs.items()} for name, h in host.items()}
     assert all(before.values())
     first = _digest(s, L.worker_state(0, 0))  # one snapshot is kept on storage: round 1's replaces it
@@ -107,7 +108,7 @@ def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_pat
     """Round 0, then round 2 (round 1 went to another job): a fresh trainer, which reads state 0
     from storage, so the background write of state 0 must be finished first."""
     s = _run(tmp_path, corpus_cache, "run")
-    write, latest = params.write_checkpoint, train.usable_state
+    write, latest = params.write_checkpoint, learner.usable_state
     wrote = threading.Event()
 
     def slow_state(storage, key, *a, **kw):  # the background state write takes a while
@@ -122,11 +123,11 @@ def test_a_round_that_cannot_be_carried_waits_for_the_state_and_reads_it(tmp_pat
         got = latest(*a)
         found.append(got[0] if got else None)
         return got
-    monkeypatch.setattr(train, "usable_state", spy)
+    monkeypatch.setattr(learner, "usable_state", spy)
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     assert not wrote.is_set()  # the contribution is out while the state is still being written
     _merge(s, 0)
-    skipped = WorkerTask(s.url, 2, 0, L.global_weights(1), threads=1)  # any published base will do
+    skipped = Assignment(s.url, 2, 0, L.global_weights(1), threads=1)  # any published base will do
     _, other = train.serve_round(skipped, 0.0, trainer, persistent=True)
     assert other is not trainer
     assert found == [None, L.worker_state(0, 0)]  # round 0: none yet; round 2: round 0's, on storage by then
@@ -176,7 +177,7 @@ def test_lte_workers_are_not_carried_they_read_their_heads_from_storage(tmp_path
     builds its trainer anew each round (worker/lora.py), so next_round declines."""
     s = _run(tmp_path, corpus_cache, "lte", algorithm="lte", lte={"rank": 4})
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
-    _, other = train.serve_round(WorkerTask(s.url, 1, 0, L.global_weights(0), threads=1), 0.0, trainer, persistent=True)
+    _, other = train.serve_round(Assignment(s.url, 1, 0, L.global_weights(0), threads=1), 0.0, trainer, persistent=True)
     assert other is not trainer
     other.settle()
     assert read_manifest(s, L.worker_state(0, 1)) is not None

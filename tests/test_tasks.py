@@ -281,9 +281,9 @@ def test_a_worker_reads_config_yaml_only_through_the_checked_loader(tmp_path):
     (tmp_path / "run" / "config.yaml").chmod(0o666)
     with pytest.raises(RunError, match="(?s)others can rewrite this run.s config.*config.yaml is writable by other users"):
         train.load_run_config(storage)
-    from core.task import WorkerTask
+    from core.assignment import Assignment
     with pytest.raises(RunError, match="others can rewrite"):
-        train.run_worker(WorkerTask(storage.url, 0, 0, "global/round_00000.safetensors", threads=1))
+        train.run_worker(Assignment(storage.url, 0, 0, "global/round_00000.safetensors", threads=1))
 
 
 @pytest.mark.slow

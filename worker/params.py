@@ -91,13 +91,13 @@ class Params:
     collective = False  # True: gathering weights or AdamW state needs every rank (sharded), so
     # rank 0 cannot save an in-flight checkpoint alone from the preemption handler
 
-    def __init__(self, cfg: Config, worker: int, runner: Runner) -> None:
-        self.cfg, self.worker, self.runner = cfg, worker, runner
+    def __init__(self, cfg: Config, worker: int, task: Runner) -> None:
+        self.cfg, self.worker, self.task = cfg, worker, task
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """The model on `device`, initialised but not loaded: the round's base overwrites every weight."""
         with device:
-            model = self.runner.build_model(pretrained=False)
+            model = self.task.build_model(pretrained=False)
         self.prepare(model)
         return model
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from core.layout import RunLayout
 from core.storage import Storage
-from core.task import WorkerTask
+from core.assignment import Assignment
 from worker.ranks import join
 from worker.train import InnerTrainer, load_run_config, pick_device, serve_round
 
@@ -72,12 +72,12 @@ def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) ->
     this worker (or the run ends); the rest of the round, once its base is adopted, is serve_round's."""
     next_poll = 0.0
     trainer.start_ahead()
-    replay_at = trainer.replay_adoption()  # a replay adopts at the source run's step, whenever the base comes
+    replay_at = trainer.stop.adoption(trainer.round)  # a replay adopts at the source run's step, whenever the base comes
 
     def assigned() -> bool:  # polled between steps, at most every WAIT_POLL_S
         nonlocal next_poll
         if replay_at is not None:
-            return trainer.done >= replay_at
+            return trainer.round.done >= replay_at
         if time.monotonic() < next_poll:
             return False
         next_poll = time.monotonic() + WAIT_POLL_S
@@ -85,24 +85,24 @@ def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) ->
             str(worker) in (storage.read_json(L.round_jobs(r)) or {}).get("workers", {})
 
     trainer.train(until=assigned)
-    log.info("worker %d: %d step(s) of round %d taken before its base was assigned", worker, trainer.done, r)
+    log.info("worker %d: %d step(s) of round %d taken before its base was assigned", worker, trainer.round.done, r)
 
 
-def run_persistent(task: WorkerTask) -> dict[str, Any]:
-    """Serve rounds task.round, task.round+1, ... until the run ends. Returns a summary."""
+def run_persistent(assignment: Assignment) -> dict[str, Any]:
+    """Serve rounds assignment.round, assignment.round+1, ... until the run ends. Returns a summary."""
     global _CURRENT_ROUND
-    storage = Storage(task.run_url)
+    storage = Storage(assignment.run_url)
     cfg = load_run_config(storage)
     job_id = current_job_id()
     ranks = join(pick_device(cfg).type)  # a multi-rank job: every rank waits, then takes rank 0's word
     served = []
     trainer: InnerTrainer | None = None  # kept between rounds: model and AdamW state stay on the device
-    r = task.round
+    r = assignment.round
     try:
         while r < cfg.rounds:
             _CURRENT_ROUND = r
             t_wait = time.monotonic()
-            entry = wait_for_assignment(storage, r, task.worker, job_id)
+            entry = wait_for_assignment(storage, r, assignment.worker, job_id)
             # closed: round r was merged while this job was requeued
             entry, closed = ranks.lead_says((entry, entry is not None and storage.exists(L.round_record(r))))
             if entry is None:
@@ -110,15 +110,15 @@ def run_persistent(task: WorkerTask) -> dict[str, Any]:
             if closed:
                 r += 1
                 continue
-            sub = dataclasses.replace(task, round=r, base_key=entry["base"], attempt=entry["attempts"] - 1)
+            sub = dataclasses.replace(assignment, round=r, base_key=entry["base"], attempt=entry["attempts"] - 1)
             summary, trainer = serve_round(sub, round(time.monotonic() - t_wait, 3), trainer, persistent=True)
             served.append(summary)
             r += 1
             if r < cfg.rounds and trainer.can_go_ahead():
                 _CURRENT_ROUND = r  # a requeue now goes on at round r, not the round just published
-                train_ahead(trainer, storage, r, task.worker)
+                train_ahead(trainer, storage, r, assignment.worker)
     finally:
         if trainer is not None:  # the newest optimizer state reaches storage before the job ends
             trainer.flush_state() if r < cfg.rounds else trainer.settle()
     _CURRENT_ROUND = None
-    return {"worker": task.worker, "rounds": [s["round"] for s in served]}
+    return {"worker": assignment.worker, "rounds": [s["round"] for s in served]}

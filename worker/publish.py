@@ -1,12 +1,12 @@
 """What a worker writes to storage: its contribution and optimizer state at the end of a round,
 and an in-flight checkpoint when its job is preempted mid-round.
 
-A mixin of worker.train.InnerTrainer (it uses the trainer's task, storage, config, model,
-optimizer, params and ranks): the round loop stays in worker/train.py, readable top to bottom,
-and what crosses storage, with its order of writes, is read here. The order: the optimizer state
+What is written is the round in progress (worker/round.py) and the learner's model, optimizer and
+error feedback (worker/learner.py): the round loop stays in worker/train.py, readable top to
+bottom, and what crosses storage, with its order of writes, is read here. The order: the optimizer state
 first, then the weights with their manifest, which is the commit (core/checkpoint.py); a
 persistent worker writes the state after the contribution, from a snapshot, in the background, and
-only every round.state_every rounds (flush_state writes the newest when its job ends early).
+only every round.state_every rounds (Snapshots.flush writes the newest when its job ends early).
 
 A sharded worker (worker/sharded.py) streams its contribution instead: the weights gathered tensor
 by tensor, rank 0 coding and writing each as it comes; then every rank writes its own file of the
@@ -32,16 +32,31 @@ from core.errors import CheckpointError, IslandsError
 from core.layout import RunLayout
 from core.shards import remove_checkpoint
 from core.storage import Storage
-from worker.params import feedback_tensors
+from worker.learner import Learner
+from worker.params import Params, feedback_tensors
+from worker.ranks import Ranks
+from worker.round import RoundInProgress
+from worker.weights import HostBuffers
 
 log = logging.getLogger(__name__)
 L = RunLayout()
 
 
 class Publisher:
-    """The writes of worker.train.InnerTrainer (see the module docstring)."""
+    """A worker's writes (see the module docstring), and the optimizer state it still has to write."""
 
-    def publish(self, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
+    def __init__(self, storage: Storage, learner: Learner, tokens_per_batch: int) -> None:
+        self.storage, self.learner, self.tokens_per_batch = storage, learner, tokens_per_batch
+        self.cfg, self.ranks, self.params = learner.cfg, learner.ranks, learner.params
+        device = learner.device
+        # Reused every round (pinned on a GPU): weights and optimizer state out. A contribution of
+        # plain weights reuses the base's buffers, read back into the model before training; a delta
+        # needs the base until it is coded. Host memory: 3-4x the fp32 weights.
+        self.host_state = HostBuffers(device)
+        self.host_out = learner.host_base if self.cfg.round.contribution == "weights" else HostBuffers(device)
+        self.snapshots = Snapshots(storage, learner.params, learner.ranks)
+
+    def publish(self, rnd: RoundInProgress, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
         """Optimizer state first, then the weights and their manifest: the manifest is the commit.
         Rank 0 writes; the others return None (sharded: after writing their own state file and
         helping gather the weights).
@@ -50,26 +65,26 @@ class Publisher:
         first, then the state is written from a snapshot in a background thread, off the merge's
         critical path and overlapping the wait for the next round (`settle` waits for it). A
         sharded worker's ranks write theirs together, before the commit (a collective)."""
-        t, params = self.task, self.params
+        a, params, learner = rnd.assignment, self.params, self.learner
         if not (self.ranks.lead or params.collective):
             return None
-        self.settle()
+        self.snapshots.settle()
         # snapshots (training may go on); sharded: each rank's own rows
-        state = params.optimizer_state(self.model, self.opt, self.names, self._host_state)
-        state.update(params.state_extra(self.model))  # lte: its own heads travel in its state file
-        manifest = self._manifest(seconds) if self.ranks.lead else {}
-        key = L.contribution(t.round, t.worker)
+        state = params.optimizer_state(learner.model, learner.opt, learner.names, self.host_state)
+        state.update(params.state_extra(learner.model))  # lte: its own heads travel in its state file
+        manifest = self._manifest(rnd, seconds) if self.ranks.lead else {}
+        key = L.contribution(a.round, a.worker)
         if params.collective:  # the weights gathered and written tensor by tensor; committed below
-            written, feedback = self._stream_contribution(key, manifest)
+            written, feedback = self._stream_contribution(rnd, key, manifest)
         else:
-            tensors, metadata, feedback = self._contribution(manifest, self._weights())
+            tensors, metadata, feedback = self._contribution(rnd, manifest, self._weights())
         state.update(feedback_tensors(feedback))  # the buffer after this contribution: the next round's
-        snapshot = not state_later or not params.carries_over or (t.round + 1) % self.cfg.round.state_every == 0
+        snapshot = not state_later or not params.carries_over or (a.round + 1) % self.cfg.round.state_every == 0
         if not state_later or (snapshot and params.collective):
-            self._write_state(state, t.round, t.worker, background=state_later)
-        self._unsaved = None if snapshot else (state, t.round, t.worker)
+            self.snapshots.write(state, a.round, a.worker, background=state_later)
+        self.snapshots.unsaved = None if snapshot else (state, a.round, a.worker)
         if not self.ranks.lead:
-            self.feedback = feedback
+            learner.feedback = feedback
             return None
         if params.collective:
             entry = publish_manifest(self.storage, key, written.entry)
@@ -77,36 +92,141 @@ class Publisher:
             entry = write_checkpoint(self.storage, key, tensors, metadata=metadata, manifest=manifest)
         # only now: an in-flight checkpoint saved before this (a signal during the write) resumes the
         # round, so it must hold the buffer the round started with
-        self.feedback = feedback
-        remove_checkpoint(self.storage, L.worker_inflight(t.worker, t.round))
+        learner.feedback = feedback
+        remove_checkpoint(self.storage, L.worker_inflight(a.worker, a.round))
         if state_later and snapshot and not params.collective:
-            self._state_write = threading.Thread(target=self._write_state, args=(state, t.round, t.worker, True),
-                                                 name=f"state-{t.worker}-{t.round}", daemon=True)
-            self._state_write.start()
+            self.snapshots.write_later(state, a.round, a.worker)
         return entry
 
-    def _manifest(self, seconds: float) -> dict[str, Any]:
+    def _manifest(self, rnd: RoundInProgress, seconds: float) -> dict[str, Any]:
         """What a contribution's manifest says of its round (rank 0)."""
-        t = self.task
+        a = rnd.assignment
         manifest = {
-            "round": t.round, "worker": t.worker, "steps": self.done, "attempt": t.attempt,
-            "tokens": self.done * self.sampler.tokens_per_batch, "base": t.base_key, "base_digest": self.base_sha,
-            "loss_first": self.losses[0], "loss_last": self.losses[-1], "losses": [round(v, 5) for v in self.losses],
+            "round": a.round, "worker": a.worker, "steps": rnd.done, "attempt": a.attempt,
+            "tokens": rnd.done * self.tokens_per_batch, "base": a.base_key, "base_digest": rnd.base_sha,
+            "loss_first": rnd.losses[0], "loss_last": rnd.losses[-1], "losses": [round(v, 5) for v in rnd.losses],
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
-            "host": os.uname().nodename, "device": self.device.type, "resumed_at_step": self.resumed_at,
-            "waited_s": self.waited_s, "ranks": self.ranks.world, "trained_s": round(self.trained_s, 3),
+            "host": os.uname().nodename, "device": self.learner.device.type, "resumed_at_step": rnd.resumed_at,
+            "waited_s": rnd.waited_s, "ranks": self.ranks.world, "trained_s": round(rnd.trained_s, 3),
             "threads": torch.get_num_threads(),  # per rank: a replay needs the same (core/replay.py)
         }
-        if self.adopted_at is not None:
-            rc = self.cfg.round
-            manifest["overlap"] = {"mode": rc.overlap, "adopted_at_step": self.adopted_at, "ahead_s": round(self.ahead_s, 3),
-                                   **({"mix": rc.overlap_mix} if rc.overlap == "mix" else {})}
+        if (overlapped := rnd.overlap_record(self.cfg)) is not None:
+            manifest["overlap"] = overlapped
         self.params.describe(manifest)
-        if self.state_from is not None:
-            manifest["state_from_round"] = self.state_from  # a job's first round, from a snapshot on storage
+        if rnd.state_from is not None:
+            manifest["state_from_round"] = rnd.state_from  # a job's first round, from a snapshot on storage
         return manifest
 
-    def _write_state(self, state: dict[str, torch.Tensor], r: int, worker: int, background: bool = False) -> None:
+    def checkpoint(self, rnd: RoundInProgress) -> None:
+        """Save an in-flight checkpoint of `rnd` (submitit calls it on rank 0 only, from its
+        preemption handler). Signalled while training, the ranks saved it already, after the step
+        (InnerTrainer._stop_for_preemption): a handler runs between any two lines, and one in the
+        middle of a step would save weights that step had half updated. Signalled between
+        training and publishing, rank 0 saves it here; a sharded worker, whose gathers need every
+        rank, keeps none (the requeued job starts the round over)."""
+        if not self.ranks.lead or rnd.inflight_at == rnd.done:
+            return
+        if self.params.collective:
+            log.warning("worker %d round %d: preempted outside its training steps; the requeued job starts "
+                        "the round over from its base", rnd.worker, rnd.number)
+            return
+        self.snapshots.settle()
+        self.save_inflight(rnd)
+
+    def save_inflight(self, rnd: RoundInProgress) -> None:
+        """Weights, AdamW state and position of `rnd`, for a requeued job to resume from. Rank 0
+        writes; sharded, every rank writes its own file of it (a collective)."""
+        a, learner = rnd.assignment, self.learner
+        # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
+        tensors = {**self._weights(reuse=False), **self.params.optimizer_state(learner.model, learner.opt, learner.names),
+                   **feedback_tensors(learner.feedback)}
+        rnd.inflight_at = rnd.done
+        self.params.save(self.storage, L.worker_inflight(a.worker, a.round), tensors,
+                         {"round": a.round, "worker": a.worker, "steps_done": rnd.done, "base_digest": rnd.base_sha,
+                          "losses": rnd.losses, "trained_s": round(rnd.training_s(), 3),
+                          "adopted_at_step": rnd.adopted_at, "ahead_s": rnd.ahead_s})
+        if self.ranks.lead:
+            log.info("worker %d round %d: in-flight checkpoint at step %d", a.worker, a.round, rnd.done)
+
+    def _contribution(self, rnd: RoundInProgress, manifest: dict[str, Any], weights: dict[str, torch.Tensor]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None, codec.Feedback | None]:
+        """What is published (with its safetensors metadata, and the error feedback it leaves):
+        `weights`, or the delta base - weights coded as round.codec (core/codec.py; the codec goes
+        into the manifest too, with the bytes the weights would take in fp32)."""
+        rc = self.cfg.round
+        manifest["fp32_bytes"] = sum(4 * w.numel() if w.is_floating_point() else w.nbytes for w in weights.values())
+        if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
+            return weights, None, None
+        base = rnd.base if rnd.base is not None else codec.load_weights(self.storage, rnd.assignment.base_key)
+        t0, enc = time.perf_counter(), codec.encoding_for(rc, rnd.base_sha, rnd.number)
+        tensors, metadata, feedback = codec.encode(base, weights, enc, self.learner.feedback, rc.error_feedback)
+        manifest["contribution"] = _coding(rc, enc, time.perf_counter() - t0)
+        return tensors, metadata, feedback
+
+    def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
+        """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters.
+        `reuse`: in the buffers kept for it (valid until the next call)."""
+        return self.params.published(self.learner.model, self.host_out if reuse else None)
+
+    def _stream_contribution(self, rnd: RoundInProgress, key: str, manifest: dict[str, Any]
+                             ) -> tuple[OutputFile | None, codec.Feedback | None]:
+        """A sharded worker's contribution, tensor by tensor as its ranks gather the weights, each
+        coded (round.codec) and written by rank 0 as it comes: no rank holds the whole weights. The
+        data is written, not committed (publish_manifest, after the state). Every rank takes part in
+        every gather, also when rank 0's write fails (it goes on gathering, then raises)."""
+        gathered = self.params.gathered(self.learner.model)
+        try:
+            if not self.ranks.lead:
+                return None, None
+            return self._write_streamed(rnd, key, manifest, gathered)
+        finally:
+            for _ in gathered:
+                pass
+
+    def _write_streamed(self, rnd: RoundInProgress, key: str, manifest: dict[str, Any],
+                        gathered: Iterator[tuple[str, torch.Tensor]]) -> tuple[OutputFile, codec.Feedback | None]:
+        rc, shapes = self.cfg.round, self.params.shapes(self.learner.model)
+        manifest["fp32_bytes"] = sum(math.prod(s) * (4 if d.is_floating_point else d.itemsize) for d, s in shapes.values())
+        if rc.contribution == "weights":
+            specs = [(n, DTYPES[d], s, math.prod(s) * d.itemsize) for n, (d, s) in shapes.items()]
+            return write_data(OutputFile(self.storage, key, specs, None, manifest), lambda: gathered), None
+        enc = codec.encoding_for(rc, rnd.base_sha, rnd.number)
+        stored = {n: codec.stored_specs({n: (DTYPES[d], s)}, enc) for n, (d, s) in shapes.items()}
+        specs = [(k, d, s, math.prod(s) * ITEMSIZE[d]) for n in shapes for k, (d, s) in stored[n].items()]
+        feedback, left, spent = self.learner.feedback, {}, 0.0
+
+        def coded() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal spent
+            with _base_tensors(self.storage, rnd.assignment.base_key, rnd.base_sha) as base:
+                for n, w in gathered:
+                    t0 = time.perf_counter()
+                    fb = None if feedback is None else {n: feedback[n]} if n in feedback else {}
+                    out, _, rest = codec.encode({n: base(n)}, {n: w}, enc, fb, rc.error_feedback)
+                    left.update(rest or {})
+                    spent += time.perf_counter() - t0
+                    yield from ((k, out[k]) for k in stored[n])
+        written = write_data(OutputFile(self.storage, key, specs, enc.metadata(), manifest), coded)
+        written.entry.update(contribution=_coding(rc, enc, spent))
+        return written, (left if feedback is not None else None)
+
+
+class Snapshots:
+    """A worker's optimizer-state snapshots: written before its contribution, or (a persistent
+    worker) after it in the background and only every round.state_every rounds."""
+
+    def __init__(self, storage: Storage, params: Params, ranks: Ranks) -> None:
+        self.storage, self.params, self.ranks = storage, params, ranks
+        self.writing: threading.Thread | None = None  # last round's optimizer state, being written
+        # (state, round, worker) of the newest snapshot, when it is in memory only (round.state_every)
+        self.unsaved: tuple[dict[str, torch.Tensor], int, int] | None = None
+
+    def write_later(self, state: dict[str, torch.Tensor], r: int, worker: int) -> None:
+        """Write round r's snapshot in a background thread (settle waits for it)."""
+        self.writing = threading.Thread(target=self.write, args=(state, r, worker, True),
+                                        name=f"state-{worker}-{r}", daemon=True)
+        self.writing.start()
+
+    def write(self, state: dict[str, torch.Tensor], r: int, worker: int, background: bool = False) -> None:
         try:
             self.params.save(self.storage, L.worker_state(worker, r), state, {"round": r, "worker": worker})
         except IslandsError as exc:
@@ -119,129 +239,35 @@ class Publisher:
         # a persistent worker keeps one snapshot, the newest once it is whole; a per-round job also the
         # one before, which a requeue of this round reads if it was preempted before its contribution
         if self.ranks.lead:
-            self._prune_states(keep_from=r if background else r - 1)
+            self._prune(worker, keep_from=r if background else r - 1)
 
-    def flush_state(self, handler: bool = False) -> None:
+    def flush(self, handler: bool = False) -> None:
         """Write the newest optimizer-state snapshot if it is in memory only (round.state_every): the
         job ends or is preempted between rounds, and the job after it should not start from an older one.
         `handler`: called from submitit's preemption handler, on rank 0 alone, where a sharded worker's
         ranks cannot write theirs together (the requeued job takes the snapshot before)."""
         self.settle()
-        if self._unsaved is not None and handler and self.params.collective:
+        if self.unsaved is not None and handler and self.params.collective:
+            _, r, worker = self.unsaved
             log.warning("worker %d: preempted between rounds; its newest optimizer state (round %d) is in memory only "
-                        "and the requeued job takes the snapshot before it", self.task.worker, self._unsaved[1])
+                        "and the requeued job takes the snapshot before it", worker, r)
             return
-        if self._unsaved is not None:
-            state, r, worker = self._unsaved
-            self._unsaved = None
-            self._write_state(state, r, worker, background=True)  # a failure is a warning, as in the background
+        if self.unsaved is not None:
+            state, r, worker = self.unsaved
+            self.unsaved = None
+            self.write(state, r, worker, background=True)  # a failure is a warning, as in the background
 
     def settle(self) -> None:
         """Wait for the optimizer state being written in the background, if any."""
-        if self._state_write is not None:
-            self._state_write.join()
-            self._state_write = None
+        if self.writing is not None:
+            self.writing.join()
+            self.writing = None
 
-    def checkpoint(self) -> None:
-        """Save an in-flight checkpoint of this round (submitit calls it on rank 0 only, from its
-        preemption handler). Signalled while training, the ranks saved it already, after the step
-        (InnerTrainer._stop_for_preemption): a handler runs between any two lines, and one in the
-        middle of a step would save weights that step had half updated. Signalled between
-        training and publishing, rank 0 saves it here; a sharded worker, whose gathers need every
-        rank, keeps none (the requeued job starts the round over)."""
-        if not self.ranks.lead or self.inflight_at == self.done:
-            return
-        if self.params.collective:
-            log.warning("worker %d round %d: preempted outside its training steps; the requeued job starts "
-                        "the round over from its base", self.task.worker, self.task.round)
-            return
-        self.settle()
-        self.save_inflight()
-
-    def save_inflight(self) -> None:
-        """Weights, AdamW state and position of this round, for a requeued job to resume from. Rank 0
-        writes; sharded, every rank writes its own file of it (a collective)."""
-        t = self.task
-        # fresh copies, not the reused buffers: this may run from a signal handler in the middle of publish
-        tensors = {**self._weights(reuse=False), **self.params.optimizer_state(self.model, self.opt, self.names),
-                   **feedback_tensors(self.feedback)}
-        self.inflight_at = self.done
-        self.params.save(self.storage, L.worker_inflight(t.worker, t.round), tensors,
-                         {"round": t.round, "worker": t.worker, "steps_done": self.done, "base_digest": self.base_sha,
-                          "losses": self.losses, "trained_s": round(self._training_s(), 3),
-                          "adopted_at_step": self.adopted_at, "ahead_s": self.ahead_s})
-        if self.ranks.lead:
-            log.info("worker %d round %d: in-flight checkpoint at step %d", t.worker, t.round, self.done)
-
-    def _training_s(self) -> float:
-        """Seconds of training so far this round (also mid-round, from a preemption handler)."""
-        return self.trained_s if self._t_start is None else time.monotonic() - self._t_start
-
-    def _contribution(self, manifest: dict[str, Any], weights: dict[str, torch.Tensor]
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None, codec.Feedback | None]:
-        """What is published (with its safetensors metadata, and the error feedback it leaves):
-        `weights`, or the delta base - weights coded as round.codec (core/codec.py; the codec goes
-        into the manifest too, with the bytes the weights would take in fp32)."""
-        rc = self.cfg.round
-        manifest["fp32_bytes"] = sum(4 * w.numel() if w.is_floating_point() else w.nbytes for w in weights.values())
-        if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
-            return weights, None, None
-        base = self._base if self._base is not None else codec.load_weights(self.storage, self.task.base_key)
-        t0, enc = time.perf_counter(), codec.encoding_for(rc, self.base_sha, self.task.round)
-        tensors, metadata, feedback = codec.encode(base, weights, enc, self.feedback, rc.error_feedback)
-        manifest["contribution"] = _coding(rc, enc, time.perf_counter() - t0)
-        return tensors, metadata, feedback
-
-    def _weights(self, reuse: bool = True) -> dict[str, torch.Tensor]:
-        """What this worker publishes: all weights, or (lte) its heads and non-LoRA parameters.
-        `reuse`: in the buffers kept for it (valid until the next call)."""
-        return self.params.published(self.model, self._host_out if reuse else None)
-
-    def _prune_states(self, keep_from: int) -> None:
-        folder = L.worker_dir(self.task.worker)
+    def _prune(self, worker: int, keep_from: int) -> None:
+        folder = L.worker_dir(worker)
         rounds = {r for n in self.storage.list(folder) if (r := L.parse_state(n, committed=False)) is not None}
         for r in sorted(r for r in rounds if r < keep_from):
-            remove_checkpoint(self.storage, L.worker_state(self.task.worker, r))  # manifest first
-
-    def _stream_contribution(self, key: str, manifest: dict[str, Any]) -> tuple[OutputFile | None, codec.Feedback | None]:
-        """A sharded worker's contribution, tensor by tensor as its ranks gather the weights, each
-        coded (round.codec) and written by rank 0 as it comes: no rank holds the whole weights. The
-        data is written, not committed (publish_manifest, after the state). Every rank takes part in
-        every gather, also when rank 0's write fails (it goes on gathering, then raises)."""
-        gathered = self.params.gathered(self.model)
-        try:
-            if not self.ranks.lead:
-                return None, None
-            return self._write_streamed(key, manifest, gathered)
-        finally:
-            for _ in gathered:
-                pass
-
-    def _write_streamed(self, key: str, manifest: dict[str, Any], gathered: Iterator[tuple[str, torch.Tensor]]
-                        ) -> tuple[OutputFile, codec.Feedback | None]:
-        rc, shapes = self.cfg.round, self.params.shapes(self.model)
-        manifest["fp32_bytes"] = sum(math.prod(s) * (4 if d.is_floating_point else d.itemsize) for d, s in shapes.values())
-        if rc.contribution == "weights":
-            specs = [(n, DTYPES[d], s, math.prod(s) * d.itemsize) for n, (d, s) in shapes.items()]
-            return write_data(OutputFile(self.storage, key, specs, None, manifest), lambda: gathered), None
-        enc = codec.encoding_for(rc, self.base_sha, self.task.round)
-        stored = {n: codec.stored_specs({n: (DTYPES[d], s)}, enc) for n, (d, s) in shapes.items()}
-        specs = [(k, d, s, math.prod(s) * ITEMSIZE[d]) for n in shapes for k, (d, s) in stored[n].items()]
-        feedback, left, spent = self.feedback, {}, 0.0
-
-        def coded() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal spent
-            with _base_tensors(self.storage, self.task.base_key, self.base_sha) as base:
-                for n, w in gathered:
-                    t0 = time.perf_counter()
-                    fb = None if feedback is None else {n: feedback[n]} if n in feedback else {}
-                    out, _, rest = codec.encode({n: base(n)}, {n: w}, enc, fb, rc.error_feedback)
-                    left.update(rest or {})
-                    spent += time.perf_counter() - t0
-                    yield from ((k, out[k]) for k in stored[n])
-        written = write_data(OutputFile(self.storage, key, specs, enc.metadata(), manifest), coded)
-        written.entry.update(contribution=_coding(rc, enc, spent))
-        return written, (left if feedback is not None else None)
+            remove_checkpoint(self.storage, L.worker_state(worker, r))  # manifest first
 
 
 def _coding(rc: Any, enc: codec.Encoding, encode_s: float) -> dict[str, Any]:

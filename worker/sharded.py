@@ -99,8 +99,8 @@ class ShardedModel(FullModel):
 
     collective = True
 
-    def __init__(self, cfg: Config, worker: int, runner: Runner, ranks: Ranks) -> None:
-        super().__init__(cfg, worker, runner)
+    def __init__(self, cfg: Config, worker: int, task: Runner, ranks: Ranks) -> None:
+        super().__init__(cfg, worker, task)
         self.ranks = ranks
         return_freed_memory()
         self._sharded: dict[str, int] = {}  # each sharded tensor of the model (by name): its rows (dim 0)
@@ -109,7 +109,7 @@ class ShardedModel(FullModel):
         """Built on the meta device, sharded, and only then given memory on `device`: each rank holds
         its shard alone, never the whole model (R whole copies in a node's host memory, otherwise)."""
         with weights_on_meta():
-            model = self.runner.build_model(pretrained=False)
+            model = self.task.build_model(pretrained=False)
         buffers = dict(model.named_buffers())  # to_empty gives the module new tensors; these stay
         shard(model)
         model.to_empty(device=device)
@@ -275,10 +275,10 @@ class ShardedModel(FullModel):
         opt.load_state_dict(sd)
 
 
-def params_for(cfg: Config, worker: int, ranks: Ranks, device: torch.device, runner: Runner) -> Params:
+def params_for(cfg: Config, worker: int, ranks: Ranks, device: torch.device, task: Runner) -> Params:
     """What a worker trains and publishes: the whole model, LTE's heads, or the model sharded across ranks."""
     if cfg.algorithm == "lte":
-        return LoraHeads(cfg, worker, runner)
+        return LoraHeads(cfg, worker, task)
     if ranks.world > 1 and sharded(cfg, device):
-        return ShardedModel(cfg, worker, runner, ranks)
-    return FullModel(cfg, worker, runner)
+        return ShardedModel(cfg, worker, task, ranks)
+    return FullModel(cfg, worker, task)

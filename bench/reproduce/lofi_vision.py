@@ -23,7 +23,7 @@ from merge.methods import average
 from worker.params import make_optimizer
 from worker.tasks import Ensemble, Examples
 from worker.tasks.digits import Digits
-from worker.train import lr_at
+from worker.round import lr_at
 from worker.weights import load_weights, weights_of
 
 Weights = dict[str, torch.Tensor]

@@ -30,9 +30,9 @@ class LteWorker(sim.SimWorker):
 
     def run_round(self, start: sim.Weights | None, rnd: int) -> sim.Weights:
         if rnd > 0:  # after a merge: B <- 0 (its update is in the base now); A and AdamW state kept
-            lora.reset_heads(self.model, self.cfg.lte, seed=lora.head_seed(self.cfg.seed, self.task.worker, rnd))
+            lora.reset_heads(self.model, self.cfg.lte, seed=lora.head_seed(self.cfg.seed, self.worker, rnd))
         lora.load_base(self.model, start, f"round {rnd} base")
-        self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
+        self._round_at(rnd)
         self.train()
         return lora.contribution_tensors(self.model)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from core import codec
+from core.assignment import Assignment
 from core.config import Config, DataConfig
 from merge.methods import get_method
 from orchestrator.plan import next_bases
@@ -29,6 +30,7 @@ from worker.data import BatchSampler, Dataset, dataset_for, eval_batches
 from worker.params import make_optimizer
 from worker.ranks import SOLO
 from worker.tasks.lm import LanguageModel
+from worker.round import RoundInProgress, StopRule
 from worker.train import InnerTrainer, pick_device
 from worker.weights import build_model, load_weights, weights_of
 
@@ -67,46 +69,47 @@ class Data:
 
 
 class SimWorker(InnerTrainer):
-    """One worker: the real InnerTrainer minus storage (no run directory, no heartbeat file)."""
+    """One worker: the real InnerTrainer's loop minus storage (no run directory, no heartbeat file)."""
 
     def __init__(self, cfg: Config, worker: int, share: int, data: Data,
                  model_hook: Callable[[torch.nn.Module, int], Any] | None = None) -> None:
-        # InnerTrainer.__init__ reads the run directory; everything it builds is built here instead
-        self.cfg, self.device, self.ranks = cfg, pick_device(cfg), SOLO
-        self.task = SimpleNamespace(worker=worker, round=0)  # train() names them in its errors
+        # InnerTrainer.__init__ reads the run directory; the parts its loop uses are built here instead
+        self.cfg, self.ranks, self.worker = cfg, SOLO, worker
         self.sampler = data.sampler(cfg, worker, share)  # `worker`'s share of the train split among `share`
-        self.model = build_model(cfg.model).to(self.device)
-        self.runner = LanguageModel(cfg)  # the loss of task lm; its dataset is never opened here
+        self.task = LanguageModel(cfg)  # the loss of task lm; its dataset is never opened here
+        device = pick_device(cfg)
+        model = build_model(cfg.model).to(device)
         optimizer = make_optimizer
         if model_hook is not None:  # LTE: attach heads, and use their optimizer
-            optimizer = model_hook(self.model, worker) or make_optimizer
-        self.opt, self.names = optimizer(self.model, cfg)
-        self.step_model, self.preemption = self.model, None  # a simulation: no job to preempt
-        self.schedule, self._published, self.ahead_s = None, None, 0.0  # no replay; ahead: run_overlapped
-        self.losses: list[float] = []
-        self._next_beat = float("inf")
+            optimizer = model_hook(model, worker) or make_optimizer
+        opt, names = optimizer(model, cfg)
+        # the learner's parts the loop uses: no params (nothing read or published), no DDP
+        self.learner = SimpleNamespace(model=model, opt=opt, names=names, step_model=model, device=device)
+        self.stop = StopRule(cfg, None, SOLO)  # no replay
+        self.preemption = None  # a simulation: no job to preempt
+        self.next_beat = float("inf")
+        self._round_at(0)
 
     def _heartbeat(self) -> None:
         """No progress file: nothing watches a simulated worker."""
 
-    def _start(self, rnd: int) -> None:
-        """Round rnd, no step of it taken (what InnerTrainer._reset does, without a task object)."""
-        self.task.round, self.step0, self.done, self.losses = rnd, rnd * self.cfg.inner.steps, 0, []
-        self.trained_s, self.finished = 0.0, False
+    def _round_at(self, rnd: int) -> None:
+        """Round rnd, no step of it taken (InnerTrainer._start, without reseeding torch)."""
+        self.round = RoundInProgress.start(Assignment("memory", rnd, self.worker, ""), self.cfg)
 
     def run_round(self, start: Weights | None, rnd: int) -> Weights:
         """H inner steps at global steps rnd*H.., from `start` (None: the model's current weights)."""
         if start is not None:
             load_weights(self.model, start, f"round {rnd} base")
-        self._start(rnd)
+        self._round_at(rnd)
         self.train()
         return weights_of(self.model)
 
     def run_overlapped(self, base: Weights, published: Weights, rnd: int, ahead: int, mode: str, alpha: float) -> Weights:
         """round.overlap: round rnd's first `ahead` steps from the worker's own weights (those it
         published last round, trained on), then `base` adopted (worker/overlap.py), then the rest."""
-        self._start(rnd)
-        self.train(until=lambda: self.done >= ahead)
+        self._round_at(rnd)
+        self.train(until=lambda: self.round.done >= ahead)
         load_weights(self.model, adopt(weights_of(self.model), published, base, mode, alpha), f"round {rnd} base")
         self.train()
         return weights_of(self.model)

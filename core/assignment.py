@@ -1,4 +1,4 @@
-"""What a worker job receives: plain data only (no tensors, no open handles).
+"""What a worker job is asked to do (its assignment): plain data only (no tensors, no open handles).
 
 submitit pickles this into its own job folder; everything else the worker needs (config, weights,
 its own optimizer state) it reads from the run directory, so a requeued job needs nothing more.
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class WorkerTask:
+class Assignment:
     run_url: str
     """The run directory (any fsspec URL)."""
     round: int

@@ -1,0 +1,109 @@
+"""How a round's merge reads one contribution: its layout checked against the global weights', then
+its values in file order, as pieces the running sum (merge/rounds.py) adds.
+
+A contribution in the round's space (weights, or a delta coded against this round's base) is read
+as it is stored, through the engine's prefetching reader (merge/engine.py) into read buffers kept
+from one contribution to the next: a tensor stored alone (plain, or a dense fp32/bf16 delta, whose
+decoding is the cast) slice by slice; a top-k delta's chunk rows as (positions, values), never a
+dense copy; one stored with its indices or scales decoded once all its entries are in (they are
+copied out of the read buffers, being small). One in the other space (a late worker's delta
+against an older base) is decoded whole (codec.load_weights) and converted tensor by tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from core import codec
+from core.checkpoint import DTYPES, FLOATS, TensorFile, TensorSpec
+from core.errors import CheckpointError
+from core.storage import Storage
+from merge.engine import DEPTH, Buffer, Prefetch, Read
+from merge.inputs import compare_specs
+
+FOLD_CHUNK = 1 << 22
+"""Elements per read of a large tensor stored plain: read buffers of 16 MiB whatever the model (a
+coded tensor is read whole: its rows need their scales and indices)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of one tensor of a contribution, in the round's space."""
+    name: str
+    values: torch.Tensor
+    start: int = 0
+    """The flat range of the tensor these values are (dense pieces)."""
+    stop: int | None = None
+    positions: torch.Tensor | None = None
+    """A top-k piece: the distinct flat positions of `values` (core.topk.sparse checks them)."""
+
+
+class ContributionReader:
+    """Reads the contributions of one round, whose global weights have the layout `ref`."""
+
+    def __init__(self, ref: Mapping[str, TensorSpec]) -> None:
+        self.ref = ref
+        self.buffers = [Buffer() for _ in range(DEPTH)]  # reused by every read: fresh pages cost more than reads
+
+    def check_layout(self, f: TensorFile, enc: codec.Encoding | None, label: str) -> None:
+        """The names, shapes and dtypes `f` must store: the global weights', or their coding as `enc`."""
+        want = {n: (s.dtype, s.shape) for n, s in self.ref.items()}
+        want = codec.stored_specs(want, enc) if enc else want
+        problems = compare_specs({n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in want.items()}, f.specs,
+                                 "the global weights" if enc is None else f"a {enc.codec} delta of the global weights")
+        if problems:
+            raise CheckpointError(f"{label}: {problems[0]}")
+
+    @contextlib.contextmanager
+    def pieces(self, f: TensorFile, enc: codec.Encoding | None, label: str, worker: int) -> Iterator[Iterator[Piece]]:
+        """`f`'s values in file order (see the module docstring). A piece's values may lie in a read
+        buffer: use them before taking the next."""
+        entries = {n: [e for e in (n, n + codec.INDEX, n + codec.SCALE) if e in f.specs] for n in self.ref}
+        owner = {e: n for n, es in entries.items() for e in es}
+        plan = []
+        for e, sp in f.specs.items():
+            numel = math.prod(sp.shape)
+            if sp.dtype in FLOATS and numel > FOLD_CHUNK and entries[owner[e]] == [e]:
+                plan += [[Read(e, f, e, a, min(a + FOLD_CHUNK, numel), (min(a + FOLD_CHUNK, numel) - a,))]
+                         for a in range(0, numel, FOLD_CHUNK)]
+            else:
+                plan.append([Read(e, f, e, 0, numel, sp.shape)])
+        reader = Prefetch(label, worker, plan, buffers=self.buffers)
+
+        def read() -> Iterator[Piece]:
+            groups: dict[str, dict[str, torch.Tensor]] = {}
+            topk = enc is not None and enc.codec == "topk"
+            for (r,) in plan:
+                buf, got = reader.take()
+                name, t = owner[r.tag], got[r.tag]
+                if topk and self.ref[name].dtype in FLOATS:
+                    positions, values = codec.sparse_tensor(name, self.ref[name].shape, enc, {name: t}.__getitem__)
+                    yield Piece(name, values, positions=positions)
+                elif entries[name] == [r.tag]:
+                    yield Piece(name, t, r.start, r.stop)
+                else:
+                    groups.setdefault(name, {})[r.tag] = t.clone()
+                    if len(groups[name]) == len(entries[name]):
+                        got_all, shape = groups.pop(name), self.ref[name].shape
+                        yield Piece(name, codec.decode_tensor(name, shape, enc, got_all.__getitem__))
+                reader.give_back(buf)
+        try:
+            yield read()
+        finally:
+            if not reader.close():  # a read still running may yet fill one of them: new ones for the next
+                self.buffers = [Buffer() for _ in range(DEPTH)]
+
+
+def decoded(storage: Storage, key: str, label: str, ref: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """A contribution in the other space, decoded whole (codec.load_weights) and its layout checked:
+    its weights."""
+    weights = codec.load_weights(storage, key, label)
+    problems = compare_specs(ref, {n: TensorSpec(n, DTYPES[t.dtype], tuple(t.shape), 0, 0) for n, t in weights.items()},
+                             "the global weights")
+    if problems:
+        raise CheckpointError(f"{label}: {problems[0]}")
+    return weights
