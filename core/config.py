@@ -14,7 +14,8 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from core.config_parse import (PRESET_KEYS, apply_executor_preset, apply_preset, build, check, load_yaml, model_shorthand,
+from core.coerce import build
+from core.config_parse import (PRESET_KEYS, apply_executor_preset, apply_preset, check, load_yaml, model_shorthand,
                                read_yaml, set_dotted)
 from core.errors import ConfigError
 

@@ -1,21 +1,19 @@
 """Turning raw configuration (YAML, `--set` dotted keys) into core.config's frozen dataclasses.
 
-`build` walks a dataclass's type hints and collects every problem (unknown keys with the valid ones
-named, wrong types) instead of stopping at the first; `check` then runs every range and
-cross-field check on the typed result. core.config's loaders call these and raise one ConfigError.
+`build` (core/coerce.py, the one coercer of untrusted values into dataclasses) walks a dataclass's
+type hints and collects every problem (unknown keys with the valid ones named, wrong types)
+instead of stopping at the first; `check` then runs every range and cross-field check on the typed
+result. core.config's loaders call these and raise one ConfigError.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import re
-import types
-import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -157,90 +155,6 @@ def apply_preset(raw: dict[str, Any], presets: Mapping[str, Mapping[str, Any]]) 
         if parts[-1] not in node:
             set_dotted(raw, key, value)
     return raw
-
-
-def build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
-    if not isinstance(raw, Mapping):
-        problems.append(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
-        return None
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            hint = f"did you mean {prefix + close[0]!r}? " if close else ""
-            problems.append(f"unknown key {prefix + str(key)!r}; {hint}valid keys here: {', '.join(names)}")
-    kwargs = {}
-    for name in names:
-        if name in raw:
-            before = len(problems)
-            value = _coerce(hints[name], raw[name], f"{prefix}{name}", problems)
-            # A field with a wrong type keeps its default, so range checks still run on the rest.
-            if len(problems) == before or (dataclasses.is_dataclass(hints[name]) and value is not None):
-                kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        problems.append(f"{prefix.rstrip('.') or 'config'}: {exc}")
-        return None
-
-
-def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value if value is not None else {}, f"{where}.", problems)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, where, problems)
-    if origin is Literal:
-        if value not in args:
-            problems.append(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            problems.append(f"{where}: expected a list of {len(args)} values, got {value!r}")
-            return value
-        return tuple(_coerce(a, v, f"{where}[{i}]", problems) for i, (a, v) in enumerate(zip(args, value)))
-    if origin is list:
-        if not isinstance(value, list):
-            problems.append(f"{where}: expected a list, got {value!r}")
-            return []
-        return [_coerce(args[0], v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            problems.append(f"{where}: expected a mapping, got {value!r}")
-            return {}
-        return {str(k): "" if v is None else str(v) for k, v in value.items()}
-    return _scalar(tp, value, where, problems)
-
-
-def _scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
-    if tp is bool:
-        if not isinstance(value, bool):
-            problems.append(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{where}: expected a number, got {value!r}")
-            return value
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            problems.append(f"{where}: expected a string, got {value!r}")
-        return value
-    return value
 
 
 MAX_WORKERS, MAX_ROUNDS = 4096, 1_000_000

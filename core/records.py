@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from core.coerce import coerce
 from core.errors import RunError
 from core.layout import RunLayout
 from core.storage import Storage
@@ -41,30 +41,6 @@ RUN_INFO = "run.json"
 T = TypeVar("T")
 
 
-def _fits(v: Any, tp: Any) -> bool:
-    """Is JSON value `v` of annotation `tp` (int, float, str, bool, X | None, list[X], dict[str, X], Any)?"""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(v, a) for a in args)
-    if tp is type(None):
-        return v is None
-    if tp is bool:
-        return isinstance(v, bool)
-    if tp is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if tp is float:
-        return number(v) is not None
-    if tp is str:
-        return isinstance(v, str)
-    if origin is list:
-        return isinstance(v, list) and all(_fits(x, args[0]) for x in v)
-    if origin is dict:
-        return isinstance(v, dict) and all(isinstance(k, str) and _fits(x, args[1]) for k, x in v.items())
-    raise TypeError(f"no check for {tp}")  # a field added with a type this reader does not know yet
-
-
 def _name(tp: Any) -> str:
     return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
@@ -81,7 +57,9 @@ def checked(cls: type[T], raw: Any, where: str) -> T:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise RunError(f"{where} is not a record islands wrote: no {f.name!r}")
             continue
-        if not _fits(raw[f.name], hints[f.name]):
+        problems: list[str] = []
+        coerce(hints[f.name], raw[f.name], f.name, problems, strict=True)  # core/coerce.py, as the config's
+        if problems:
             raise RunError(f"{where} is not a record islands wrote: {f.name!r} is {text(repr(raw[f.name]), 80)}, "
                            f"not {_name(hints[f.name])}")
         got[f.name] = raw[f.name]

@@ -21,6 +21,7 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 import fsspec
@@ -44,6 +45,42 @@ DROP_EVERY = 32 << 20
 """Bytes a staged local write writes between two drops of its pages from the page cache."""
 
 
+@dataclass(frozen=True)
+class Retries:
+    """Storage's retries with back-off, and its errors: what failed, in `where`, why, what to do."""
+    count: int
+    backoff_s: float
+    where: str
+    """The storage's root, as a person pastes it."""
+
+    def __call__(self, what: str, fn: Callable[[], T]) -> T:
+        """Run `fn`, retrying an OSError `count` times, sleeping backoff_s, then twice as long each
+        time (0.2 + 0.4 + 0.8 + 1.6 = 3.0 s by default); an error no retry can fix (_FATAL_ERRNOS)
+        or the last one raises StorageError. FileNotFoundError is an answer, not a fault: raised as is."""
+        delay, t0 = self.backoff_s, time.monotonic()
+        for attempt in range(self.count + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                if exc.errno in _FATAL_ERRNOS:
+                    raise self.error(what, exc) from exc
+                if attempt == self.count:
+                    raise self.error(what, exc, attempts=attempt + 1, seconds=time.monotonic() - t0) from exc
+                log.warning("storage: %s failed (%s); retry %d/%d in %.1fs", what, exc, attempt + 1, self.count, delay)
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def error(self, what: str, exc: OSError, attempts: int = 1, seconds: float = 0.0) -> StorageError:
+        if isinstance(exc, StorageError):
+            return exc
+        hint = _FATAL_ERRNOS.get(exc.errno or 0, "check that the storage is reachable and retry")
+        tries = f" after {attempts} attempts over {seconds:.1f}s" if attempts > 1 else ""
+        return StorageError(f"could not {what} in {self.where}{tries}: {exc.strerror or exc}; {hint}")
+
+
 class Storage:
     """A run root (any fsspec URL) and atomic, retried operations on keys below it."""
 
@@ -59,10 +96,9 @@ class Storage:
             storage_options.setdefault("use_listings_cache", False)
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = root.rstrip("/") or "/"
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.files: Files = (LocalFiles(self.root, follow_links) if "file" in protocols(self.fs)
-                             else FsspecFiles(self.fs, self.root, self._retry))
+        local = "file" in protocols(self.fs)
+        self._retry = Retries(retries, backoff_s, self.root if local else f"{protocols(self.fs)[0]}://{self.root.lstrip('/')}")
+        self.files: Files = LocalFiles(self.root, follow_links) if local else FsspecFiles(self.fs, self.root, self._retry)
         self.fence: Callable[[str], None] | None = None
         """Called with the key before anything is published, moved or removed (a lease's check
         that this writer still holds the run: orchestrator.lease); it raises to refuse."""
@@ -163,6 +199,18 @@ class Storage:
             return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
         return [n for n in self._retry(f"list {prefix}", ls) if not n.startswith(TMP_PREFIX)]
 
+    def kind(self, key: str = "") -> str | None:
+        """What is at `key` (`directory`, `file`, ...: fsspec's type), None when nothing is. Not
+        retried: for a path a person named, whose error should say at once what to check."""
+        try:
+            return self.fs.info(self.path(key)).get("type")
+        except FileNotFoundError:
+            return None
+
+    def find(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """{key: fsspec info} of every file below `prefix`, from one listing; not retried."""
+        return {posixpath.relpath(k, self.root): v for k, v in self.fs.find(self.path(prefix), detail=True).items()}
+
     def sizes(self, prefix: str) -> dict[str, int]:
         """{`prefix`/NAME: bytes} of the files of the flat folder `prefix`, from one listing (on an object
         store asking each file its size is a request); {} when it is absent or cannot be listed."""
@@ -208,13 +256,8 @@ class Storage:
         self.write_bytes(key, json.dumps(obj, indent=1, sort_keys=True).encode())
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
-        """Create `key` holding `data` only if it is absent; True if this call created it.
-
-        Atomic on local and NFS filesystems (a whole temporary file hard-linked to the name: link
-        fails if the name exists, and readers never see a half-written file) and on S3 (a
-        conditional PUT, `If-None-Match: *`). Elsewhere, and on S3-compatible servers that ignore
-        that header, it is check-then-write: two callers racing within one round trip may both win.
-        """
+        """Create `key` holding `data` only if it is absent; True if this call created it. Atomic on
+        local and NFS filesystems and on S3; elsewhere check-then-write (the backends say how)."""
         try:
             return self.files.create_exclusive(self.path(key), data)
         except OSError as exc:
@@ -250,34 +293,9 @@ class Storage:
             while chunk := fin.read(16 << 20):
                 fout.write(chunk)
 
-    # -- retries --------------------------------------------------------------------------------
-    def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run `fn`, retrying an OSError `retries` times, sleeping backoff_s, then twice as long each
-        time (0.2 + 0.4 + 0.8 + 1.6 = 3.0 s by default); an error no retry can fix (_FATAL_ERRNOS)
-        or the last one raises StorageError. FileNotFoundError is an answer, not a fault: raised as is."""
-        delay, t0 = self.backoff_s, time.monotonic()
-        for attempt in range(self.retries + 1):
-            try:
-                return fn()
-            except FileNotFoundError:
-                raise
-            except OSError as exc:
-                if exc.errno in _FATAL_ERRNOS:
-                    raise self.error(what, exc) from exc
-                if attempt == self.retries:
-                    raise self.error(what, exc, attempts=attempt + 1, seconds=time.monotonic() - t0) from exc
-                log.warning("storage: %s failed (%s); retry %d/%d in %.1fs", what, exc, attempt + 1, self.retries, delay)
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
-
     def error(self, what: str, exc: OSError, attempts: int = 1, seconds: float = 0.0) -> StorageError:
         """A StorageError saying what failed, where, why, and what to do about it."""
-        if isinstance(exc, StorageError):
-            return exc
-        hint = _FATAL_ERRNOS.get(exc.errno or 0, "check that the storage is reachable and retry")
-        tries = f" after {attempts} attempts over {seconds:.1f}s" if attempts > 1 else ""
-        return StorageError(f"could not {what} in {self.display()}{tries}: {exc.strerror or exc}; {hint}")
+        return self._retry.error(what, exc, attempts, seconds)
 
 
 def sweep_temporaries(storage: Storage, older_than_s: float, skip: tuple[str, ...] = ()) -> list[str]:
@@ -290,12 +308,12 @@ def sweep_temporaries(storage: Storage, older_than_s: float, skip: tuple[str, ..
         return []
     now, gone = time.time(), []
     try:
-        found = storage._retry("list the run directory", lambda: storage.fs.find(storage.root, detail=True))
+        found = storage._retry("list the run directory", lambda: storage.find(""))
     except FileNotFoundError:
         return []
-    for path, info in found.items():
-        key = posixpath.relpath(path, storage.root)
-        if not posixpath.basename(path).startswith(TMP_PREFIX) or key.split("/", 1)[0] in skip:
+    for key, info in found.items():
+        path = storage.path(key)
+        if not posixpath.basename(key).startswith(TMP_PREFIX) or key.split("/", 1)[0] in skip:
             continue
         if now - _mtime(info, now) < older_than_s:
             continue

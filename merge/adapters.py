@@ -89,7 +89,7 @@ def is_adapter(url: str) -> bool:
     """A directory with an adapter_config.json? (Anything unreadable is left to open_model to report.)"""
     try:
         st = Storage(url, follow_links=True)
-        return st.fs.isdir(st.root) and st.exists(CONFIG)
+        return st.kind() == "directory" and st.exists(CONFIG)
     except (OSError, StorageError, ValueError):
         return False
 

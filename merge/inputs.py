@@ -137,8 +137,8 @@ def open_model(url: str, ident: Any = None, label: str | None = None) -> Model:
     label = label or url
     storage = Storage(url, follow_links=True)
     try:
-        is_dir = storage.fs.isdir(storage.root)
-        exists = is_dir or storage.fs.exists(storage.root)
+        kind = storage.kind()
+        is_dir, exists = kind == "directory", kind is not None
     except OSError as exc:
         raise CheckpointError(f"{label}: cannot be read ({exc}); check the URL and credentials") from None
     if not exists:

@@ -400,7 +400,7 @@ def _copy_other_files(ref: Model, dst: Storage, skip: tuple[str, ...] = ()) -> N
         if name.endswith(".json") and name[: -len(".json")] in shard_stems:  # a shard's manifest, not the model's
             continue
         local = src.local_path(name)
-        if src.fs.isdir(src.path(name)) or local is not None and not stat.S_ISREG(os.stat(local).st_mode):
+        if src.kind(name) == "directory" or local is not None and not stat.S_ISREG(os.stat(local).st_mode):
             continue  # a folder, a FIFO, a device: not a file of the model
         try:
             with src.open_read(name) as fin, dst.open_atomic(name) as fout:

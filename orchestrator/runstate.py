@@ -131,11 +131,10 @@ def stored_bytes(storage: Storage) -> int | None:
     """The run directory's size (its jobs/ folder of scripts and logs left out), from one listing;
     None when the storage cannot say."""
     try:
-        found = storage.fs.find(storage.path(""), detail=True)
+        found = storage.find("")
     except OSError:
         return None
-    jobs = storage.path(L.JOBS).rstrip("/") + "/"
-    return sum(int(v.get("size") or 0) for k, v in found.items() if v.get("type") == "file" and not k.startswith(jobs))
+    return sum(int(v.get("size") or 0) for k, v in found.items() if v.get("type") == "file" and not k.startswith(L.JOBS + "/"))
 
 
 def _finished(storage: Storage, info: dict[str, Any]) -> bool:

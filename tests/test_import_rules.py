@@ -146,3 +146,19 @@ def test_submitit_is_touched_by_the_two_modules_docs_architecture_names():
                 if any(n == "submitit" or n.startswith("submitit.") for n in names):
                     touching.add(_module(ROOT, path))
     assert touching == {"orchestrator.executor", "worker.ranks"}, touching
+
+
+def test_only_the_storage_layer_touches_the_filesystem_object():
+    """Every read and write of storage goes through core.storage.Storage (its retries, fencing and,
+    locally, its refusal of links and FIFOs): nobody else reaches `storage.fs` (fsspec's filesystem),
+    and only the two backends and Storage itself hold one."""
+    layer = {"core.storage", "core.files", "core.local_files"}
+    reaching = set()
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if _module(ROOT, path) in layer:
+                continue
+            tree = ast.parse(path.read_text())
+            if any(isinstance(n, ast.Attribute) and n.attr == "fs" for n in ast.walk(tree)):
+                reaching.add(_module(ROOT, path))
+    assert reaching == set(), reaching

@@ -349,9 +349,10 @@ def _refuse_foreign(storage: Storage) -> None:
     """DatasetError when `--out` is a file, or a folder holding anything but a dataset's own files
     (another dataset's parts are the prepare's to resume or refuse): nobody's files are overwritten."""
     try:
-        if not storage.fs.exists(storage.root):
+        kind = storage.kind()
+        if kind is None:
             return
-        if not storage.fs.isdir(storage.root):
+        if kind != "directory":
             raise DatasetError(f"--out {storage.display()} is a file, not a folder; give a new or empty folder")
         names = sorted(n for n in storage.list("") if n not in OWN)
     except OSError as exc:
