@@ -98,6 +98,17 @@ class ContributionReader:
                 self.buffers = [Buffer() for _ in range(DEPTH)]
 
 
+def stored_in(space: str | None, enc: codec.Encoding | None, base_digest: str) -> bool:
+    """Is a contribution coded as `enc` stored in the round's `space` (`weights`, `delta`; None:
+    whichever the first one is), against the round's base? Else it is decoded whole."""
+    return (enc is None or enc.base_digest == base_digest) and (space is None or (enc is None) == (space == "weights"))
+
+
+def in_space(t: torch.Tensor, base: torch.Tensor, space: str | None) -> torch.Tensor:
+    """A decoded contribution's tensor `t` (weights) in the round's space: base - t for deltas."""
+    return base.to(torch.float32) - t.to(torch.float32) if space == "delta" and t.is_floating_point() else t
+
+
 def decoded(storage: Storage, key: str, label: str, ref: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
     """A contribution in the other space, decoded whole (codec.load_weights) and its layout checked:
     its weights."""

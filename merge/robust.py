@@ -19,6 +19,7 @@ from core import codec
 from core.checkpoint import TensorFile, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
+from merge.contributions import in_space, stored_in
 from merge.methods import median
 
 AGGREGATES = ("mean", "median", "trimmed_mean")
@@ -58,7 +59,7 @@ class Values:
                     raise CheckpointError(f"{label}: replaced or removed since it was validated; merge the round again")
                 tf = self._stack.enter_context(TensorFile(storage, f.key, m, label))
                 enc = codec.encoding_of(tf.metadata, label)
-                same = (enc is None) == (space == "weights") and (enc is None or enc.base_digest == base_digest)
+                same = stored_in(space, enc, base_digest)
                 self._sources.append(("file", (tf, enc)) if same else ("whole", codec.load_weights(storage, f.key, label)))
         except BaseException:
             self._stack.close()
@@ -72,8 +73,7 @@ class Values:
                 out.append(tf.read(name).to(torch.float32) if enc is None
                            else codec.decode_tensor(name, tuple(base().shape), enc, tf.read))
             else:
-                w = src[name].to(torch.float32)
-                out.append(base().to(torch.float32) - w if self.space == "delta" else w)
+                out.append(in_space(src[name], base(), self.space).to(torch.float32))
         return out
 
     def verify(self) -> None:

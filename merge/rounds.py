@@ -37,7 +37,7 @@ from core import codec
 from core.checkpoint import FLOATS, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.contributions import ContributionReader, decoded
+from merge.contributions import ContributionReader, decoded, in_space, stored_in
 from merge.engine import merging
 from merge.inputs import finite, nonfinite, refusal
 from merge.lte import merge_lte_round
@@ -140,8 +140,7 @@ class RunningSum:
         self._peak = 0.0
         with TensorFile(self.storage, c.key, manifest, label) as f:  # the manifest add() read
             enc = codec.encoding_of(f.metadata, label)
-            if enc is not None and enc.base_digest != self.base_digest or \
-                    self.space is not None and (enc is None) != (self.space == "weights"):
+            if not stored_in(self.space, enc, self.base_digest):
                 return self._fold_decoded(c, label, f)  # a delta against another base, or the other space
             self.space = self.space or ("weights" if enc is None else "delta")
             self._bound = c.bound if self.space == "delta" else c.bound * codec.DRIFT
@@ -207,10 +206,9 @@ class RunningSum:
         weights = decoded(self.storage, c.key, label, self.ref)
         self.space = self.space or "weights"
         self._bound = c.bound * codec.DRIFT  # a delta against an older base carries the global's moves since
-        base = load_checkpoint(self.storage, self.base_key)[0] if self.space == "delta" else {}
+        base = load_checkpoint(self.storage, self.base_key)[0] if self.space == "delta" else weights
         for name, t in weights.items():
-            x = base[name].to(torch.float32) - t.to(torch.float32) if base and t.is_floating_point() else t
-            self._add(c, label, name, x)
+            self._add(c, label, name, in_space(t, base[name], self.space))
         return f.manifest["digest"], f.size  # type: ignore[index]
 
     # -- the merge ----------------------------------------------------------------------
