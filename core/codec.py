@@ -114,8 +114,8 @@ def kept_per_row(cols: int, keep: float) -> int:
 
 def prune_rows(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k entries of largest magnitude of each row of the 2-D `v`: (values, column indices),
-    indices ascending (so the same delta always codes to the same bytes)."""
-    idx = v.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    indices ascending (core.topk.largest: the same selection as a top-k chunk)."""
+    idx = sparse_code.largest(v.abs(), k)
     return v.gather(1, idx), idx
 
 

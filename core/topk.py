@@ -83,6 +83,13 @@ def layout(numel: int, topk: float, chunk: int = CHUNK) -> Layout:
     return Layout(numel, size, chunks, min(size, max(1, math.ceil(topk * size - 1e-9))))
 
 
+def largest(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """The column indices of the k largest entries of each row of `mag`, ascending: the one sparse
+    selection of a coded delta (a top-k chunk here, a pruned row in core/codec.py), sorted so that
+    the same delta always codes to the same bytes."""
+    return mag.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+
+
 def encode(v: torch.Tensor, topk: float, bits: int) -> torch.Tensor:
     """U8 [chunks, row_bytes] of the fp32 tensor `v` (see the module docstring)."""
     lay = layout(v.numel(), topk)
@@ -90,7 +97,7 @@ def encode(v: torch.Tensor, topk: float, bits: int) -> torch.Tensor:
     padded.view(-1)[:lay.numel] = v.detach().reshape(-1)
     mag = padded.abs()
     mag.view(-1)[lay.numel:] = -1.0  # padding: below every real magnitude
-    idx = mag.topk(lay.k, dim=1, sorted=False).indices.sort(dim=1).values
+    idx = largest(mag, lay.k)
     kept = padded.gather(1, idx)
     scale = kept.abs().amax(dim=1) if lay.chunks else torch.zeros(0)
     levels = 1 << bits
