@@ -5,7 +5,9 @@ an import that only some path reaches counts too):
   run time): core imports no role; worker and merge import neither each other nor orchestrator;
   no modules import each other in a loop;
 - no function over 60 lines; none in merge/ takes more than 6 parameters (one typed object
-  instead: merge.round_spec.RoundSpec, merge.engine.MergeJob, merge.manual.ManualMerge)."""
+  instead: merge.round_spec.RoundSpec, merge.engine.MergeJob, merge.manual.ManualMerge);
+- two modules touch submitit; only the storage layer touches fsspec's filesystem; only core/layout.py
+  spells a path of the run directory."""
 from __future__ import annotations
 
 import ast
@@ -162,3 +164,22 @@ def test_only_the_storage_layer_touches_the_filesystem_object():
             if any(isinstance(n, ast.Attribute) and n.attr == "fs" for n in ast.walk(tree)):
                 reaching.add(_module(ROOT, path))
     assert reaching == set(), reaching
+
+
+def test_only_core_layout_spells_a_path_of_the_run_directory():
+    """docs/architecture.md: core/layout.py is the only place that formats a path of a run. No string
+    in the library outside it (docstrings aside) begins with one of the run directory's folders."""
+    folders = ("rounds/", "global/", "workers/", "outer/", "final/", "metrics/", "lease/")
+    spelled = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if _module(ROOT, path) == "core.layout":
+                continue
+            tree = ast.parse(path.read_text())
+            docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                          if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                          and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+            spelled += [f"{_module(ROOT, path)}:{n.lineno}" for n in ast.walk(tree)
+                        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+                        and n.value.startswith(folders)]
+    assert spelled == [], spelled
