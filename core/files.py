@@ -58,6 +58,8 @@ class Files(Protocol):
     """What a backend does with the paths of one run root (see the module docstring)."""
     atomic_put: bool
     """A plain write is atomic (S3): no temporary name, no copy, nothing left to sweep."""
+    exclusive: bool
+    """create_exclusive is atomic here; where it is not, Storage checks first, then writes."""
 
     def makedirs(self, path: str) -> None: ...
     def open_read(self, path: str) -> IO[bytes]: ...
@@ -75,7 +77,7 @@ class FsspecFiles:
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, retry: Retry) -> None:
         self.fs, self.root, self.retry = fs, root, retry
         self.atomic_put = bool(_ATOMIC_PUT_PROTOCOLS.intersection(protocols(fs)))
-        self.conditional_put = bool(_CONDITIONAL_PUT_PROTOCOLS.intersection(protocols(fs)))
+        self.exclusive = bool(_CONDITIONAL_PUT_PROTOCOLS.intersection(protocols(fs)))
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
@@ -84,23 +86,7 @@ class FsspecFiles:
         return self.retry(f"open {self._key(path)}", lambda: self.fs.open(path, "rb"))
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
-        """A conditional PUT where the store has one; check-then-write elsewhere (two callers racing
-        within one round trip may both win)."""
-        if not self.conditional_put:
-            if self.retry(f"check {self._key(path)}", lambda: self.fs.exists(path)):
-                return False
-
-            def write() -> None:
-                w = self.writer(path)
-                try:
-                    w.file.write(data)
-                    w.close()
-                    w.commit()
-                except BaseException:
-                    w.abort()
-                    raise
-            self.retry(f"write {self._key(path)}", write)
-            return True
+        """A conditional PUT (only where `exclusive`: Storage checks, then writes, elsewhere)."""
         failed_before = [False]
 
         def put() -> bool:

@@ -30,7 +30,7 @@ _KINDS = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFDIR: "a folder", stat.S_
 
 
 class LocalFiles:
-    atomic_put = False
+    atomic_put, exclusive = False, True
 
     def __init__(self, root: str, follow_links: bool = False) -> None:
         self.root, self.follow_links = root, follow_links

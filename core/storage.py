@@ -97,7 +97,8 @@ class Storage:
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = root.rstrip("/") or "/"
         local = "file" in protocols(self.fs)
-        self._retry = Retries(retries, backoff_s, self.root if local else f"{protocols(self.fs)[0]}://{self.root.lstrip('/')}")
+        self._scheme = None if local else protocols(self.fs)[0]  # how display() names a remote path
+        self._retry = Retries(retries, backoff_s, self.display())
         self.files: Files = LocalFiles(self.root, follow_links) if local else FsspecFiles(self.fs, self.root, self._retry)
         self.fence: Callable[[str], None] | None = None
         """Called with the key before anything is published, moved or removed (a lease's check
@@ -126,7 +127,7 @@ class Storage:
     def display(self, key: str = "") -> str:
         """A URL a person can paste: the local path, or protocol://path."""
         p = self.path(key)
-        return p if self.is_local else f"{protocols(self.fs)[0]}://{p.lstrip('/')}"
+        return p if self._scheme is None else f"{self._scheme}://{p.lstrip('/')}"
 
     def makedirs_path(self, path: str) -> None:
         """Create folder `path` (a filesystem path of this fs) and its parents (locally: each new one
@@ -257,7 +258,13 @@ class Storage:
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create `key` holding `data` only if it is absent; True if this call created it. Atomic on
-        local and NFS filesystems and on S3; elsewhere check-then-write (the backends say how)."""
+        local and NFS filesystems and on S3 (the backends say how); elsewhere, and on S3-compatible
+        servers that ignore `If-None-Match`, check-then-write: two callers racing may both win."""
+        if not self.files.exclusive:
+            if self.exists(key):
+                return False
+            self.write_bytes(key, data)
+            return True
         try:
             return self.files.create_exclusive(self.path(key), data)
         except OSError as exc:

@@ -53,10 +53,8 @@ class ContributionReader:
         """The names, shapes and dtypes `f` must store: the global weights', or their coding as `enc`."""
         want = {n: (s.dtype, s.shape) for n, s in self.ref.items()}
         want = codec.stored_specs(want, enc) if enc else want
-        problems = compare_specs({n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in want.items()}, f.specs,
-                                 "the global weights" if enc is None else f"a {enc.codec} delta of the global weights")
-        if problems:
-            raise CheckpointError(f"{label}: {problems[0]}")
+        _same_layout(want, {n: (s.dtype, s.shape) for n, s in f.specs.items()}, label,
+                     "the global weights" if enc is None else f"a {enc.codec} delta of the global weights")
 
     @contextlib.contextmanager
     def pieces(self, f: TensorFile, enc: codec.Encoding | None, label: str, worker: int) -> Iterator[Iterator[Piece]]:
@@ -113,8 +111,15 @@ def decoded(storage: Storage, key: str, label: str, ref: Mapping[str, TensorSpec
     """A contribution in the other space, decoded whole (codec.load_weights) and its layout checked:
     its weights."""
     weights = codec.load_weights(storage, key, label)
-    problems = compare_specs(ref, {n: TensorSpec(n, DTYPES[t.dtype], tuple(t.shape), 0, 0) for n, t in weights.items()},
-                             "the global weights")
+    _same_layout({n: (s.dtype, s.shape) for n, s in ref.items()},
+                 {n: (DTYPES[t.dtype], tuple(t.shape)) for n, t in weights.items()}, label, "the global weights")
+    return weights
+
+
+def _same_layout(want: Mapping[str, tuple[str, tuple[int, ...]]], got: Mapping[str, tuple[str, tuple[int, ...]]],
+                 label: str, what: str) -> None:
+    """Refuse a contribution whose tensors' names, dtypes and shapes (`got`) are not `want`'s."""
+    problems = compare_specs({n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in want.items()},
+                             {n: TensorSpec(n, d, s, 0, 0) for n, (d, s) in got.items()}, what)
     if problems:
         raise CheckpointError(f"{label}: {problems[0]}")
-    return weights

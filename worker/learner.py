@@ -13,6 +13,7 @@ import logging
 import torch
 
 from core import codec
+from core.assignment import Assignment
 from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import CheckpointError
@@ -52,11 +53,7 @@ class Learner:
         snapshot on storage, or (`own_state`) the state in memory, which is this worker's after its
         previous round; or, for a requeued job, the round's in-flight checkpoint."""
         a, params = rnd.assignment, self.params
-        base_manifest = read_manifest(storage, a.base_key)
-        if base_manifest is None:
-            raise CheckpointError(f"worker {a.worker} round {a.round}: base checkpoint {storage.display(a.base_key)} "
-                                  "is not published; the orchestrator submitted the round too early or it was deleted")
-        rnd.base_sha = base_manifest["digest"]
+        rnd.base_sha = _published_base(storage, a)
         inflight, bound = L.worker_inflight(a.worker, a.round), codec.max_update(self.cfg)
         label = f"worker {a.worker} in-flight checkpoint {storage.display(inflight)}"
         # every rank reads what it holds (sharded: its rows; else all of it), the ranks agreeing on one verdict
@@ -98,16 +95,13 @@ class Learner:
         """round.overlap: `rnd` was trained ahead of its base, from the weights the previous round
         published (rnd.published); take the base now (worker/overlap.py)."""
         a, rc = rnd.assignment, self.cfg.round
-        base_manifest = read_manifest(storage, a.base_key)
-        if base_manifest is None:
-            raise CheckpointError(f"worker {a.worker} round {a.round}: base checkpoint "
-                                  f"{storage.display(a.base_key)} is not published")
+        digest = _published_base(storage, a)
         label = f"base weights for worker {a.worker}"
         base = codec.load_weights(storage, a.base_key, label, alloc=self.host_base)
         assert rnd.published is not None
         load_weights(self.model, overlap.adopt(weights_of(self.model), rnd.published, base, rc.overlap, rc.overlap_mix),
                      f"{label}, adopted at step {rnd.done}")
-        rnd.base_sha, rnd.adopted_at, rnd.published = base_manifest["digest"], rnd.done, None
+        rnd.base_sha, rnd.adopted_at, rnd.published = digest, rnd.done, None
         rnd.ahead_s = rnd.trained_s  # trained before the base existed: part of this round's busy time
         rnd.base = base if rc.contribution == "delta" else None
         log.info("worker %d round %d: adopted its base at step %d (%s)", a.worker, a.round, rnd.done, rc.overlap)
@@ -116,3 +110,12 @@ class Learner:
         """The error-feedback buffer out of a state file's tensors (an older run's has none: {})."""
         feedback = take_feedback(tensors)
         self.feedback = feedback if self.uses_feedback else None
+
+
+def _published_base(storage: Storage, a: Assignment) -> str:
+    """The digest of the base `a` trains from, once its manifest (the commit) is there."""
+    manifest = read_manifest(storage, a.base_key)
+    if manifest is None:
+        raise CheckpointError(f"worker {a.worker} round {a.round}: base checkpoint {storage.display(a.base_key)} "
+                              "is not published; the orchestrator submitted the round too early or it was deleted")
+    return manifest["digest"]

@@ -159,6 +159,8 @@ class InnerTrainer:
         """Inner steps until the round's steps or time budget are spent, or (round.overlap, training
         ahead) until `until()` says the round's base has been assigned."""
         rnd, ranks = self.round, self.ranks
+        cuda = self.learner.device.type == "cuda"
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
         self.step_model.train()
         pending: list[torch.Tensor] = []
         failpoint_name, slow_name = f"rank_{ranks.rank}.step", f"worker_{rnd.worker:03d}.step"
@@ -170,7 +172,7 @@ class InnerTrainer:
             if until is not None and until():
                 stopped = True
                 break
-            pending.append(self._step(rnd.step0 + rnd.done))  # no .item() per step: on a GPU that would sync
+            pending.append(self._step(rnd.step0 + rnd.done, autocast))  # no .item() per step: on a GPU that would sync
             failpoint(failpoint_name)  # fault injection only: a rank that dies mid-round
             slowpoint(slow_name)  # fault injection only: a slow node
             rnd.done += 1
@@ -191,7 +193,7 @@ class InnerTrainer:
         self._heartbeat()
         self._check_losses()
 
-    def _step(self, step: int) -> torch.Tensor:
+    def _step(self, step: int, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
         """One inner AdamW step at global step `step`; its loss, not synced."""
         cfg, opt = self.cfg, self.opt
         for group in opt.param_groups:
@@ -199,7 +201,6 @@ class InnerTrainer:
         # the worker's batch, this rank's rows of it: DDP's averaged gradient is the whole batch's
         device = self.learner.device
         batch = map_tensors(self.sampler.batch(step), lambda t: self.ranks.slice(t).to(device, non_blocking=True))
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
         with autocast:
             loss = self.task.loss(self.step_model, batch)
         opt.zero_grad(set_to_none=True)
