@@ -9,6 +9,12 @@ wrote as it exits. The difference of the two runs over R x K worker-rounds is th
 figure, free of what does not grow with rounds (imports, the corpus). The run directory (its
 checkpoints and records; jobs/ logs left out) is measured after R and after 2R rounds.
 
+With top-k a second row reads the dense global every round (round.replica false): the workers'
+replica of the merge (worker/replica.py) against dense reads, in the same run. Its turnaround is
+the 2R run's mean, per worker-round, from the last contribution of round r (its manifest's
+written_at) to the worker's base of round r+1 in its model (`base_at`), with the seconds it took
+to get that base (`base_s`: read or replayed) and the share of bases replayed.
+
     python -m bench.round_footprint [--workers 3] [--rounds 16] [--codecs fp32,topk]
 """
 from __future__ import annotations
@@ -25,6 +31,8 @@ CODECS = {"fp32": [], "topk": ["--set", "round.contribution=delta", "--set", "ro
                                "--set", "outer.optimizer=sgd", "--set", "outer.lr=3"]}
 BASELINE = ["--set", "round.state_every=1", "--set", "round.keep_last=0"]
 """State written every round, nothing deleted: what a run did before snapshots and retention."""
+DENSE_BASE = ["--set", "round.replica=false"]
+"""Every worker reads the global weights: what a run did before workers replayed the merge."""
 
 
 def run_dir_bytes(run: Path) -> int:
@@ -45,7 +53,23 @@ def one_run(folder: Path, workers: int, rounds: int, extra: list[str]) -> dict[s
     for role in ("worker", "service"):
         out[f"{role}_read"] = sum(r.get("rchar", 0) for r in reports if r["role"] == role)
         out[f"{role}_written"] = sum(r.get("wchar", 0) for r in reports if r["role"] == role)
-    return out
+    return {**out, **turnaround(run, rounds)}
+
+
+def turnaround(run: Path, rounds: int) -> dict[str, float]:
+    """Means over the worker-rounds from round 1 on: the last contribution of the round before ->
+    this worker's base in its model (s), the seconds getting that base took, the share replayed."""
+    turn, took, replayed = [], [], []
+    for r in range(1, rounds):
+        prev = json.loads((run / "rounds" / f"{r - 1:05d}" / "record.json").read_text())
+        last = max(json.loads((run / "rounds" / f"{r - 1:05d}" / "contrib" / f"worker_{w:03d}.json").read_text())
+                   ["written_at"] for w in prev["merged"])
+        for m in (json.loads(p.read_text()) for p in (run / "rounds" / f"{r:05d}" / "contrib").glob("worker_*.json")):
+            turn.append(m["base_at"] - last)
+            took.append(m["base_s"])
+            replayed.append(bool(m.get("replica")))
+    n = max(len(turn), 1)
+    return {"turnaround": sum(turn) / n, "base_s": sum(took) / n, "replayed": sum(replayed) / n}
 
 
 def measure(workers: int, rounds: int, extra: list[str]) -> dict[str, float]:
@@ -59,7 +83,8 @@ def measure(workers: int, rounds: int, extra: list[str]) -> dict[str, float]:
             "written": (long["worker_written"] - short["worker_written"]) / n / w,
             "service": (long["service_read"] + long["service_written"] - short["service_read"] - short["service_written"])
             / rounds / w,
-            "dir_R": short["dir"] / w, "dir_2R": long["dir"] / w}
+            "dir_R": short["dir"] / w, "dir_2R": long["dir"] / w,
+            **{k: long[k] for k in ("turnaround", "base_s", "replayed")}}
 
 
 def main() -> None:
@@ -71,19 +96,24 @@ def main() -> None:
     args = ap.parse_args()
     k, r = args.workers, args.rounds
     print(f"K = {k} workers, R = {r} and {2 * r} rounds, 2 inner steps; figures / W (fp32 weights)")
-    print(f"{'codec':6} {'settings':9} {'read/wr':>8} {'written/wr':>10} {'both/wr':>8} {'service/r':>9} "
-          f"{'dir@' + str(r):>8} {'dir@' + str(2 * r):>8}")
+    print(f"{'codec':6} {'settings':10} {'read/wr':>8} {'written/wr':>10} {'both/wr':>8} {'service/r':>9} "
+          f"{'dir@' + str(r):>8} {'dir@' + str(2 * r):>8} {'turn s':>7} {'base s':>7} {'replayed':>8}")
     for codec in args.codecs.split(","):
-        rows = [("default", CODECS[codec])] + ([("baseline", CODECS[codec] + BASELINE)] if args.baseline else [])
+        rows = [("default", CODECS[codec])] + ([("dense base", CODECS[codec] + DENSE_BASE)] if codec == "topk" else []) \
+            + ([("baseline", CODECS[codec] + BASELINE)] if args.baseline else [])
         got = {}
         for name, extra in rows:
             m = got[name] = measure(k, r, extra)
-            print(f"{codec:6} {name:9} {m['read']:8.2f} {m['written']:10.2f} {m['read'] + m['written']:8.2f} "
-                  f"{m['service']:9.2f} {m['dir_R']:8.1f} {m['dir_2R']:8.1f}", flush=True)
-        if "baseline" in got:
-            d, b = got["default"], got["baseline"]
-            print(f"{codec:6} ratio     bytes per worker-round {(d['read'] + d['written']) / (b['read'] + b['written']):.2f}"
-                  f", run directory after {2 * r} rounds {d['dir_2R'] / b['dir_2R']:.2f}")
+            print(f"{codec:6} {name:10} {m['read']:8.2f} {m['written']:10.2f} {m['read'] + m['written']:8.2f} "
+                  f"{m['service']:9.2f} {m['dir_R']:8.1f} {m['dir_2R']:8.1f} {m['turnaround']:7.2f} {m['base_s']:7.3f} "
+                  f"{m['replayed']:8.2f}", flush=True)
+        d = got["default"]
+        for name in ("dense base", "baseline"):
+            if name in got:
+                b = got[name]
+                print(f"{codec:6} {'/ ' + name:13} bytes per worker-round {(d['read'] + d['written']) / (b['read'] + b['written']):.2f}"
+                      f", reads {d['read'] / b['read']:.2f}, run directory after {2 * r} rounds {d['dir_2R'] / b['dir_2R']:.2f}"
+                      f", turnaround {d['turnaround'] / b['turnaround']:.2f}")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,17 @@ def _write_file(out: OutputFile, items: Iterator[tuple[str, torch.Tensor]], last
     return staged
 
 
+def digest_of(specs: list[Spec], metadata: Mapping[str, str] | None, items: Iterator[tuple[str, torch.Tensor]]) -> str:
+    """The digest the manifest of a checkpoint of `items` (in the order of `specs`) would name,
+    computed from the same bytes a write hashes, without writing it: how a worker that replayed a
+    round's merge checks its result against the published global weights."""
+    header, layout = build_header(specs, metadata)
+    digest = new_hasher()
+    for data in _pieces(header, layout, items):
+        digest.update(data)
+    return digest.hexdigest()
+
+
 def _pieces(header: bytes, layout: list[TensorSpec], items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[memoryview]:
     yield memoryview(header)
     for spec in layout:

@@ -26,6 +26,12 @@ def failpoint(name: str) -> None:
         os._exit(137)  # no cleanup, no finally blocks: like a kill -9 or a node dying
 
 
+def armed(name: str) -> bool:
+    """Is the point `name` named by ISLANDS_FAILPOINT (a point that changes a result rather than
+    crash: `worker_001.replica` makes worker 1's replayed global differ, worker/replica.py)?"""
+    return os.environ.get(ENV) == name
+
+
 def slowpoint(name: str) -> None:
     for item in os.environ.get(SLOW_ENV, "").split(","):
         point, _, seconds = item.partition("=")

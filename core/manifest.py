@@ -145,5 +145,6 @@ _MANIFEST_FIELDS: dict[str, Callable[[Any], str]] = {
     "round": _int_in(0, MAX_ID), "worker": _int_in(0, MAX_ID), "from_round": _int_in(0, MAX_ID),
     "attempt": _int_in(0, MAX_ID), "steps": _int_in(0, 1 << 40), "steps_done": _int_in(0, 1 << 40), "adopted_at_step": _int_in(0, 1 << 40),
     "tensors": _int_in(0, 1 << 32), "bytes": _int_in(0, 1 << 50), "tokens": _number, "waited_s": _number, "trained_s": _number, "ahead_s": _number,
-    "written_at": _number, "overlap": _overlap,
+    "written_at": _number, "overlap": _overlap, "io_read": _int_in(0, 1 << 60), "io_written": _int_in(0, 1 << 60),
+    "base_s": _number, "base_at": _number,
 }

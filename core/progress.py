@@ -101,6 +101,15 @@ def bytes_sent(mean: float, fp32: int | None, when: str = "") -> str:
     return f"contributions: {human(mean)}B per worker-round{when}{ratio}"
 
 
+def bytes_moved(read: float, written: float, fp32: int | None, replayed: int, workers: int, when: str = "") -> str:
+    """What a worker-round moved through storage as status and the report say it: `worker I/O per
+    worker-round (round 7): read 115kB (0.06 of the weights in fp32), wrote 34.5kB (0.02); 3/3 bases
+    replayed` (the last part only when some were: worker/replica.py)."""
+    part = (lambda n, of: f" ({n / fp32:.2f}{of})") if fp32 else (lambda n, of: "")
+    return (f"worker I/O per worker-round{when}: read {human(read)}B{part(read, ' of the weights in fp32')}, "
+            f"wrote {human(written)}B{part(written, '')}" + (f"; {replayed}/{workers} bases replayed" if replayed else ""))
+
+
 @contextlib.contextmanager
 def progress(total: float | None, desc: str, *, unit: str = "items") -> Iterator[Task]:
     """The Task of one operation of `total` units (None: unknown), closed when the block ends."""

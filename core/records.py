@@ -185,6 +185,15 @@ class RoundRecord:
     round_s: float | None = None
     """The round's time: from the service's previous commit (for the first round it commits, from its
     start) to this commit. The one round time: the round line, the ETA, status and the report show it."""
+    worker_read: dict[str, int] = field(default_factory=dict)
+    """Bytes each merged worker's job read since its previous contribution (or its start): its
+    base, or the contributions it replayed it from, and its data (its /proc/self/io)."""
+    worker_written: dict[str, int] = field(default_factory=dict)
+    """Bytes each merged worker's job wrote since its previous contribution: that contribution and
+    any optimizer-state snapshot."""
+    replayed: list[int] = field(default_factory=list)
+    """Merged workers whose base of this round was made from the previous round's contributions
+    (worker/replica.py), not read."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,6 +211,34 @@ class RoundRecord:
 
     def save(self, storage: Storage) -> None:
         storage.write_json(L.round_record(self.round), self.to_json())
+
+
+@dataclass(frozen=True)
+class RecordedInput:
+    """One input a committed round merged, as its record names it."""
+
+    worker: int
+    """The worker id; a late fold's input: a negative id (orchestrator/late.py)."""
+    key: str
+    """Its checkpoint in the run directory."""
+    weight: float
+
+
+def recorded_inputs(record: Mapping[str, Any]) -> tuple[list[RecordedInput], str | None]:
+    """The inputs a committed round merged, in the order its merge summed them (`merge_order`:
+    floating-point sums depend on it), and what is wrong with the record's order, if anything (the
+    inputs then come in the record's order of workers, then folds). Folds carry the service's
+    negative ids (orchestrator.late.fold_inputs)."""
+    r = record["round"]
+    by_id = {int(w): RecordedInput(int(w), L.contribution(r, int(w)), float(record["weights"][str(w)]))
+             for w in record["merged"]}
+    for i, f in enumerate(record.get("folded", [])):  # no `id` (older records): its place, right if all merged
+        fid = int(f.get("id", -(i + 1)))
+        by_id[fid] = RecordedInput(fid, f["key"], float(f["weight"]))
+    order = record.get("merge_order") or list(by_id)
+    if sorted(order) != sorted(by_id):
+        return list(by_id.values()), f"merge_order {order} does not name the merged inputs {sorted(by_id)}"
+    return [by_id[i] for i in order], None
 
 
 @dataclass

@@ -33,11 +33,12 @@ import torch
 from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TORCH_DTYPES, TensorFile
 from core.checkpoint_writer import OutputFile, StreamWriter
 from core.errors import CheckpointError
+from core.outer import state_in_specs, state_key, state_slots
 from core.progress import track
 from merge import DEFAULT_BUFFER_BYTES
 from merge.inputs import InputError, Model, finite, nonfinite, overflowed
 from merge.methods import check_method_args, method_spec
-from merge.outer import OuterStep, state_in_specs, state_key, state_slots
+from merge.outer import OuterStep
 from merge.task_vectors import row_length
 
 DEPTH = 4

@@ -40,8 +40,8 @@ import torch
 
 from core.config import OuterConfig
 from core.checkpoint import FLOATS
+from core.outer import outer_step
 from merge import METHOD_DEFAULTS, task_vectors
-from merge.outer import outer_step
 
 MergeFn = Callable[..., torch.Tensor]
 

@@ -1,19 +1,12 @@
-"""The DiLoCo outer step, done by a real torch.optim optimizer (as torchft's local_sgd does), and
-over files (OuterStep): what the live round, `orchestrate merge --method outer` and the rebuild of
-a lost outer state all write through.
-
-The outer gradient of a tensor is `global - merged` (merged = the workers' weighted mean). It is
-written into `.grad` of a float32 copy of the global tensor, and one `step()` of the configured
-optimizer turns it into the next global tensor. The merge runs in a fresh process every round, so
-the optimizer's state (momentum buffers, Adam moments and step) is saved as safetensors keyed
-`<tensor>::<state>` and loaded back before the next step. One throwaway optimizer per tensor keeps
-memory to one tensor's worth: these optimizers are element-wise, so per-tensor steps are exact
-(and per-slice ones: the merge engine steps slices of a tensor).
+"""The outer step over files (OuterStep): what the live round, `orchestrate merge --method outer`
+and the rebuild of a lost outer state all write through. The maths is core/outer.py's, which a
+worker replaying a round runs too; here the new global weights and outer state stream to storage
+tensor by tensor (or slice by slice), nothing visible before the commit.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,104 +16,12 @@ from core.checkpoint_writer import OutputFile, StreamWriter
 from core.config import OuterConfig
 from core.errors import CheckpointError
 from core.failpoints import failpoint
+from core.outer import outer_step_from_grad, state_key, state_slots
 from merge.inputs import finite, overflowed
-
-STATE_SEP = "::"
 
 
 class StepOverflow(CheckpointError):
     """The outer step's result is not finite although its inputs are: the round is refused whole."""
-
-
-def make_optimizer(params: list[torch.Tensor], cfg: OuterConfig) -> torch.optim.Optimizer:
-    """The outer optimizer over `params`. The SGD family runs fused (one pass, no temporaries; the
-    default implementation's numbers to the last bit, tests/test_merge.py; docs/benchmarks.md)."""
-    if cfg.optimizer == "nesterov":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
-    if cfg.optimizer == "sgdm":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, fused=True)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, fused=True)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    raise ValueError(f"unknown outer optimizer {cfg.optimizer!r}; valid: nesterov, sgd, sgdm, adam")
-
-
-def outer_step(
-    global_t: torch.Tensor, merged: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig,
-    in_place: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """One outer step of one tensor: (new global in the global's dtype, new state, outer gradient).
-    `in_place`: see outer_step_from_grad; the gradient is also computed into `merged`."""
-    if in_place and global_t.dtype == torch.float32 and merged.dtype == torch.float32:
-        return outer_step_from_grad(global_t, torch.sub(global_t, merged, out=merged), state, cfg, in_place=True)
-    param = global_t.detach().to(torch.float32)
-    return outer_step_from_grad(global_t, param - merged.to(torch.float32), state, cfg, in_place=in_place)
-
-
-def outer_step_from_grad(
-    global_t: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], cfg: OuterConfig,
-    in_place: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """The same step given the outer gradient itself (delta contributions carry it: core/codec.py).
-
-    By default neither input nor `state` is written to (they may be views of read buffers or of a
-    model held in memory): the step works on copies of the global tensor and of the state, which
-    it returns. `in_place`: the caller owns them and lets the step overwrite them (the round merge
-    over models it holds in memory: merge.rounds): a float32 global tensor becomes the new
-    one, and the state's tensors the new state, without a copy of either.
-    """
-    own = in_place and global_t.dtype == torch.float32
-    param = global_t.detach() if own else global_t.detach().to(torch.float32, copy=True)
-    grad = grad.to(torch.float32)  # torch.optim reads .grad, never writes it
-    param.grad = grad
-    opt = make_optimizer([param], cfg)
-    if state:  # torch.optim updates its state tensors in place
-        opt.state[param] = dict(state) if in_place else {k: v.clone() for k, v in state.items()}
-    opt.step()
-    param.grad = None
-    new_state = {k: v.detach() for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
-    return param.detach().to(global_t.dtype), new_state, grad
-
-
-def state_key(tensor: str, slot: str) -> str:
-    return f"{tensor}{STATE_SEP}{slot}"
-
-
-# -- the state file: `<tensor>::<slot>` float32 entries ---------------------------------------
-def state_slots(cfg: OuterConfig) -> list[tuple[str, bool]]:
-    """The optimizer's state slots in torch.optim's order, each (name, True if shaped like the param)."""
-    _, st, _ = outer_step(torch.zeros(2), torch.ones(2), {}, cfg)
-    return [(slot, tuple(t.shape) == (2,)) for slot, t in st.items()]
-
-
-def state_in_specs(specs: Mapping[str, tuple[str, tuple[int, ...]]], order: Sequence[tuple[str, str, tuple[int, ...]]],
-                   slots: list[tuple[str, bool]], label: str) -> dict[str, list[tuple[str, bool]]]:
-    """Which slots a state file holds for each tensor, given its entries {key: (dtype, shape)},
-    after checking that it fits the model (`order`) and the optimizer (`slots`)."""
-    shapes = {n: s for n, d, s in order if d in FLOATS}
-    have: dict[str, list[str]] = {}
-    problems = []
-    want = dict(slots)
-    for key, (dtype, shape) in specs.items():
-        name, sep, slot = key.rpartition(STATE_SEP)
-        if not sep or name not in shapes:
-            problems.append(f"entry {key} names no floating-point tensor of the model")
-        elif slot not in want:
-            problems.append(f"entry {key} is not a state slot of this optimizer (it has {list(want) or 'none'})")
-        elif dtype != "F32" or tuple(shape) != (shapes[name] if want[slot] else ()):
-            problems.append(f"entry {key} is {dtype}{list(shape)}, expected F32"
-                            f"{list(shapes[name]) if want[slot] else []}")
-        else:
-            have.setdefault(name, []).append(slot)
-    for name, got in have.items():
-        if set(got) != set(want):
-            problems.append(f"tensor {name} has state slots {sorted(got)}, the optimizer needs {sorted(want)}")
-    if problems:
-        raise CheckpointError(f"{label}: does not fit this model and optimizer: " + "; ".join(problems[:5])
-                              + "; pass the state file written by the same merge and optimizer, or none to start "
-                              "from zero state")
-    return {name: [(s, f) for s, f in slots] for name in have}
 
 
 def state_out_specs(order: Sequence[tuple[str, str, tuple[int, ...]]], cfg: OuterConfig) -> list[tuple[str, str, tuple[int, ...], int]]:

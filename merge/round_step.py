@@ -15,7 +15,8 @@ from core.checkpoint_writer import OutputFile
 from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.storage import Storage
-from merge.outer import OuterStep, state_in_specs, state_key, state_out_specs, state_slots
+from core.outer import outer_grad, state_in_specs, state_key, state_slots
+from merge.outer import OuterStep, state_out_specs
 from merge.robust import Values
 from merge.robust import aggregate as robust_aggregate
 from merge.round_spec import RoundSpec
@@ -55,10 +56,12 @@ def outer_step(acc: RunningSum, spec: RoundSpec, order: list[int]) -> tuple[dict
             if sp.dtype not in FLOATS:
                 step.keep(name, b)
                 continue
-            grad = acc.sums[name].div_(total) if values is None else \
-                robust_aggregate(values.get(name, lambda: b), *robust)  # type: ignore[misc]
-            if acc.space != "delta":
-                torch.sub(b.to(torch.float32), grad, out=grad)
+            if values is None:
+                grad = outer_grad(acc.sums[name], total, b, acc.space)
+            else:
+                grad = robust_aggregate(values.get(name, lambda: b), *robust)  # type: ignore[misc]
+                if acc.space != "delta":
+                    torch.sub(b.to(torch.float32), grad, out=grad)
             step.step(name, b, grad, {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])},
                       owned=True)
             failpoint("merge.while_reading")  # crash tests: half the step written, temporaries on disk

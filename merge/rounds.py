@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from core import codec
+from core import codec, outer
 from core.checkpoint import FLOATS, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
@@ -159,9 +159,8 @@ class RunningSum:
             return f.manifest["digest"], f.size  # type: ignore[index]
 
     def _add(self, c: Contribution, label: str, name: str, x: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
-        """S[name][start:stop] += w x (a float tensor), or check that a non-float one equals the base's.
-        The product is rounded before the add, not fused into it, so that a sum of two is the same
-        in either order."""
+        """S[name][start:stop] += w x (a float tensor; core.outer.fold), or check that a non-float one
+        equals the base's."""
         s = self.sums[name]
         if not s.is_floating_point():
             if not torch.equal(x.reshape(-1), s.reshape(-1)[start:stop]):
@@ -173,7 +172,7 @@ class RunningSum:
             raise CheckpointError(nonfinite(label, name))
         self._check_bound(label, name, x, start, stop)
         self._dirty = True
-        s.view(-1)[start:stop].add_(x.reshape(-1).to(torch.float32).mul(float(c.weight)))
+        outer.fold(s, x, c.weight, start, stop)
 
     def _add_sparse(self, c: Contribution, label: str, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         """S[name] at `positions` (distinct: core.topk.sparse checks them) += w values."""
@@ -181,7 +180,7 @@ class RunningSum:
             raise CheckpointError(nonfinite(label, name))
         self._check_bound(label, name, values)
         self._dirty = True
-        self.sums[name].view(-1).index_add_(0, positions, values.mul(float(c.weight)))
+        outer.fold_sparse(self.sums[name], positions, values, c.weight)
 
     def _check_bound(self, label: str, name: str, x: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         """Refuse an outer gradient entry past the contribution's bound (core.codec.max_update): a

@@ -144,16 +144,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _replay_config(args: argparse.Namespace) -> tuple[Config, Any]:
     """`submit --replay RUN`: RUN's config made a replay of RUN (core/replay.py), and its schedule.
-    Only where it runs may change: anything else would change what is replayed."""
+    Only where it runs, and how its workers get their base (round.replica: the same bytes either
+    way), may change: anything else would change what is replayed."""
     from core import replay
     from core.config_parse import load_yaml
     from orchestrator.runstate import load_run
     changed = [flag for flag, value in (("--config", args.config), ("--workers", args.workers), ("--rounds", args.rounds),
                                          ("--inner-steps", args.inner_steps), ("--algorithm", args.algorithm)) if value]
-    changed += [f"--set {item}" for item in args.sets if not item.strip().startswith("executor.")]
+    changed += [f"--set {item}" for item in args.sets if not item.strip().startswith(("executor.", "round.replica="))]
     if changed:
-        raise ConfigError([f"{flag}: a replay takes its source run's config; only --run-dir, --executor and "
-                           "--set executor.KEY=VALUE may be given" for flag in changed], source="--replay")
+        raise ConfigError([f"{flag}: a replay takes its source run's config; only --run-dir, --executor, "
+                           "--set executor.KEY=VALUE and --set round.replica=... may be given" for flag in changed],
+                          source="--replay")
     from orchestrator.run_service import run_storage
     source = run_storage(args.replay)
     src = load_run(source)

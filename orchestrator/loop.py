@@ -25,7 +25,7 @@ import torch
 from core.config import Config
 from core.errors import RunError
 from core.layout import RunLayout
-from merge.outer import outer_step
+from core.outer import outer_step
 from merge.rounds import QuorumError
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.lease import Lease

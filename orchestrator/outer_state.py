@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import posixpath
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import CheckpointError, RunError
 from core.layout import RunLayout, manifest_key
-from core.records import RoundRecord
+from core.records import RoundRecord, recorded_inputs
 from core.storage import Storage
 from merge.round_spec import Contribution
 from merge.rounds import merge_round
@@ -28,24 +27,6 @@ from orchestrator.round_merge import round_spec
 
 log = logging.getLogger(__name__)
 L = RunLayout()
-
-
-def recorded_inputs(record: Mapping[str, Any], fold_key: Callable[[Mapping[str, Any]], str] = lambda f: f["key"]
-                    ) -> tuple[list[Contribution], str | None]:
-    """The inputs a committed round merged, in the order its merge summed them (`merge_order`:
-    floating-point sums depend on it), and what is wrong with the record's order, if anything (the
-    inputs then come in the record's order of workers, then folds). Folds carry the service's
-    negative ids (orchestrator.late.fold_inputs); `fold_key` says where each fold's input is."""
-    r = record["round"]
-    by_id = {int(w): Contribution(int(w), L.contribution(r, int(w)), float(record["weights"][str(w)]))
-             for w in record["merged"]}
-    for i, f in enumerate(record.get("folded", [])):  # no `id` (older records): its place, right if all merged
-        fid = int(f.get("id", -(i + 1)))
-        by_id[fid] = Contribution(fid, fold_key(f), float(f["weight"]))
-    order = record.get("merge_order") or list(by_id)
-    if sorted(order) != sorted(by_id):
-        return list(by_id.values()), f"merge_order {order} does not name the merged inputs {sorted(by_id)}"
-    return [by_id[i] for i in order], None
 
 
 def ensure_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping[str, str]) -> None:
@@ -78,7 +59,8 @@ def rebuild_outer_state(storage: Storage, cfg: Config, r: int, metadata: Mapping
     if not record:
         raise RunError(f"cannot rebuild {target}: round {r} has no record")
     try:
-        contribs, problem = recorded_inputs(record)
+        inputs, problem = recorded_inputs(record)
+        contribs = [Contribution(i.worker, i.key, i.weight) for i in inputs]
         changed = [w for w in record["merged"]
                    if (read_manifest(storage, L.contribution(r, w)) or {}).get("digest") != record["contrib_digest"][str(w)]]
         published = str(record["global_digest"])

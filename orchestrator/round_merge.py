@@ -9,7 +9,6 @@ the round's `rejected/` folder, and the round goes on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -17,7 +16,8 @@ from typing import Any
 
 from core import codec, replay
 from core.checkpoint import read_manifest
-from core.config import Config, OuterConfig
+from core.config import Config
+from core.outer import outer_at
 from core.errors import CheckpointError, StorageError
 from core.failpoints import failpoint
 from core.layout import RunLayout, manifest_key
@@ -48,13 +48,6 @@ def round_spec(cfg: Config, r: int, metadata: Mapping[str, str], min_inputs: int
                      state_in=L.outer_state(r) if r > 0 else None, state_out=L.outer_state(r + 1),
                      min_inputs=min_inputs, aggregate=cfg.round.aggregate, trim=cfg.round.trim, metadata=metadata,
                      manifest={"round": r + 1})
-
-
-def outer_at(outer: OuterConfig, r: int) -> OuterConfig:
-    """The outer optimizer of round r: outer.lr, risen to linearly over outer.warmup_rounds."""
-    if r >= outer.warmup_rounds:
-        return outer
-    return dataclasses.replace(outer, lr=outer.lr * (r + 1) / outer.warmup_rounds)
 
 
 class RoundMerger:
@@ -133,6 +126,9 @@ class RoundMerger:
             worker_train_s=_per_worker(manifests, "seconds"),
             contribution_bytes={str(w): n for w in merged if (n := _count(manifests[w], "bytes")) is not None},
             fp32_bytes=next((n for w in merged if (n := _count(manifests[w], "fp32_bytes")) is not None), None),
+            worker_read={str(w): n for w in merged if (n := _count(manifests[w], "io_read")) is not None},
+            worker_written={str(w): n for w in merged if (n := _count(manifests[w], "io_written")) is not None},
+            replayed=[w for w in merged if manifests[w].get("replica") is True],
             jobs={str(w): {**final[j].as_dict(), "attempts": jobs.workers[w].attempts} for w, j in jobs.latest().items()})
 
     def commit(self, jobs: RoundJobs, record: RoundRecord) -> None:

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any
 
 from core.layout import RunLayout
-from core.progress import bytes_sent
+from core.progress import bytes_moved, bytes_sent
 from core.storage import Storage
 from orchestrator.console import console, narrow_table
 from orchestrator.run_view import duration, worker_state
@@ -114,6 +114,16 @@ def contribution_line(rounds: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def io_line(rounds: list[dict[str, Any]]) -> str | None:
+    """Bytes a worker read and wrote per round and how many replayed their base (the last round that says)."""
+    for r in reversed(rounds):
+        read, written = list(r.get("worker_read", {}).values()), list(r.get("worker_written", {}).values())
+        if read and written:
+            return bytes_moved(sum(read) / len(read), sum(written) / len(written), r.get("fp32_bytes"),
+                               len(r.get("replayed", [])), len(r.get("merged", [])), f" (round {r['round']})")
+    return None
+
+
 def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -143,7 +153,7 @@ def status_view(status: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.text import Text
 
-    lines = [contribution_line(status["rounds"]), stored_line(status), jobs_line(status["rounds"])]
+    lines = [contribution_line(status["rounds"]), io_line(status["rounds"]), stored_line(status), jobs_line(status["rounds"])]
     if status["failure"]:
         lines.append(f"failed in round {status['failure'].get('round')}: {status['failure']['reason']}")
     if status["state"] == "stopped":

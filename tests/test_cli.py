@@ -24,6 +24,7 @@ from orchestrator.cli import build_parser, main
 from orchestrator.executor import CANCELLED_MARK, FAILED_LINE, local_job_status
 from orchestrator.run_models import create_run
 from orchestrator.run_view import duration, round_line
+from slurm_support import requires_slurm
 from orchestrator.runstate import read_heartbeat
 from terminal_support import in_a_terminal
 
@@ -378,6 +379,7 @@ def test_the_footer_after_the_last_round_says_the_run_is_finishing(tmp_path):
     assert console.file.getvalue().strip() == "all 3 rounds done: writing the final model"  # not "round 3 (4/3)"
 
 
+@requires_slurm  # submitit's Slurm executor looks for srun when it is made
 def test_only_a_job_id_names_a_cancelled_mark(tmp_path):
     """Job ids are read from the run directory: a Slurm id (an array task's too) gets islands' mark,
     anything path-like never touches the filesystem."""

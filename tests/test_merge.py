@@ -14,7 +14,7 @@ from core.config import OuterConfig
 from merge.rounds import Contribution, QuorumError, merge_round
 from merge.round_spec import RoundSpec
 from merge.methods import average, get_method
-from merge.outer import outer_step
+from core.outer import outer_step
 
 
 def _write(storage, key, tensors):

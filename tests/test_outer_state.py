@@ -19,7 +19,8 @@ from core.storage import Storage
 from merge.rounds import Contribution, RunningSum, merge_round
 from merge.round_spec import RoundSpec
 from orchestrator.cli import main
-from orchestrator.outer_state import ensure_outer_state, recorded_inputs
+from core.records import RecordedInput, recorded_inputs
+from orchestrator.outer_state import ensure_outer_state
 from orchestrator.runstate import load_run
 from worker.weights import model_metadata
 
@@ -120,8 +121,8 @@ def test_recorded_folds_keep_their_ids_when_an_earlier_fold_was_refused():
     rec = {"round": 3, "merged": [0, 1], "weights": {"0": 1.0, "1": 2.0}, "folded": [fold], "merge_order": [1, -2, 0]}
     contribs, problem = recorded_inputs(rec)
     assert problem is None
-    assert contribs == [Contribution(1, L.contribution(3, 1), 2.0), Contribution(-2, fold["key"], 0.25),
-                        Contribution(0, L.contribution(3, 0), 1.0)]
+    assert contribs == [RecordedInput(1, L.contribution(3, 1), 2.0), RecordedInput(-2, fold["key"], 0.25),
+                        RecordedInput(0, L.contribution(3, 0), 1.0)]
 
 
 @pytest.mark.parametrize("damage", ["missing", "no manifest", "bad manifest"])

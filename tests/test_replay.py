@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from core import replay
 from core.checkpoint import load_checkpoint
 from core.checkpoint_writer import write_checkpoint
+from core.progress import human
 from core.config import load_config
 from core.errors import ConfigError, RunError
 from core.layout import RunLayout
@@ -274,7 +276,12 @@ def test_a_topk_run_whose_service_was_killed_is_replayed_bit_for_bit(tmp_path, c
     assert last["contribution_bytes"]["1"] == m["bytes"] and last["fp32_bytes"] == m["fp32_bytes"]
     assert main(["status", str(src)]) == 0
     ratio = m["fp32_bytes"] / (sum(last["contribution_bytes"].values()) / 3)
-    assert f"per worker-round (round 2), 1/{ratio:.0f} of the weights in fp32" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"per worker-round (round 2), 1/{ratio:.0f} of the weights in fp32" in out
+    read, replayed = sum(last["worker_read"].values()) / 3, len(last["replayed"])
+    line = rf"worker I/O per worker-round \(round 2\): read {re.escape(human(read))}B \(\d+\.\d\d of the weights in fp32\), "
+    said = " ".join(out.split())  # the line wraps at the terminal's width
+    assert re.search(line + r"wrote \S+B \(\d+\.\d\d\)" + (f"; {replayed}/3 bases replayed" if replayed else ""), said), out
     from orchestrator.observe.metrics import read_metrics
     from orchestrator.runstate import load_run
     workers = [ln for ln in read_metrics(s, load_run(s)) if ln["kind"] == "worker" and ln["round"] == 2]

@@ -23,7 +23,7 @@ from orchestrator.cli import main
 from orchestrator.observe.metrics import FIELDS, parse_jsonl, read_metrics, tensorboard_scalars, to_jsonl
 from orchestrator.observe.report import FIGURES, stats_cache, write_report
 from orchestrator.observe.report_data import (contribution_size, outer_grad_stats, outer_stats_cached, time_budget, timeline,
-                                              worker_utilization)
+                                              worker_io, worker_utilization)
 from orchestrator.runstate import load_run
 from terminal_support import in_a_terminal
 
@@ -202,6 +202,14 @@ def test_a_contributions_size_is_the_last_merged_rounds_mean_beside_its_fp32_byt
     w = lambda r, b, merged=True, fp32=4000: {"round": r, "bytes": b, "merged": merged, "fp32_bytes": fp32}  # noqa: E731
     assert contribution_size([w(0, 90), w(1, 40), w(1, 60), w(1, 999, merged=False), w(2, 0)]) == (50.0, 4000)
     assert contribution_size([w(0, 40, fp32=None)]) == (40.0, None) and contribution_size([w(0, 5, merged=False)]) is None
+
+
+def test_worker_io_is_the_last_merged_rounds_mean_and_its_replayed_bases():
+    w = lambda r, rd, wr, rep, merged=True: {"round": r, "merged": merged, "io_read": rd, "io_written": wr,  # noqa: E731
+                                             "replica": rep, "fp32_bytes": 1000}
+    assert worker_io([w(0, 900, 10, False), w(1, 60, 30, True), w(1, 40, 10, False), w(1, 999, 9, True, merged=False),
+                      {"round": 2, "merged": True}]) == (50.0, 20.0, 1000, 1, 2)
+    assert worker_io([w(0, 1.5, 10, True)]) is None and worker_io([]) is None
 
 
 def test_a_workers_byte_counts_are_taken_only_when_they_are_counts():

@@ -9,6 +9,7 @@ byte read goes through the checked readers of core/ (codec.load_weights, worker/
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -22,6 +23,7 @@ from core.storage import Storage
 from worker import overlap
 from worker.params import SEP, Params, take_feedback
 from worker.ranks import Ranks, data_parallel
+from worker.replica import Replica
 from worker.round import RoundInProgress
 from worker.state import inflight_tensors, usable_state
 from worker.weights import HostBuffers, load_weights, weights_of
@@ -47,6 +49,8 @@ class Learner:
         # round.codec topk: what this worker's contributions left out, sent with its next ones
         self.feedback: codec.Feedback | None = None
         self.uses_feedback = codec.uses_feedback(cfg.round)
+        # global_r and the outer state kept to make global_r+1 from the round's contributions
+        self.replica = Replica.of(cfg, ranks.world, params.collective)
 
     def load(self, storage: Storage, rnd: RoundInProgress, own_state: bool) -> None:
         """Start `rnd`: its base weights in the model and this worker's optimizer state from its
@@ -59,7 +63,15 @@ class Learner:
         # every rank reads what it holds (sharded: its rows; else all of it), the ranks agreeing on one verdict
         reader = params.reader(self.ranks)
         tensors = inflight_tensors(storage, inflight, label, rnd.base_sha, self.cfg.inner.steps, bound, reader)
-        base = params.load_base(storage, a.base_key, self.model, tensors is not None, alloc=self.host_base)
+        t0 = time.perf_counter()
+        base = None if tensors is not None else self.replica.next_global(storage, a, rnd.base_sha)
+        replayed = base is not None
+        if replayed:
+            params.load_trained(self.model, base, f"global weights {storage.display(a.base_key)}, replayed")
+        else:
+            base = params.load_base(storage, a.base_key, self.model, tensors is not None, alloc=self.host_base)
+        self.replica.hold(a, base, rnd.base_sha)
+        rnd.replayed, rnd.base_s, rnd.base_at = replayed, round(time.perf_counter() - t0, 4), time.time()
         rnd.base = base if self.cfg.round.contribution == "delta" else None
         if tensors is not None:
             self._resume(rnd, tensors, read_manifest(storage, inflight) or {})
@@ -97,10 +109,16 @@ class Learner:
         a, rc = rnd.assignment, self.cfg.round
         digest = _published_base(storage, a)
         label = f"base weights for worker {a.worker}"
-        base = codec.load_weights(storage, a.base_key, label, alloc=self.host_base)
+        t0 = time.perf_counter()
+        base = self.replica.next_global(storage, a, digest)
+        rnd.replayed = base is not None
+        if base is None:
+            base = codec.load_weights(storage, a.base_key, label, alloc=self.host_base)
+        self.replica.hold(a, base, digest)
         assert rnd.published is not None
         load_weights(self.model, overlap.adopt(weights_of(self.model), rnd.published, base, rc.overlap, rc.overlap_mix),
                      f"{label}, adopted at step {rnd.done}")
+        rnd.base_s, rnd.base_at = round(time.perf_counter() - t0, 4), time.time()
         rnd.base_sha, rnd.adopted_at, rnd.published = digest, rnd.done, None
         rnd.ahead_s = rnd.trained_s  # trained before the base existed: part of this round's busy time
         rnd.base = base if rc.contribution == "delta" else None

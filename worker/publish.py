@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from core import codec
+from core import codec, iostat
 from core.checkpoint import DTYPES, ITEMSIZE, open_checkpoint
 from core.checkpoint_writer import OutputFile, publish_manifest, write_checkpoint, write_data
 from core.errors import CheckpointError, IslandsError
@@ -55,6 +55,7 @@ class Publisher:
         self.host_state = HostBuffers(device)
         self.host_out = learner.host_base if self.cfg.round.contribution == "weights" else HostBuffers(device)
         self.snapshots = Snapshots(storage, learner.params, learner.ranks)
+        self.io = iostat.counters()  # at the last manifest: a round's bytes read and written are the difference
 
     def publish(self, rnd: RoundInProgress, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
         """Optimizer state first, then the weights and their manifest: the manifest is the commit.
@@ -90,6 +91,8 @@ class Publisher:
             entry = publish_manifest(self.storage, key, written.entry)
         else:
             entry = write_checkpoint(self.storage, key, tensors, metadata=metadata, manifest=manifest)
+            if learner.replica.off is None:  # replaying the round needs it: kept, not read back
+                learner.replica.mine = (entry["digest"], tensors, metadata or {})
         # only now: an in-flight checkpoint saved before this (a signal during the write) resumes the
         # round, so it must hold the buffer the round started with
         learner.feedback = feedback
@@ -109,7 +112,11 @@ class Publisher:
             "host": os.uname().nodename, "device": self.learner.device.type, "resumed_at_step": rnd.resumed_at,
             "waited_s": rnd.waited_s, "ranks": self.ranks.world, "trained_s": round(rnd.trained_s, 3),
             "threads": torch.get_num_threads(),  # per rank: a replay needs the same (core/replay.py)
+            "replica": rnd.replayed, "base_s": rnd.base_s, "base_at": rnd.base_at,
         }
+        io, self.io = self.io, iostat.counters()
+        if io and self.io:  # since the previous contribution (its write, the state snapshot, this round's base)
+            manifest["io_read"], manifest["io_written"] = self.io["rchar"] - io["rchar"], self.io["wchar"] - io["wchar"]
         if (overlapped := rnd.overlap_record(self.cfg)) is not None:
             manifest["overlap"] = overlapped
         self.params.describe(manifest)

@@ -50,6 +50,12 @@ class RoundInProgress:
     """The step of the in-flight checkpoint this job saved."""
     state_from: int | None = None
     """The round of the optimizer-state snapshot the round started from, when read from storage."""
+    replayed: bool = False
+    """Its base was made from the previous round's contributions (worker/replica.py), not read."""
+    base_s: float | None = None
+    """Seconds it took to have the base in the model (read, or replayed)."""
+    base_at: float | None = None
+    """When (epoch seconds) the base was in the model: the round's turnaround ends there."""
     published: dict[str, torch.Tensor] | None = None
     """round.overlap, while training ahead of its base: the weights the previous round published."""
     adopted_at: int | None = None

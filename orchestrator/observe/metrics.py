@@ -53,7 +53,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
               "tokens", "train_loss", "utilization", "submitted_at", "merge_started_at", "committed_at"),
     "worker": ("kind", "schema", "t", "round", "worker", "contributed", "merged", "job_id", "attempts", "persistent", "state",
                "submitted_at", "queue_wait_s", "run_s", "seconds", "written_at", "steps", "tokens", "bytes",
-               "fp32_bytes", "codec", "loss_first", "loss_last", "waited_s", "ahead_s"),
+               "fp32_bytes", "codec", "loss_first", "loss_last", "waited_s", "ahead_s", "io_read", "io_written", "replica"),
     "step": ("kind", "schema", "round", "worker", "step", "loss"),
 }
 
@@ -111,7 +111,7 @@ def worker_lines(record: Mapping[str, Any], jobs: Mapping[str, Any], manifests: 
                     "submitted_at": entry.get("submitted_at", jobs.get("submitted_at")),
                     "queue_wait_s": sched.get("queue_wait_s"), "run_s": sched.get("run_s"),
                     **{k: m.get(k) for k in ("seconds", "written_at", "steps", "tokens", "bytes", "fp32_bytes",
-                                             "loss_first", "loss_last", "waited_s")},
+                                             "loss_first", "loss_last", "waited_s", "io_read", "io_written", "replica")},
                     "codec": (m.get("contribution") or {}).get("codec", "weights" if m else None),
                     "ahead_s": (m.get("overlap") or {}).get("ahead_s")})
     return out
@@ -138,7 +138,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-_WHOLE = ("round", "step", "worker", "schema", "workers", "rounds", "inner_steps", "attempts")
+_WHOLE = ("round", "step", "worker", "schema", "workers", "rounds", "inner_steps", "attempts", "io_read", "io_written")
 
 
 def _bad_field(line: dict[str, Any]) -> str | None:

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from core.layout import local_cache_root
-from core.progress import bytes_sent
+from core.progress import bytes_moved, bytes_sent
 from core.storage import Storage
 from orchestrator.observe.metrics import to_jsonl
 from orchestrator.observe.report_data import (RunData, Segment, bytes_series, collect, contribution_size, eval_curve,
-                                      outer_stats_cached, time_budget, timeline, worker_losses, worker_utilization)
+                                              outer_stats_cached, time_budget, timeline, worker_io, worker_losses,
+                                              worker_utilization)
 
 FIGURES = ("loss", "timeline", "bytes", "outer_gradients", "contributions")
 COLORS = {"queued": "#f2b134", "starting": "#f7d794", "training ahead": "#2a9d8f", "running": "#3b7dd8", "merging": "#d8453b", "evaluating": "#8e5bc7",
@@ -176,9 +177,10 @@ def plot_bytes(data: RunData) -> Any:
     _round_axis(ax, len(xs))
     ax.set_xlabel("round")
     ax.set_ylabel(f"{unit} per round")
-    sent = contribution_size(data.kind("worker"))
-    ax.set_title("Storage traffic per round (workers' optimizer states: 0 where already pruned)"
-                 + ("" if sent is None else "\n" + bytes_sent(*sent)), fontsize=10)
+    said = [bytes_sent(*sent)] if (sent := contribution_size(data.kind("worker"))) else []
+    said += bytes_moved(*io).split("; ") if (io := worker_io(data.kind("worker"))) else []
+    ax.set_title("\n".join(["Storage traffic per round (workers' optimizer states: 0 where already pruned)", *said]),
+                 fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 

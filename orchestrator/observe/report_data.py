@@ -269,6 +269,18 @@ def contribution_size(workers: Sequence[Mapping[str, Any]]) -> tuple[float, int 
     return sum(w["bytes"] for w in last) / len(last), fp32
 
 
+def worker_io(workers: Sequence[Mapping[str, Any]]) -> tuple[float, float, int | None, int, int] | None:
+    """(mean bytes read, mean bytes written per worker-round, fp32 bytes of the weights or None,
+    bases replayed, workers) over the last round whose merged workers say; None if none does."""
+    said = [w for w in workers if w.get("merged") and type(w.get("io_read")) is int and type(w.get("io_written")) is int]
+    if not said:
+        return None
+    last = [w for w in said if w["round"] == max(x["round"] for x in said)]
+    fp32 = next((w["fp32_bytes"] for w in last if isinstance(w.get("fp32_bytes"), int)), None)
+    return (sum(w["io_read"] for w in last) / len(last), sum(w["io_written"] for w in last) / len(last), fp32,
+            sum(w.get("replica") is True for w in last), len(last))
+
+
 def bytes_series(rounds: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
     """Bytes written per round by kind (None counted as 0), and bytes the merge read."""
     keys = ("bytes_contributions", "bytes_global", "bytes_outer_state", "bytes_worker_states", "bytes_read")
