@@ -234,7 +234,9 @@ class RoundConfig:
     the round's record and the contributions it merged (the merge's outer step, summed in the same
     order), whenever those are fewer bytes than the global weights (codec topk: about K/63 of
     them), and uses them only if they hash to the published global's digest; otherwise it reads
-    the global weights, saying why (worker/replica.py). false: always read them."""
+    the global weights, saying why (worker/replica.py). With an outer optimizer that has state
+    (Nesterov's momentum) the worker holds that state too: one more fp32 copy of the weights in
+    host memory. false: always read them."""
     max_update: float = 0.0
     """The largest magnitude any entry of a worker's outer gradient (base - its weights, error
     feedback included) may have; a contribution or error-feedback buffer past it is refused as

@@ -5,18 +5,22 @@ Once round r is committed, its record (core.records) names the contributions the
 weights and the order it summed them in. A worker that still holds global_r (the base it trained
 round r from) and the outer optimizer state_r reads those contributions through the checked reader
 (core.checkpoint: each file's hash against its manifest, each manifest's digest against the
-record's; its own it keeps from its write, when the record names its digest), folds them into a sum and takes the outer step with the merge's own code, in the merge's
-order (core/outer.py), on the CPU. The result is used only if it hashes to the published global's
-digest (core.checkpoint_writer.digest_of, over the header the published file has): the same bytes
-as reading it, for K x contribution bytes instead of W.
+record's; its own it keeps from its write, when the record names its digest), folds them into a
+sum and takes the outer step with the merge's own code, in the merge's order (core/outer.py), on
+the CPU. The result is used only if it hashes to the published global's digest
+(core.checkpoint_writer.digest_of, over the header the published file has): the same bytes as
+reading it, for K - 1 contributions' bytes instead of W.
 
 It reads the global weights instead, saying why in one log line, whenever it cannot be sure:
 round.replica off, a multi-rank worker, LTE or a robust aggregate (another merge), weights
 contributions, a round that folded late inputs, contributions not coded against global_r, inputs
 that are not fewer bytes than the global, anything missing, damaged or altered; and for the rest
 of the job once a replayed global's digest differs (the arithmetic is not the merge's: reading the
-global and, with momentum, the outer state again every round would cost more). The outer state (Nesterov's momentum) is kept with the replica: empty at round 0, carried
-from one replayed round to the next, and read from outer/state_r once after a dense read.
+global and, with momentum, the outer state again every round would cost more).
+
+The outer state (Nesterov's momentum: one more fp32 copy of the weights in host memory) is kept
+with the replica: empty at round 0, carried from one replayed round to the next, and read from
+outer/state_r once after a dense read.
 """
 from __future__ import annotations
 
