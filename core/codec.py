@@ -312,14 +312,15 @@ def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0,
     out = {}
     for name, b in base.items():
         if b.dtype in _FLOATS:
-            delta = decode_tensor(name, tuple(b.shape), enc, lambda n: _entry(tensors, n, label))
+            delta = decode_tensor(name, tuple(b.shape), enc, lambda n: entry(tensors, n, label))
             out[name] = (b.to(torch.float32) - delta).to(b.dtype)
         else:
-            out[name] = _entry(tensors, name, label)
+            out[name] = entry(tensors, name, label)
     return out
 
 
-def _entry(tensors: Mapping[str, torch.Tensor], name: str, label: str) -> torch.Tensor:
+def entry(tensors: Mapping[str, torch.Tensor], name: str, label: str) -> torch.Tensor:
+    """Entry `name` of a delta's stored tensors, which its coding needs; CheckpointError if absent."""
     if name not in tensors:
         raise CheckpointError(f"{label}: has no tensor {name}, which its coding needs: the file is damaged")
     return tensors[name]

@@ -58,10 +58,8 @@ def outer_step(acc: RunningSum, spec: RoundSpec, order: list[int]) -> tuple[dict
                 continue
             if values is None:
                 grad = outer_grad(acc.sums[name], total, b, acc.space)
-            else:
-                grad = robust_aggregate(values.get(name, lambda: b), *robust)  # type: ignore[misc]
-                if acc.space != "delta":
-                    torch.sub(b.to(torch.float32), grad, out=grad)
+            else:  # a robust aggregate is the mean itself
+                grad = outer_grad(robust_aggregate(values.get(name, lambda: b), *robust), 1.0, b, acc.space)  # type: ignore[misc]
             step.step(name, b, grad, {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])},
                       owned=True)
             failpoint("merge.while_reading")  # crash tests: half the step written, temporaries on disk

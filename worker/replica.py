@@ -31,7 +31,7 @@ import torch
 
 from core import codec
 from core.assignment import Assignment
-from core.checkpoint import DTYPES, load_checkpoint, open_checkpoint, read_manifest
+from core.checkpoint import DTYPES, TensorFile, load_checkpoint, read_manifest
 from core.checkpoint_writer import digest_of
 from core.config import Config, OuterConfig
 from core.errors import CheckpointError, RunError, StorageError
@@ -134,7 +134,9 @@ class Replica:
             raise Fallback(problem or f"round {r}'s record names another global than the published one", warn=True)
         if record.folded:
             raise Fallback(f"round {r} folded late contributions")
-        published = read_manifest(storage, a.base_key) or {}
+        published = read_manifest(storage, a.base_key)
+        if published is None or published["digest"] != digest:
+            raise Fallback(f"the global weights {storage.display(a.base_key)} changed since they were published", warn=True)
         sizes = [record.contribution_bytes.get(str(i.worker)) for i in inputs]
         if None in sizes or sum(sizes) >= published.get("bytes", 0):  # type: ignore[arg-type]
             raise Fallback(f"the round's {len(inputs)} contributions are not fewer bytes than the global weights")
@@ -153,7 +155,7 @@ class Replica:
                 b.copy_(new)
         if armed(f"worker_{a.worker:03d}.replica"):  # tests: a replica that went wrong must not be used
             self.weights[next(iter(sums))].view(-1)[0].add_(1.0)
-        with open_checkpoint(storage, a.base_key, f"global weights {storage.display(a.base_key)}") as f:
+        with TensorFile(storage, a.base_key, published, f"global weights {storage.display(a.base_key)}") as f:
             specs = sorted(f.specs.values(), key=lambda sp: sp.start)
             made = digest_of([(sp.name, sp.dtype, sp.shape, sp.nbytes) for sp in specs], f.metadata,
                              ((sp.name, self.weights[sp.name]) for sp in specs if sp.name in self.weights))
@@ -184,18 +186,15 @@ class Replica:
             m = read_manifest(storage, key, label)
             if m is None or m["digest"] != recorded:
                 raise Fallback(f"{label} is not the file the round's record merged (missing or replaced)", warn=True)
-            tensors, meta, _ = load_checkpoint(storage, key, label)
+            with TensorFile(storage, key, m, label) as f:  # the manifest just read, not read again
+                tensors, meta = f.load_all(verify=True), f.metadata
         enc = codec.encoding_of(meta, label)
         if enc is None or enc.base_digest != self.digest:
             raise Fallback(f"{label} is not a delta against the round's global weights", warn=True)
-        get = lambda n: tensors[n] if n in tensors else _missing(label, n)  # noqa: E731
+        get = lambda n: codec.entry(tensors, n, label)  # noqa: E731
         for name, s in sums.items():
             shape = tuple(self.weights[name].shape)
             if enc.codec == "topk":
                 fold_sparse(s, *codec.sparse_tensor(name, shape, enc, get), weight)
             else:
                 fold(s, codec.decode_tensor(name, shape, enc, get), weight)
-
-
-def _missing(label: str, name: str) -> torch.Tensor:
-    raise CheckpointError(f"{label}: has no tensor {name}: the file is damaged")
