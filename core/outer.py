@@ -1,4 +1,4 @@
-"""THE outer step of DiLoCo, in memory: what the merge service's round (merge/round_step.py),
+"""THE outer step of DiLoCo, in memory: what the merge service's round (merge.rounds.outer_step),
 `orchestrate merge --method outer` and a worker replaying a committed round (worker/replica.py) all
 run, so that the same inputs in the same order give the same bits wherever it runs.
 

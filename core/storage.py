@@ -212,15 +212,6 @@ class Storage:
         """{key: fsspec info} of every file below `prefix`, from one listing; not retried."""
         return {posixpath.relpath(k, self.root): v for k, v in self.fs.find(self.path(prefix), detail=True).items()}
 
-    def sizes(self, prefix: str) -> dict[str, int]:
-        """{`prefix`/NAME: bytes} of the files of the flat folder `prefix`, from one listing (on an object
-        store asking each file its size is a request); {} when it is absent or cannot be listed."""
-        try:
-            listed = self.fs.find(self.path(prefix), detail=True)
-        except OSError:
-            return {}
-        return {posixpath.join(prefix, k.rsplit("/", 1)[-1]): int(v["size"]) for k, v in listed.items()}
-
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """The bytes [start, end) of each (key, start, end), as one batch of range requests (fsspec's
         cat_ranges: concurrent on an object store)."""

@@ -1,5 +1,6 @@
 """How a round's merge reads one contribution: its layout checked against the global weights', then
-its values in file order, as pieces the running sum (merge/rounds.py) adds.
+its values in file order, as pieces the running sum (merge/rounds.py) adds; or its tensors whole,
+one at a time, for a robust aggregate (merge/robust.py, `whole_tensors`).
 
 A contribution in the round's space (weights, or a delta coded against this round's base) is read
 as it is stored, through the engine's prefetching reader (merge/engine.py) into read buffers kept
@@ -22,7 +23,7 @@ from core import codec
 from core.checkpoint import DTYPES, FLOATS, TensorFile, TensorSpec
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.engine import DEPTH, Buffer, Prefetch, Read
+from merge.engine import DEPTH, Buffer, Prefetch, Read, read_whole
 from merge.inputs import compare_specs
 
 FOLD_CHUNK = 1 << 22
@@ -94,6 +95,19 @@ class ContributionReader:
         finally:
             if not reader.close():  # a read still running may yet fill one of them: new ones for the next
                 self.buffers = [Buffer() for _ in range(DEPTH)]
+
+
+def whole_tensors(f: TensorFile, enc: codec.Encoding | None, shapes: Mapping[str, tuple[int, ...]], label: str,
+                  worker: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, float32 tensor) for `f`'s float tensors `shapes` in that order, whole: plain ones as
+    stored (views of a read buffer, valid until the next is taken), a coded delta's decoded
+    (core.codec), each read with its index and scales by merge.engine.read_whole, one at a time (a
+    read that stalls fails after merge.engine.STALL_S, naming `worker`)."""
+    groups = [[e for e in (n, n + codec.INDEX, n + codec.SCALE) if e in f.specs] for n in shapes]
+    with contextlib.closing(read_whole(f, worker, groups, depth=1)) as read:
+        for name, got in zip(shapes, read):
+            get = lambda n: codec.entry(got, n, label)  # noqa: E731
+            yield name, (get(name).to(torch.float32) if enc is None else codec.decode_tensor(name, shapes[name], enc, get))
 
 
 def stored_in(space: str | None, enc: codec.Encoding | None, base_digest: str) -> bool:

@@ -135,20 +135,30 @@ class Prefetch:
         return not self._thread.is_alive()
 
 
-def read_tensors(f: TensorFile, ident: Any, names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for whole tensors of `f` (all, in file order, by default), read ahead by a
+def read_whole(f: TensorFile, ident: Any, groups: Sequence[Sequence[str]], depth: int = DEPTH
+               ) -> Iterator[dict[str | None, torch.Tensor]]:
+    """Each group of `f`'s entries, whole, in order ({entry: tensor}), read `depth` ahead by a
     Prefetch: a read that stalls raises InputError naming `ident` after STALL_S instead of blocking
-    the caller for good. bf16/f16/f64 tensors come widened to float32; each is the caller's."""
-    plan = [[Read(n, f, n, 0, math.prod(f.specs[n].shape), f.specs[n].shape)] for n in (names or list(f.specs))]
-    reader = Prefetch(f.label, ident, plan)
+    the caller for good. bf16/f16/f64 tensors come widened to float32. The tensors are views of a
+    read buffer, valid until the next group is taken."""
+    plan = [[Read(e, f, e, 0, math.prod(f.specs[e].shape), f.specs[e].shape) for e in g] for g in groups]
+    reader = Prefetch(f.label, ident, plan, buffers=[Buffer() for _ in range(depth)])
     try:
-        for (r,) in plan:
+        for _ in plan:
             buf, got = reader.take()
-            t = got[r.tag].clone()
+            yield got
             reader.give_back(buf)
-            yield r.name, t
     finally:
         reader.close()
+
+
+def read_tensors(f: TensorFile, ident: Any, names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for whole tensors of `f` (all, in file order, by default), as read_whole
+    reads them; each is the caller's."""
+    with contextlib.closing(read_whole(f, ident, [[n] for n in (names or list(f.specs))])) as read:
+        for got in read:
+            ((name, t),) = got.items()
+            yield str(name), t.clone()
 
 
 def _reason(label: str, exc: BaseException) -> str:

@@ -10,7 +10,7 @@ every contribution at a time (K x the largest tensor in memory), each in the run
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,8 @@ from core import codec
 from core.checkpoint import TensorFile, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.contributions import in_space, stored_in
+from merge.contributions import in_space, stored_in, whole_tensors
+from merge.inputs import InputError, refusal
 from merge.methods import median
 
 AGGREGATES = ("mean", "median", "trimmed_mean")
@@ -42,44 +43,68 @@ def aggregate(values: Sequence[torch.Tensor], how: str, trim: float) -> torch.Te
 
 
 class Values:
-    """Each accepted contribution's value of one tensor, in the running sum's space (`weights`, or
-    `delta` = base - weights), read again from storage and checked against the digest it was
-    folded with. A contribution in the other space or against another base (a late worker's)
-    is decoded whole once (codec.load_weights) and converted per tensor."""
+    """Each accepted contribution's value of one tensor at a time, in the running sum's space
+    (`weights`, or `delta` = base - weights), read again from storage and checked against the digest
+    it was folded with: a reader thread per contribution (merge.contributions.whole_tensors), so
+    that a read that stalls fails instead of holding the service. A contribution in the other space
+    or against another base (a late worker's) is decoded whole once (codec.load_weights) and
+    converted per tensor. Whatever goes wrong with one contribution raises InputError naming its
+    worker (the round is refused, that worker runs again)."""
 
-    def __init__(self, storage: Storage, folded: Sequence[Any], space: str, base_digest: str) -> None:
+    def __init__(self, storage: Storage, folded: Sequence[Any], space: str, base_digest: str,
+                 shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """`shapes`: the float tensors of the global weights, in the order get() will ask for them."""
         self._stack = contextlib.ExitStack()
-        self._sources: list[tuple[str, Any]] = []  # ("file", (TensorFile, encoding)) or ("whole", weights)
+        self._sources: list[tuple[int, str, Any]] = []  # (worker, label, tensor iterator or whole weights)
+        self._files: list[tuple[int, TensorFile]] = []
         self.space = space
         try:
             for f in folded:
                 label = f"worker {f.worker} ({storage.display(f.key)})"
-                m = read_manifest(storage, f.key, label)
-                if m is None or m.get("digest") != f.digest:
-                    raise CheckpointError(f"{label}: replaced or removed since it was validated; merge the round again")
-                tf = self._stack.enter_context(TensorFile(storage, f.key, m, label))
-                enc = codec.encoding_of(tf.metadata, label)
-                same = stored_in(space, enc, base_digest)
-                self._sources.append(("file", (tf, enc)) if same else ("whole", codec.load_weights(storage, f.key, label)))
+                with _naming(f.worker, label):
+                    m = read_manifest(storage, f.key, label)
+                    if m is None or m.get("digest") != f.digest:
+                        raise CheckpointError(f"{label}: replaced or removed since it was validated; merge the round again")
+                    tf = self._stack.enter_context(TensorFile(storage, f.key, m, label))
+                    enc = codec.encoding_of(tf.metadata, label)
+                    if stored_in(space, enc, base_digest):
+                        self._files.append((f.worker, tf))
+                        it = self._stack.enter_context(contextlib.closing(whole_tensors(tf, enc, shapes, label, f.worker)))
+                        self._sources.append((f.worker, label, it))
+                    else:
+                        self._sources.append((f.worker, label, codec.load_weights(storage, f.key, label)))
         except BaseException:
             self._stack.close()
             raise
 
     def get(self, name: str, base: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+        """Every contribution's tensor `name` (float32; a view of a read buffer until the next get)."""
         out = []
-        for kind, src in self._sources:
-            if kind == "file":
-                tf, enc = src
-                out.append(tf.read(name).to(torch.float32) if enc is None
-                           else codec.decode_tensor(name, tuple(base().shape), enc, tf.read))
-            else:
-                out.append(in_space(src[name], base(), self.space).to(torch.float32))
+        for worker, label, src in self._sources:
+            with _naming(worker, label):
+                if isinstance(src, dict):
+                    out.append(in_space(src[name], base(), self.space).to(torch.float32))
+                    continue
+                got, t = next(src)
+                assert got == name, f"tensors asked out of order: {name}, read {got}"
+                out.append(t)
         return out
 
     def verify(self) -> None:
-        for kind, src in self._sources:
-            if kind == "file":
-                src[0].verify()
+        for worker, tf in self._files:
+            with _naming(worker, tf.label):
+                tf.verify()
 
     def close(self) -> None:
         self._stack.close()
+
+
+@contextlib.contextmanager
+def _naming(worker: int, label: str) -> Iterator[None]:
+    """Whatever goes wrong with one contribution's reads is an InputError naming its worker."""
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one contribution's failure, whatever it is
+        raise InputError(worker, refusal(label, exc)) from None

@@ -4,7 +4,7 @@ the next global weights and outer optimizer state out, bad contributions rejecte
 The merge of a DiLoCo / FedAvg / lo-fi round is linear: the outer gradient is base - the workers'
 weighted mean. So each contribution is folded into a running sum S = sum_i w_i x_i the moment it
 lands (RunningSum.add, while the others still train), and the merge after the last one lands
-reads that one contribution, then takes one outer step per tensor from S (merge/round_step.py).
+reads that one contribution, then takes one outer step per tensor from S (`outer_step`, below).
 Contributions are read by merge/contributions.py; this module adds what it reads, checked.
 
 - Space: x_i are weights, or, when the contributions are deltas against this round's base
@@ -27,23 +27,28 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from core import codec, outer
-from core.checkpoint import FLOATS, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, read_manifest
+from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TensorFile, TensorSpec, load_checkpoint, open_checkpoint, \
+    read_manifest
+from core.checkpoint_writer import OutputFile
 from core.errors import CheckpointError
+from core.failpoints import failpoint
+from core.outer import outer_grad, state_in_specs, state_key, state_slots
 from core.storage import Storage
 from merge.contributions import ContributionReader, decoded, in_space, stored_in
 from merge.engine import merging
-from merge.inputs import finite, nonfinite, refusal
+from merge.inputs import InputError, finite, nonfinite, refusal
 from merge.lte import merge_lte_round
-from merge.outer import StepOverflow
+from merge.outer import OuterStep, StepOverflow, state_out_specs
+from merge.robust import Values
+from merge.robust import aggregate as robust_aggregate
 from merge.round_spec import Contribution, MergeResult, QuorumError, RoundSpec
-from merge.round_step import digest_now, outer_step
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +248,12 @@ class RunningSum:
             why = f"worker {worst.worker}: its outer gradient (largest entry {worst.peak:.3g}) made the merged " \
                   f"global weights not finite: {exc}"
             raise QuorumError(f"round refused: {why}", {worst.worker: why}) from None
+        except InputError as exc:  # a robust aggregate read a contribution again, and it failed: that one runs again
+            raise QuorumError(f"round refused: {exc.reason}", {exc.ident: exc.reason}) from None
         return MergeResult(merged=sorted(order), rejected=rejected, bytes_read=sum(f.nbytes for f in self.folded),
                            seconds=time.perf_counter() - t0, outer_grad_norm=grad_sq ** 0.5, manifest=out_manifest,
                            order=order)
+
 
 def merge_round(storage: Storage, spec: RoundSpec, contributions: Sequence[Contribution],
                 accumulator: RunningSum | None = None) -> MergeResult:
@@ -258,3 +266,81 @@ def merge_round(storage: Storage, spec: RoundSpec, contributions: Sequence[Contr
         return merge_lte_round(storage, spec, contributions)
     acc = accumulator if accumulator is not None else RunningSum(storage, spec.base)
     return acc.merge(contributions, spec)
+
+
+# -- the outer step -------------------------------------------------------------------
+def digest_now(storage: Storage, key: str) -> str | None:
+    """The digest the manifest at `key` says now; None if there is none or it is damaged."""
+    try:
+        return (read_manifest(storage, key) or {}).get("digest")
+    except CheckpointError:  # damaged: the fold refuses the contribution, naming why
+        return None
+
+
+def outer_step(acc: RunningSum, spec: RoundSpec, order: list[int]) -> tuple[dict[str, Any], float]:
+    """The outer step, tensor by tensor, from acc's sum S over acc.folded (S is divided in place):
+    the new global weights and state written and committed; their manifest and the squared norm of
+    the outer gradient. Reads the base and state from acc.held when they are still the files."""
+    s, total, cfg = acc.storage, float(sum(f.weight for f in acc.folded)), spec.outer
+    assert cfg is not None
+    layout = [(n, sp.dtype, sp.shape) for n, sp in acc.ref.items()]
+    robust = None if spec.aggregate == "mean" else (spec.aggregate, spec.trim)
+    manifest = {**spec.manifest, "merge_order": order, **({"aggregate": spec.aggregate} if robust else {})}
+    opened: list[TensorFile] = []
+    floats = {n: tuple(sp.shape) for n, sp in acc.ref.items() if sp.dtype in FLOATS}
+    values = Values(s, acc.folded, acc.space or "weights", acc.base_digest, floats) if robust else None
+    step = OuterStep([OutputFile(s, spec.out, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in layout],
+                                 spec.metadata, manifest)],
+                     OutputFile(s, spec.state_out, state_out_specs(layout, cfg), None,
+                                {"optimizer": cfg.optimizer}) if spec.state_out else None, cfg)
+    try:
+        base, _ = _source(acc, spec.base, f"global weights {s.display(spec.base)}", opened)
+        state, have = _state(acc, spec, layout, opened)
+        for name, sp in acc.ref.items():
+            b = base(name)
+            if sp.dtype not in FLOATS:
+                step.keep(name, b)
+                continue
+            if values is None:
+                grad = outer_grad(acc.sums[name], total, b, acc.space)
+            else:  # a robust aggregate is the mean itself
+                grad = outer_grad(robust_aggregate(values.get(name, lambda: b), *robust), 1.0, b, acc.space)  # type: ignore[misc]
+            step.step(name, b, grad, {slot: state(state_key(name, slot)) for slot, _ in have.get(name, [])},
+                      owned=True)
+            failpoint("merge.while_reading")  # crash tests: half the step written, temporaries on disk
+        step.finish()
+        for f in opened:
+            f.verify()
+        if values is not None:
+            values.verify()
+        return step.commit(), step.grad_sq
+    except BaseException:
+        step.abort()
+        raise
+    finally:
+        for f in opened:
+            f.close()
+        if values is not None:
+            values.close()
+
+
+def _source(acc: RunningSum, key: str, label: str, opened: list[TensorFile]
+            ) -> tuple[Callable[[str], torch.Tensor], dict[str, tuple[str, tuple[int, ...]]]]:
+    """(a tensor of the checkpoint at `key` by name, its entries' dtypes and shapes): the copy
+    held in memory if it is still the file on storage (same digest; it is given up, since the
+    step overwrites it), else the file, added to `opened` (verified and closed by the caller)."""
+    held = acc.held.pop(key, None)
+    if held is not None and digest_now(acc.storage, key) == held[0]:
+        return held[1].__getitem__, {k: (DTYPES[t.dtype], tuple(t.shape)) for k, t in held[1].items()}
+    opened.append(open_checkpoint(acc.storage, key, label))
+    return opened[-1].read, {k: (sp.dtype, sp.shape) for k, sp in opened[-1].specs.items()}
+
+
+def _state(acc: RunningSum, spec: RoundSpec, layout: list[tuple[str, str, tuple[int, ...]]], opened: list[TensorFile]
+           ) -> tuple[Callable[[str], torch.Tensor], dict[str, list[tuple[str, bool]]]]:
+    """(the outer state's tensors by key, each model tensor's state slots): none on a first step."""
+    if spec.state_in is None:
+        return lambda key: torch.empty(0), {}
+    label = f"outer optimizer state {acc.storage.display(spec.state_in)}"
+    state, entries = _source(acc, spec.state_in, label, opened)
+    return state, state_in_specs(entries, layout, state_slots(spec.outer), label)  # it fits model and optimizer

@@ -130,6 +130,16 @@ def _alter(s: Storage, key: str) -> None:
     write_checkpoint(s, key, tensors, metadata=meta, manifest={k: v for k, v in manifest.items() if k in ("round", "worker")})
 
 
+def _plant(s: Storage, r: int, w: int, **tensors) -> None:
+    """Worker w's contribution to round r rewritten with `tensors` in place of its own (a file whose
+    entries do not decode), and the record forged to name it: what only a co-tenant writes."""
+    old, meta, manifest = load_checkpoint(s, L.contribution(r, w))
+    write_checkpoint(s, L.contribution(r, w), {**old, **tensors}, metadata=meta,
+                     manifest={k: v for k, v in manifest.items() if k in ("round", "worker", "base", "base_digest")})
+    recorded = s.read_json(L.round_record(r))["contrib_digest"]
+    _forge_record(s, r, contrib_digest={**recorded, str(w): read_manifest(s, L.contribution(r, w))["digest"]})
+
+
 def _forge_record(s: Storage, r: int, **changes) -> None:
     rec = s.read_json(L.round_record(r))
     s.write_json(L.round_record(r), {**rec, **changes})
@@ -174,6 +184,7 @@ def test_inputs_not_fewer_bytes_than_the_global_are_not_replayed(tmp_path, caplo
                              merge_order=[0, 1, 2, -1]), "round 1 folded late contributions"),
     (lambda s: _alter(s, L.contribution(1, 1)), "is not the file the round's record merged"),
     (lambda s: s.remove(L.contribution(1, 2)), "checkpoint file is missing"),
+    (lambda s: _plant(s, 1, 1, b=torch.zeros(3)), "a recorded input could not be replayed (IndexError"),
 ])
 def test_anything_missing_or_altered_after_the_commit_reads_the_global(nesterov_run, tmp_path, caplog, damage, why):
     s, cfg = nesterov_run

@@ -17,7 +17,7 @@ from core.config import OuterConfig, load_config
 from core.errors import ConfigError
 from merge.robust import aggregate, trimmed_mean
 from merge.rounds import Contribution, merge_round
-from merge.round_spec import RoundSpec
+from merge.round_spec import QuorumError, RoundSpec
 
 FEDAVG = OuterConfig(optimizer="sgd", lr=1.0)  # the new global is the aggregate itself
 
@@ -117,3 +117,41 @@ def test_config_refuses_what_a_robust_aggregate_cannot_do():
     with pytest.raises(ConfigError, match="does not apply to lte"):
         load_config(None, None, ["round.aggregate=trimmed_mean", "algorithm=lte"])
     assert load_config(None, None, ["round.aggregate=trimmed_mean", "round.trim=0.1"]).round.trim == 0.1
+
+
+def _folded(mem):
+    """A median round whose five contributions are folded already (a RunningSum, as the service
+    streams them), and its spec."""
+    from merge.rounds import RunningSum
+    _, _, cs = _round(mem, "fp32")
+    acc = RunningSum(mem, "g0.safetensors")
+    assert all(acc.add(c) for c in cs)
+    spec = RoundSpec(base="g0.safetensors", out="g1.safetensors", outer=FEDAVG, state_out="s1.safetensors",
+                     aggregate="median", min_inputs=1)
+    return acc, cs, spec
+
+
+def test_a_contribution_whose_reads_stall_at_the_aggregate_refuses_the_round_naming_it(mem, stall_reads):
+    """The aggregate reads every contribution again: a read that stalls there (a hung NFS server)
+    fails after merge.engine.STALL_S with the worker named, as a fold's does, instead of holding
+    the service; nothing is published and the run goes on (QuorumError: the worker runs again)."""
+    acc, cs, spec = _folded(mem)
+    stall_reads("c2.safetensors")
+    with pytest.raises(QuorumError) as e:
+        merge_round(mem, spec, cs, acc)
+    assert list(e.value.rejected) == [2] and "stalls" in e.value.rejected[2] and "c2.safetensors" in e.value.rejected[2]
+    assert not mem.exists("g1.safetensors") and not mem.exists("g1.json")
+
+
+def test_a_contribution_altered_in_place_after_its_fold_refuses_the_round_naming_it(mem):
+    """Its bytes change after it was folded, its manifest not (a co-tenant, a half-synced client):
+    the aggregate's read fails its digest check, which refuses the round with the worker named
+    instead of stopping the service; nothing is published."""
+    acc, cs, spec = _folded(mem)
+    raw = bytearray(mem.read_bytes("c3.safetensors"))
+    raw[-4:] = b"\x00\x00\xc0\x7f"  # the last float now a NaN: only the digest can tell
+    mem.write_bytes("c3.safetensors", bytes(raw))
+    with pytest.raises(QuorumError) as e:
+        merge_round(mem, spec, cs, acc)
+    assert list(e.value.rejected) == [3] and "checksum" in e.value.rejected[3], e.value.rejected
+    assert not mem.exists("g1.safetensors")
