@@ -49,6 +49,11 @@ STALL_S = 300.0
 _MIN_CHUNK, _MAX_CHUNK = 1 << 18, 1 << 22
 
 
+class Stalled(InputError):
+    """An input's storage gave no data for STALL_S: nothing more is read from it on the caller's thread
+    (a read there would block as the reader's did)."""
+
+
 @dataclass(frozen=True)
 class Read:
     """Elements [start, stop) of tensor `name` in `file`, viewed as `shape`; `tag` names it in the payload."""
@@ -117,8 +122,8 @@ class Prefetch:
         try:
             item = self._ready.get(timeout=STALL_S)
         except queue.Empty:
-            raise InputError(self.ident, f"{self.label}: no data came from the storage for {STALL_S:.0f} s: it "
-                                         "stalls; check it, then try again") from None
+            raise Stalled(self.ident, f"{self.label}: no data came from the storage for {STALL_S:.0f} s: it "
+                                      "stalls; check it, then try again") from None
         if isinstance(item, BaseException):
             raise item
         return item

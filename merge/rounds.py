@@ -42,7 +42,7 @@ from core.failpoints import failpoint
 from core.outer import outer_grad, state_in_specs, state_key, state_slots
 from core.storage import Storage
 from merge.contributions import ContributionReader, decoded, in_space, stored_in
-from merge.engine import merging
+from merge.engine import Stalled, merging
 from merge.inputs import InputError, finite, nonfinite, refusal
 from merge.lte import merge_lte_round
 from merge.outer import OuterStep, StepOverflow, state_out_specs
@@ -157,8 +157,9 @@ class RunningSum:
                             self._add_sparse(c, label, p.name, p.positions, p.values)
                         else:
                             self._add(c, label, p.name, p.values, p.start, p.stop)
-            except CheckpointError:
-                f.verify()  # a damaged file is named as such, before what its bytes decode to
+            except CheckpointError as exc:
+                if not isinstance(exc, Stalled):  # reading the rest here would block as the reader did
+                    f.verify()  # a damaged file is named as such, before what its bytes decode to
                 raise
             f.verify()
             return f.manifest["digest"], f.size  # type: ignore[index]

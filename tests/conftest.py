@@ -152,23 +152,28 @@ def mount_tmpfs():
 
 @pytest.fixture
 def stall_reads(monkeypatch):
-    """`stall_reads(key)`: reads of that file's data (past its header) block until the test ends,
-    as on a hung NFS server; merge.engine.STALL_S is 0.3 s meanwhile."""
+    """`stall_reads(key)`: reads of that file's data (past its header) by a reader thread block until
+    the test ends, as on a hung NFS server; merge.engine.STALL_S is 0.3 s meanwhile. A read of it on
+    the test's own thread (the service's, which would hang there for good) fails the test instead."""
     import threading
 
     from core.checkpoint import TensorFile
     from merge import engine
     monkeypatch.setattr(engine, "STALL_S", 0.3)
-    release, keys = threading.Event(), set()
+    release, keys, caller, on_caller = threading.Event(), set(), threading.current_thread(), []
     real = TensorFile._read_exact
 
     def hang(self, offset, view):
         if self.key in keys and offset >= getattr(self, "data_start", 1 << 62):
+            if threading.current_thread() is caller:
+                on_caller.append(self.key)
+                raise OSError(f"{self.key} read on the caller's thread after its storage stalled")
             release.wait(30)
         return real(self, offset, view)
     monkeypatch.setattr(TensorFile, "_read_exact", hang)
     yield keys.add
     release.set()
+    assert not on_caller, f"read on the service's own thread after they stalled (it would hang there): {on_caller}"
 
 
 @pytest.fixture
