@@ -288,13 +288,15 @@ def outer_step(acc: RunningSum, spec: RoundSpec, order: list[int]) -> tuple[dict
     robust = None if spec.aggregate == "mean" else (spec.aggregate, spec.trim)
     manifest = {**spec.manifest, "merge_order": order, **({"aggregate": spec.aggregate} if robust else {})}
     opened: list[TensorFile] = []
-    floats = {n: tuple(sp.shape) for n, sp in acc.ref.items() if sp.dtype in FLOATS}
-    values = Values(s, acc.folded, acc.space or "weights", acc.base_digest, floats) if robust else None
+    values: Values | None = None
     step = OuterStep([OutputFile(s, spec.out, [(n, d, sh, math.prod(sh) * ITEMSIZE[d]) for n, d, sh in layout],
                                  spec.metadata, manifest)],
                      OutputFile(s, spec.state_out, state_out_specs(layout, cfg), None,
                                 {"optimizer": cfg.optimizer}) if spec.state_out else None, cfg)
     try:
+        if robust:
+            floats = {n: tuple(sp.shape) for n, sp in acc.ref.items() if sp.dtype in FLOATS}
+            values = Values(s, acc.folded, acc.space or "weights", acc.base_digest, floats)
         base, _ = _source(acc, spec.base, f"global weights {s.display(spec.base)}", opened)
         state, have = _state(acc, spec, layout, opened)
         for name, sp in acc.ref.items():
