@@ -61,7 +61,7 @@ class ContributionReader:
     def pieces(self, f: TensorFile, enc: codec.Encoding | None, label: str, worker: int) -> Iterator[Iterator[Piece]]:
         """`f`'s values in file order (see the module docstring). A piece's values may lie in a read
         buffer: use them before taking the next."""
-        entries = {n: [e for e in (n, n + codec.INDEX, n + codec.SCALE) if e in f.specs] for n in self.ref}
+        entries = {n: stored_entries(f, n) for n in self.ref}
         owner = {e: n for n, es in entries.items() for e in es}
         plan = []
         for e, sp in f.specs.items():
@@ -103,11 +103,16 @@ def whole_tensors(f: TensorFile, enc: codec.Encoding | None, shapes: Mapping[str
     stored (views of a read buffer, valid until the next is taken), a coded delta's decoded
     (core.codec), each read with its index and scales by merge.engine.read_whole, one at a time (a
     read that stalls fails after merge.engine.STALL_S, naming `worker`)."""
-    groups = [[e for e in (n, n + codec.INDEX, n + codec.SCALE) if e in f.specs] for n in shapes]
+    groups = [stored_entries(f, n) for n in shapes]
     with contextlib.closing(read_whole(f, worker, groups, depth=1)) as read:
         for name, got in zip(shapes, read):
             get = lambda n: codec.entry(got, n, label)  # noqa: E731
             yield name, (get(name).to(torch.float32) if enc is None else codec.decode_tensor(name, shapes[name], enc, get))
+
+
+def stored_entries(f: TensorFile, name: str) -> list[str]:
+    """The entries of `f` that hold tensor `name`: itself, and its coding's index and scales if any."""
+    return [e for e in (name, name + codec.INDEX, name + codec.SCALE) if e in f.specs]
 
 
 def stored_in(space: str | None, enc: codec.Encoding | None, base_digest: str) -> bool:
