@@ -166,7 +166,7 @@ class RoundConfig:
     running at the deadline is cancelled, it restarts from the new global weights. `fold`: the
     straggler runs on; once its contribution arrives, its pseudo-gradient (its base minus its
     weights) joins a later round's outer gradient with weight x staleness_decay ** rounds_late,
-    and it restarts from the new global weights."""
+    and it restarts from the new global weights (not with `lte`)."""
     staleness_decay: float = 0.5
     """`fold` only: a contribution k rounds late is averaged in with its weight x decay ** k."""
     max_staleness: int = 4

@@ -249,6 +249,9 @@ def _check_round(cfg: Config) -> list[str]:
          "round.contribution=delta does not apply to lte, whose workers send LoRA heads: drop it")
     need(rc.contribution == "weights" or rc.late_policy != "fold",
          "round.contribution=delta with round.late_policy=fold is not supported yet: use late_policy continue or drop")
+    need(cfg.algorithm != "lte" or rc.late_policy != "fold",
+         "round.late_policy=fold does not apply to lte: a late worker's heads were trained on an older base, which the "
+         "merged heads have changed since; use late_policy drop (a straggler is cancelled at the deadline)")
     return p
 
 

@@ -91,7 +91,7 @@ class RoundMerger:
         if self.schedule is not None:
             order = self.schedule.order[r]
             contribs.sort(key=lambda c: order.index(c.worker))
-        fold = self.cfg.round.late_policy == "fold" and self.linear
+        fold = self.cfg.round.late_policy == "fold"  # never with lte (core.config_parse)
         folded, fold_refused = late.prepare_folds(self.storage, self.cfg, r) if fold else ([], [])
         try:
             result = self._merge(r, contribs + late.fold_inputs(folded, self.bound))

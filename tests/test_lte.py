@@ -323,6 +323,10 @@ def test_config_checks():
         config_from_dict({"lte": {"a_init": "orthogonal"}})
     with pytest.raises(ConfigError, match="lte.alpha"):
         config_from_dict({"lte": {"alpha": 0}})
+    # a late head was trained on a base the merge has changed since: fold is refused, not ignored
+    with pytest.raises(ConfigError, match="round.late_policy=fold does not apply to lte.*use late_policy drop"):
+        config_from_dict({"algorithm": "lte", "round": {"late_policy": "fold"}})
+    assert config_from_dict({"algorithm": "lte", "round": {"late_policy": "drop"}}).round.late_policy == "drop"
     cfg = config_from_dict({"algorithm": "lte"})
     assert config_from_dict(yaml.safe_load(to_yaml(cfg))) == cfg
 
