@@ -291,13 +291,16 @@ def outer_gradient(ck: TensorFile, name: str, base: torch.Tensor) -> torch.Tenso
 
 
 def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0,
-                 alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
+                 alloc: Alloc | None = None, on_read: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """A checkpoint's weights, whole and verified: plain weights as stored; a delta contribution
     decoded as base - delta, with its base (named in its manifest, checked by digest) loaded the
     same way, so a worker may continue from its own coded contribution of an earlier round.
-    `alloc` (TensorFile.get) gives the buffers the file's tensors are read into."""
+    `alloc` (TensorFile.get) gives the buffers the file's tensors are read into; `on_read(name)` is
+    called before each tensor of the file and of its bases is read (merge.engine.guarded's sign of
+    progress)."""
     label = label or storage.display(key)
-    tensors, meta, manifest = load_checkpoint(storage, key, label, alloc=alloc)
+    read_into = alloc if on_read is None else lambda n, shape, dt: on_read(n) or (alloc(n, shape, dt) if alloc else None)
+    tensors, meta, manifest = load_checkpoint(storage, key, label, alloc=read_into)
     enc = encoding_of(meta, label)
     if enc is None:
         return tensors
@@ -308,7 +311,7 @@ def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0,
     if base_m is None or base_m["digest"] != enc.base_digest:
         raise CheckpointError(f"{label}: its base {storage.display(base_key)} is gone or was replaced (digest differs): "
                               "the delta cannot be decoded")
-    base = load_weights(storage, base_key, depth=depth + 1)
+    base = load_weights(storage, base_key, depth=depth + 1, on_read=on_read)
     out = {}
     for name, b in base.items():
         if b.dtype in _FLOATS:

@@ -8,7 +8,8 @@ from one contribution to the next: a tensor stored alone (plain, or a dense fp32
 decoding is the cast) slice by slice; a top-k delta's chunk rows as (positions, values), never a
 dense copy; one stored with its indices or scales decoded once all its entries are in (they are
 copied out of the read buffers, being small). One in the other space (a late worker's delta
-against an older base) is decoded whole (codec.load_weights) and converted tensor by tensor.
+against an older base) is decoded whole (codec.load_weights, on a thread of its own: merge.engine.guarded)
+and converted tensor by tensor.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from core import codec
 from core.checkpoint import DTYPES, FLOATS, TensorFile, TensorSpec
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.engine import DEPTH, Buffer, Prefetch, Read, read_whole
+from merge.engine import DEPTH, Buffer, Prefetch, Read, guarded, read_whole
 from merge.inputs import compare_specs
 
 FOLD_CHUNK = 1 << 22
@@ -126,10 +127,14 @@ def in_space(t: torch.Tensor, base: torch.Tensor, space: str | None) -> torch.Te
     return base.to(torch.float32) - t.to(torch.float32) if space == "delta" and t.is_floating_point() else t
 
 
-def decoded(storage: Storage, key: str, label: str, ref: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
-    """A contribution in the other space, decoded whole (codec.load_weights) and its layout checked:
-    its weights."""
-    weights = codec.load_weights(storage, key, label)
+def decoded(storage: Storage, key: str, label: str, worker: int,
+            ref: Mapping[str, TensorSpec] | None = None) -> dict[str, torch.Tensor]:
+    """A contribution in the other space, decoded whole (codec.load_weights) with its base, on a
+    thread of its own (a read that stalls fails after merge.engine.STALL_S, naming `worker`): its
+    weights, their layout checked against `ref`'s if given."""
+    weights = guarded(label, worker, lambda on_read: codec.load_weights(storage, key, label, on_read=on_read))
+    if ref is None:
+        return weights
     _same_layout({n: (s.dtype, s.shape) for n, s in ref.items()},
                  {n: (DTYPES[t.dtype], tuple(t.shape)) for n, t in weights.items()}, label, "the global weights")
     return weights

@@ -24,9 +24,9 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,6 +47,7 @@ that is ahead waits for the slowest, and needs room to stay ahead meanwhile."""
 STALL_S = 300.0
 """An input whose storage gives no segment for this long (a hung NFS server) fails the merge."""
 _MIN_CHUNK, _MAX_CHUNK = 1 << 18, 1 << 22
+T = TypeVar("T")
 
 
 class Stalled(InputError):
@@ -164,6 +165,34 @@ def read_tensors(f: TensorFile, ident: Any, names: Sequence[str] | None = None) 
         for got in read:
             ((name, t),) = got.items()
             yield str(name), t.clone()
+
+
+def guarded(label: str, ident: Any, read: Callable[[Callable[[str], None]], T]) -> T:
+    """`read(on_read)` on a thread of its own, for a reader of whole files that calls `on_read`
+    before each tensor it reads (core.codec.load_weights): no tensor begun for STALL_S raises
+    Stalled naming `ident` instead of blocking the caller for good (the blocked read keeps its
+    daemon thread); what `read` raises is raised here."""
+    beats: queue.Queue[Any] = queue.Queue()
+    done: list[Any] = []
+
+    def run() -> None:
+        try:
+            done.append(read(beats.put))
+        except BaseException as exc:  # handed to the caller, as raised
+            done.append(exc)
+        beats.put(done)
+
+    threading.Thread(target=run, name=f"merge-read-{ident}", daemon=True).start()
+    while True:
+        try:
+            if beats.get(timeout=STALL_S) is done:
+                break
+        except queue.Empty:
+            raise Stalled(ident, f"{label}: no data came from the storage for {STALL_S:.0f} s: it stalls; check it, "
+                                 "then try again") from None
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
 
 
 def _reason(label: str, exc: BaseException) -> str:

@@ -19,7 +19,7 @@ from core import codec
 from core.checkpoint import TensorFile, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.contributions import in_space, stored_in, whole_tensors
+from merge.contributions import decoded, in_space, stored_in, whole_tensors
 from merge.inputs import InputError, refusal
 from merge.methods import median
 
@@ -47,8 +47,8 @@ class Values:
     (`weights`, or `delta` = base - weights), read again from storage and checked against the digest
     it was folded with: a reader thread per contribution (merge.contributions.whole_tensors), so
     that a read that stalls fails instead of holding the service. A contribution in the other space
-    or against another base (a late worker's) is decoded whole once (codec.load_weights) and
-    converted per tensor. Whatever goes wrong with one contribution raises InputError naming its
+    or against another base (a late worker's) is decoded whole once (merge.contributions.decoded,
+    guarded likewise) and converted per tensor. Whatever goes wrong with one contribution raises InputError naming its
     worker (the round is refused, that worker runs again)."""
 
     def __init__(self, storage: Storage, folded: Sequence[Any], space: str, base_digest: str,
@@ -72,7 +72,7 @@ class Values:
                         it = self._stack.enter_context(contextlib.closing(whole_tensors(tf, enc, shapes, label, f.worker)))
                         self._sources.append((f.worker, label, it))
                     else:
-                        self._sources.append((f.worker, label, codec.load_weights(storage, f.key, label)))
+                        self._sources.append((f.worker, label, decoded(storage, f.key, label, f.worker)))
         except BaseException:
             self._stack.close()
             raise

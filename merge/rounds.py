@@ -208,7 +208,7 @@ class RunningSum:
 
     def _fold_decoded(self, c: Contribution, label: str, f: TensorFile) -> tuple[str, int]:
         """An input in the other space: decoded whole, converted per tensor."""
-        weights = decoded(self.storage, c.key, label, self.ref)
+        weights = decoded(self.storage, c.key, label, c.worker, self.ref)
         self.space = self.space or "weights"
         self._bound = c.bound * codec.DRIFT  # a delta against an older base carries the global's moves since
         base = load_checkpoint(self.storage, self.base_key)[0] if self.space == "delta" else weights

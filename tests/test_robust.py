@@ -93,15 +93,22 @@ def test_a_round_follows_the_majority_not_the_outlier(mem, coding, how):
     assert float((load_checkpoint(mem, "m1.safetensors")[0]["w"] - g["w"]).abs().min()) > 10  # weight 5/15 on +50
 
 
-def test_a_late_delta_against_another_base_joins_the_median(mem):
-    """A worker that missed a round sends a delta against its own weights B: decoded whole, its
-    weights enter the median like anyone's."""
+def _late(mem):
+    """_round's, worker 1's a delta against its own weights B (b.safetensors): a worker that
+    missed the last round (late_policy continue)."""
     g, workers, cs = _round(mem, "fp32")
     b = {n: (t + 0.2) if t.is_floating_point() else t for n, t in g.items()}
     write_checkpoint(mem, "b.safetensors", b, manifest={"round": 0})
     tensors, meta, _ = codec.encode(b, workers[1], codec.Encoding("fp32", 1.0, read_manifest(mem, "b.safetensors")["digest"]))
     write_checkpoint(mem, "late.safetensors", tensors, metadata=meta, manifest={"round": 0, "base": "b.safetensors"})
     cs[1] = Contribution(1, "late.safetensors", 2.0)
+    return g, workers, cs
+
+
+def test_a_late_delta_against_another_base_joins_the_median(mem):
+    """A worker that missed a round sends a delta against its own weights B: decoded whole, its
+    weights enter the median like anyone's."""
+    g, workers, cs = _late(mem)
     merge_round(mem,
                 RoundSpec(base="g0.safetensors", out="g1.safetensors", outer=FEDAVG, state_out="s1.safetensors",
                           aggregate="median"), cs)
@@ -141,6 +148,31 @@ def test_a_contribution_whose_reads_stall_at_the_aggregate_refuses_the_round_nam
         merge_round(mem, spec, cs, acc)
     assert list(e.value.rejected) == [2] and "stalls" in e.value.rejected[2] and "c2.safetensors" in e.value.rejected[2]
     assert not mem.exists("g1.safetensors") and not mem.exists("g1.json")
+
+
+@pytest.mark.parametrize("stalled", ["late.safetensors", "b.safetensors"])
+@pytest.mark.parametrize("when", ["fold", "aggregate"])
+def test_a_late_delta_whose_reads_stall_is_refused_naming_its_worker(mem, stall_reads, stalled, when):
+    """A delta against another base is decoded whole with that base, at its fold and again at the
+    aggregate: a read of either file that stalls fails after merge.engine.STALL_S naming the worker
+    instead of holding the service (stall_reads fails the test if it is read on this thread)."""
+    from merge.rounds import RunningSum
+    _, _, cs = _late(mem)
+    acc = RunningSum(mem, "g0.safetensors")
+    spec = RoundSpec(base="g0.safetensors", out="g1.safetensors", outer=FEDAVG, state_out="s1.safetensors",
+                     aggregate="median", min_inputs=1)
+    if when == "fold":
+        stall_reads(stalled)
+        assert [acc.add(c) for c in cs] == [True, False, True, True, True]
+        assert "worker 1" in acc.rejected[1][1] and "it stalls" in acc.rejected[1][1], acc.rejected
+        assert merge_round(mem, spec, cs[:1] + cs[2:], acc).merged == [0, 2, 3, 4]
+        return
+    assert all(acc.add(c) for c in cs)
+    stall_reads(stalled)
+    with pytest.raises(QuorumError) as e:
+        merge_round(mem, spec, cs, acc)
+    assert list(e.value.rejected) == [1] and "it stalls" in e.value.rejected[1], e.value.rejected
+    assert not mem.exists("g1.safetensors")
 
 
 def test_a_contribution_altered_in_place_after_its_fold_refuses_the_round_naming_it(mem):
