@@ -20,7 +20,10 @@ behind) while a file of its size is written, as the new global is (bench.merge_t
 "read + write"). Every output is deleted before each merge, as in a run, where round r+1's files do
 not exist yet.
 
-    python -m bench.stream_merge [--k 8] [--hidden 1024 --layers 4] [--repeats 2] [--dir /tmp]
+With `--aggregate median` (or trimmed_mean) the outer step takes each tensor's element-wise median
+of the contributions, read again from storage (merge/robust.py), in place of the running sum's mean.
+
+    python -m bench.stream_merge [--k 8] [--hidden 1024 --layers 4] [--repeats 2] [--dir /tmp] [--aggregate median]
 """
 from __future__ import annotations
 
@@ -81,10 +84,10 @@ def raw_read(p: Path) -> float:
     return time.perf_counter() - t0
 
 
-def merged(s: Storage, contribs: list[Contribution], out: str, acc: RunningSum | None = None) -> None:
+def merged(s: Storage, contribs: list[Contribution], out: str, aggregate: str, acc: RunningSum | None = None) -> None:
     res = merge_round(s,
                       RoundSpec(base="g1.safetensors", out=out, outer=OUTER, state_in="s1.safetensors",
-                                state_out="s2.safetensors"), contribs, acc)
+                                state_out="s2.safetensors", aggregate=aggregate), contribs, acc)
     assert res.merged == [c.worker for c in contribs], res.rejected
 
 
@@ -103,12 +106,12 @@ def timed(run: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def streamed(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
+def streamed(s: Storage, root: Path, contribs: list[Contribution], aggregate: str) -> tuple[float, float]:
     acc = RunningSum(s, "g1.safetensors", state_key="s1.safetensors", preload=True)  # as the service does
     for c in contribs[:-1]:
         assert acc.add(c)
     fresh(root, "streamed.safetensors")
-    return timed(lambda: merged(s, contribs, "streamed.safetensors", acc))
+    return timed(lambda: merged(s, contribs, "streamed.safetensors", aggregate, acc))
 
 
 def fold_alone(s: Storage, root: Path, contribs: list[Contribution]) -> float:
@@ -119,9 +122,9 @@ def fold_alone(s: Storage, root: Path, contribs: list[Contribution]) -> float:
     return time.perf_counter() - t0
 
 
-def at_the_end(s: Storage, root: Path, contribs: list[Contribution]) -> tuple[float, float]:
+def at_the_end(s: Storage, root: Path, contribs: list[Contribution], aggregate: str) -> tuple[float, float]:
     fresh(root, "end.safetensors")
-    return timed(lambda: merged(s, contribs, "end.safetensors"))
+    return timed(lambda: merged(s, contribs, "end.safetensors", aggregate))
 
 
 def main() -> None:
@@ -131,6 +134,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    p.add_argument("--aggregate", default="mean", choices=["mean", "median", "trimmed_mean"],
+                   help="round.aggregate: a robust one reads every contribution again for the outer step")
     args = p.parse_args()
     dims = (args.hidden, int(args.hidden * 2.6875), 32000, args.layers)
     root = Path(tempfile.mkdtemp(prefix="bench-stream-", dir=args.dir))
@@ -146,8 +151,8 @@ def main() -> None:
             raws.append(raw_read(root / "w0.safetensors"))
             evict(files(root))
             rws.append(read_and_write([root / "w0.safetensors"], READ_WRITE))
-            runs = [streamed(s, root, contribs), (fold_alone(s, root, contribs), float("nan")),
-                    at_the_end(s, root, contribs)]
+            runs = [streamed(s, root, contribs, args.aggregate), (fold_alone(s, root, contribs), float("nan")),
+                    at_the_end(s, root, contribs, args.aggregate)]
             for n, r in zip(names, runs):
                 times[n].append(r)
             print(f"repeat: raw {raws[-1]:.2f}s, read + write {rws[-1]:.2f}s, streamed {runs[0][0]:.2f}s, "
@@ -155,7 +160,7 @@ def main() -> None:
         same = (root / "streamed.safetensors").read_bytes() == (root / "end.safetensors").read_bytes()
         raw, rw = statistics.median(raws), statistics.median(rws)
         end_t = statistics.median(t[0] for t in times[names[2]])
-        print(f"K={args.k} contributions of {size / 2**20:.0f} MiB (fp32), Nesterov outer step with state; "
+        print(f"K={args.k} contributions of {size / 2**20:.0f} MiB (fp32), aggregate {args.aggregate}, Nesterov outer step with state; "
               f"median of {args.repeats}, page cache evicted before each; raw read of one checkpoint "
               f"{raw:.2f} s ({size / raw / 1e9:.2f} GB/s); read while one is written {rw:.2f} s\n")
         print("| merge latency after the last worker lands | seconds | x one raw read | x read + write | x at the end | CPU-s |")
