@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -156,11 +156,40 @@ def model_stock_ratios(inputs: Sequence[Any], base: Any, params: Mapping[str, An
 
 def median(tensors: Sequence[torch.Tensor], weights: Sequence[float], **_: object) -> torch.Tensor:
     """Element-wise median; for an even count, the mean of the two middle values. Unweighted."""
-    if len(tensors) == 1:
-        return _f32(tensors[0]).clone()
-    s = torch.stack([_f32(t) for t in tensors]).sort(dim=0).values
-    k = len(tensors)
-    return s[k // 2].clone() if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
+    s, k = sorted_elementwise(tensors), len(tensors)
+    return s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
+
+
+def sorted_elementwise(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The K tensors' values sorted element by element (out[0] holds each element's smallest), as
+    float32 copies: compare-exchanges of whole tensors along Batcher's sorting network, a few times
+    faster than torch.sort along a stacked first dimension for small K (docs/benchmarks.md) and
+    without its int64 indices. The inputs are finite (a NaN would spread to its element's outputs)."""
+    x = [_f32(t).clone() for t in tensors]
+    for i, j in sorting_network(len(x)):
+        low = torch.minimum(x[i], x[j])
+        torch.maximum(x[i], x[j], out=x[j])
+        x[i] = low
+    return x
+
+
+@lru_cache(maxsize=64)
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort for n inputs: compare-exchange pairs (i < j, the smaller value
+    to i) that leave any n values in order. Built for the next power of two without the pairs that
+    reach past n: those would compare a value with an +inf pad, which never moves."""
+    size = 1 << max(0, n - 1).bit_length()
+    pairs, p = [], 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p) and i + j + k < n:
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple(pairs)
 
 
 def outer(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, base: torch.Tensor,

@@ -20,8 +20,8 @@ from core.checkpoint import TensorFile, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
 from merge.contributions import decoded, in_space, stored_in, whole_tensors
-from merge.inputs import InputError, refusal
-from merge.methods import median
+from merge.inputs import InputError, finite, refusal
+from merge.methods import median, sorted_elementwise
 
 AGGREGATES = ("mean", "median", "trimmed_mean")
 
@@ -32,7 +32,7 @@ def trimmed_mean(x: torch.Tensor, trim: float) -> torch.Tensor:
     cut = int(trim * k)
     if 2 * cut >= k:
         raise ValueError(f"trimmed mean: trimming {cut} of {k} at each end leaves nothing; lower round.trim")
-    return x.sort(dim=0).values[cut:k - cut].mean(dim=0)
+    return torch.stack(sorted_elementwise(x.unbind(0))[cut:k - cut]).mean(dim=0)
 
 
 def aggregate(values: Sequence[torch.Tensor], how: str, trim: float) -> torch.Tensor:
@@ -87,6 +87,9 @@ class Values:
                     continue
                 got, t = next(src)
                 assert got == name, f"tensors asked out of order: {name}, read {got}"
+                if not finite(t):  # it was at its fold: named here, before its NaN spreads to the aggregate
+                    raise CheckpointError(f"{label}: tensor {name} is not finite now though it was at its fold: the "
+                                          "file changed since; merge the round again")
                 out.append(t)
         return out
 
