@@ -48,8 +48,8 @@ class Values:
     it was folded with: a reader thread per contribution (merge.contributions.whole_tensors), so
     that a read that stalls fails instead of holding the service. A contribution in the other space
     or against another base (a late worker's) is decoded whole once (merge.contributions.decoded,
-    guarded likewise) and converted per tensor. Whatever goes wrong with one contribution raises InputError naming its
-    worker (the round is refused, that worker runs again)."""
+    guarded likewise) and converted per tensor. Whatever goes wrong with one contribution raises
+    InputError naming its worker (the round is refused, that worker runs again)."""
 
     def __init__(self, storage: Storage, folded: Sequence[Any], space: str, base_digest: str,
                  shapes: Mapping[str, tuple[int, ...]]) -> None:
