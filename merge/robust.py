@@ -26,20 +26,20 @@ from merge.methods import median, sorted_elementwise
 AGGREGATES = ("mean", "median", "trimmed_mean")
 
 
-def trimmed_mean(x: torch.Tensor, trim: float) -> torch.Tensor:
-    """Per element, the mean of the K values along dim 0 once int(trim * K) are dropped at each end."""
-    k = x.shape[0]
+def trimmed_mean(values: Sequence[torch.Tensor], trim: float) -> torch.Tensor:
+    """Per element, the mean of the K values once int(trim * K) are dropped at each end."""
+    k = len(values)
     cut = int(trim * k)
     if 2 * cut >= k:
         raise ValueError(f"trimmed mean: trimming {cut} of {k} at each end leaves nothing; lower round.trim")
-    return torch.stack(sorted_elementwise(x.unbind(0))[cut:k - cut]).mean(dim=0)
+    return torch.stack(sorted_elementwise(values)[cut:k - cut]).mean(dim=0)
 
 
 def aggregate(values: Sequence[torch.Tensor], how: str, trim: float) -> torch.Tensor:
     """`median` (merge.methods's: the mean of the middle two for even K) or `trimmed_mean` of the values."""
     if how == "median":
         return median(values, [1.0] * len(values))
-    return trimmed_mean(torch.stack([v.to(torch.float32) for v in values]), trim)
+    return trimmed_mean(values, trim)
 
 
 class Values:
