@@ -120,14 +120,7 @@ class Prefetch:
                 return
 
     def take(self) -> tuple[Buffer, dict[str | None, torch.Tensor]]:
-        try:
-            item = self._ready.get(timeout=STALL_S)
-        except queue.Empty:
-            raise Stalled(self.ident, f"{self.label}: no data came from the storage for {STALL_S:.0f} s: it "
-                                      "stalls; check it, then try again") from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return _next(self._ready, self.label, self.ident)
 
     def give_back(self, buf: Buffer) -> None:
         self._free.put(buf)
@@ -172,27 +165,31 @@ def guarded(label: str, ident: Any, read: Callable[[Callable[[str], None]], T]) 
     before each tensor it reads (core.codec.load_weights): no tensor begun for STALL_S raises
     Stalled naming `ident` instead of blocking the caller for good (the blocked read keeps its
     daemon thread); what `read` raises is raised here."""
-    beats: queue.Queue[Any] = queue.Queue()
-    done: list[Any] = []
+    events: queue.Queue[Any] = queue.Queue()
 
     def run() -> None:
         try:
-            done.append(read(beats.put))
+            events.put(("done", read(lambda _name: events.put(None))))
         except BaseException as exc:  # handed to the caller, as raised
-            done.append(exc)
-        beats.put(done)
+            events.put(exc)
 
     threading.Thread(target=run, name=f"merge-read-{ident}", daemon=True).start()
-    while True:
-        try:
-            if beats.get(timeout=STALL_S) is done:
-                break
-        except queue.Empty:
-            raise Stalled(ident, f"{label}: no data came from the storage for {STALL_S:.0f} s: it stalls; check it, "
-                                 "then try again") from None
-    if isinstance(done[0], BaseException):
-        raise done[0]
-    return done[0]
+    while (event := _next(events, label, ident)) is None:  # a tensor begun: the read moves
+        pass
+    return event[1]
+
+
+def _next(events: queue.Queue[Any], label: str, ident: Any) -> Any:
+    """The next thing a reader thread put in `events`; an exception it put is raised here, and
+    nothing for STALL_S raises Stalled naming `ident`."""
+    try:
+        event = events.get(timeout=STALL_S)
+    except queue.Empty:
+        raise Stalled(ident, f"{label}: no data came from the storage for {STALL_S:.0f} s: it stalls; check it, "
+                             "then try again") from None
+    if isinstance(event, BaseException):
+        raise event
+    return event
 
 
 def _reason(label: str, exc: BaseException) -> str:
