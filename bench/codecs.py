@@ -55,6 +55,7 @@ VARIANTS: dict[str, dict] = {  # name: config overrides
     "topk 1/32, 2 bits, feedback 0.9": {**T, "round.topk": 1 / 32},
     "topk 1/64, 2 bits, feedback 0.9": {**T, "round.topk": 1 / 64},
     "topk 1/128, 2 bits, feedback 0.9": {**T, "round.topk": 1 / 128},
+    "delta int8, keep 0.1": {**D, "round.codec": "int8", "round.prune_keep": 0.1},
 }
 
 

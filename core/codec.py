@@ -1,20 +1,19 @@
 """Contributions on the wire: full weights, or the outer gradient `delta = base - weights`, compressed.
 
 A worker publishes either its weights (`round.contribution: weights`) or its delta from the base it
-trained from (`delta`), coded as `round.codec`: fp32, bf16 or int8 after keeping the top
-`round.prune_keep` fraction of each row by magnitude (the DiLoCo paper's Table 6 prunes outer
-gradients the same way, with little loss up to about half pruned), or `topk`: the top `round.topk`
-of each chunk of 4096 entries in `round.bits` bits (core/topk.py), with error feedback (the
-worker adds what it did not send to its next delta: encode's `feedback`). The file is plain
-safetensors; for a float tensor `name`:
+trained from (`delta`), coded as `round.codec`: fp32, bf16 or int8, or `topk`: the top
+`round.topk` of each chunk of 4096 entries in `round.bits` bits, with error feedback (the worker
+adds what it did not send to its next delta: encode's `feedback`). Sparse deltas have one format,
+core/topk.py's: topk's, and a delta pruned to the top `round.prune_keep` of each row by magnitude
+(the DiLoCo paper's Table 6 prunes outer gradients so, with little loss up to about half pruned),
+whose chunks are its rows and whose kept values are stored in the codec's width (fp32 and bf16 as
+they are, int8 as 8-bit codes). The file is plain safetensors; for a float tensor `name`:
 
     fp32 / bf16, dense    name            F32/BF16, the tensor's shape
     int8, dense           name            I8, the tensor's shape; name::scale F32 [rows]
-    any, pruned           name            [rows, k] kept values (I8/F32/BF16); name::index I16/I32 [rows, k]
-                          (+ name::scale for int8)
-    topk                  name            U8 [chunks, row bytes]: per chunk its scale, codes and offsets (Elias-Fano)
+    topk, or pruned       name            U8 [chunks, row bytes]: per chunk its scale, values and offsets (Elias-Fano)
 
-Rows are the first dimension (a 1-D or 0-D tensor is one row); int8 is symmetric per row:
+Rows are the first dimension (a 1-D or 0-D tensor is one row); dense int8 is symmetric per row:
 q = round(v / s), s = max|v| / 127, so |v - q s| <= s / 2. Non-float tensors are stored as they are.
 The safetensors header metadata `islands.contribution` (JSON) says how the file is coded and the
 digest of the base the delta is relative to; a file without it holds plain weights. Decoding is
@@ -37,10 +36,13 @@ from core.storage import Storage
 
 META = "islands.contribution"
 SCALE = "::scale"
-INDEX = "::index"
 CODECS = ("fp32", "bf16", "int8", "topk")
 _STORE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_PRUNED_BITS = {"fp32": 32, "bf16": 16, "int8": 8}
+"""A pruned delta's kept values: as they are in fp32 and bf16, 8-bit codes for int8 (core/topk.py)."""
+ROWS = "rows"
+"""A pruned delta's chunks, as its metadata names them: each row of a tensor."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,34 @@ class Encoding:
     bits: int = 0
     """topk only: bits per kept value (2, 4 or 8)."""
 
+    @property
+    def sparse(self) -> bool:
+        """Stored as chunks of kept entries (core/topk.py): topk, or a pruned delta."""
+        return self.codec == "topk" or self.keep < 1
+
+    @property
+    def fraction(self) -> float:
+        """A sparse delta's fraction of each chunk kept."""
+        return self.topk if self.codec == "topk" else self.keep
+
+    @property
+    def value_bits(self) -> int:
+        """The width of a sparse delta's kept values."""
+        return self.bits if self.codec == "topk" else _PRUNED_BITS[self.codec]
+
+    def chunk(self, shape: tuple[int, ...]) -> int:
+        """Entries a chunk of a sparse delta of a tensor of `shape`: 4096 (topk), or a row."""
+        return sparse_code.CHUNK if self.codec == "topk" else rows_of(shape)[1]
+
+    def layout(self, shape: tuple[int, ...]) -> sparse_code.Layout:
+        return sparse_code.layout(math.prod(shape), self.fraction, self.chunk(shape))
+
     def metadata(self) -> dict[str, str]:
         d = {"format": "delta", "codec": self.codec, "keep": self.keep, "base_digest": self.base_digest}
         if self.codec == "topk":
-            d.update(topk=self.topk, bits=self.bits, chunk=sparse_code.CHUNK, layout=sparse_code.LAYOUT)
+            d.update(topk=self.topk, bits=self.bits)
+        if self.sparse:
+            d.update(chunk=sparse_code.CHUNK if self.codec == "topk" else ROWS, layout=sparse_code.LAYOUT)
         return {META: json.dumps(d, sort_keys=True)}
 
 
@@ -87,16 +113,16 @@ def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:
         topk = d.get("codec") == "topk"
         enc = Encoding(str(d["codec"]), float(d["keep"]), str(d["base_digest"]),
                        float(d["topk"]) if topk else 0.0, int(d["bits"]) if topk else 0)
-        chunk = int(d["chunk"]) if topk else sparse_code.CHUNK
     except (ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{label}: metadata {META} is malformed ({raw[:80]!r}): the file is damaged") from None
     if d.get("format") != "delta" or enc.codec not in CODECS or not 0 < enc.keep <= 1 or \
-            topk and not (0 < enc.topk <= 1 and enc.bits in sparse_code.BITS and chunk == sparse_code.CHUNK
-                     and d.get("layout") == sparse_code.LAYOUT):
+            topk and not (0 < enc.topk <= 1 and enc.bits in sparse_code.BITS and enc.keep == 1) or \
+            enc.sparse and (d.get("chunk") != (sparse_code.CHUNK if topk else ROWS) or d.get("layout") != sparse_code.LAYOUT):
         raise CheckpointError(f"{label}: unknown contribution coding {raw[:160]!r}; this version reads delta "
-                              f"coded as {', '.join(CODECS)} with 0 < keep <= 1 (topk: 0 < topk <= 1, bits "
-                              f"2, 4 or 8, chunks of {sparse_code.CHUNK}, layout {sparse_code.LAYOUT}; a topk file without a "
-                              "layout was written by an older islands: finish that run with it)")
+                              f"coded as {', '.join(CODECS)} with 0 < keep <= 1 (topk: 0 < topk <= 1, bits 2, 4 or "
+                              f"8, keep 1, chunks of {sparse_code.CHUNK}; keep < 1: chunks {ROWS}; both layout "
+                              f"{sparse_code.LAYOUT}; a sparse file without a layout was written by an older islands: "
+                              "finish that run with it)")
     return enc
 
 
@@ -105,18 +131,6 @@ def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
     n = math.prod(shape)
     rows = shape[0] if len(shape) >= 2 else 1
     return rows, (n // rows if rows else 0)
-
-
-def kept_per_row(cols: int, keep: float) -> int:
-    """Entries kept in a row of `cols`: ceil(keep * cols), at least 1 (all of them at keep = 1)."""
-    return cols if keep >= 1 else min(cols, max(1, math.ceil(keep * cols)))
-
-
-def prune_rows(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k entries of largest magnitude of each row of the 2-D `v`: (values, column indices),
-    indices ascending (core.topk.largest: the same selection as a top-k chunk)."""
-    idx = sparse_code.largest(v.abs(), k)
-    return v.gather(1, idx), idx
 
 
 def quantize_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,25 +148,13 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def encode_tensor(name: str, delta: torch.Tensor, enc: Encoding) -> dict[str, torch.Tensor]:
     """The stored entries of one float tensor's delta (see the module docstring)."""
-    if enc.codec == "topk":
-        return {name: sparse_code.encode(delta, enc.topk, enc.bits)}
-    codec, keep = enc.codec, enc.keep
     shape = tuple(delta.shape)
-    rows, cols = rows_of(shape)
-    v = delta.detach().to(torch.float32).reshape(rows, cols)
-    k = kept_per_row(cols, keep)
-    out: dict[str, torch.Tensor] = {}
-    if k < cols:
-        v, idx = prune_rows(v, k)
-        out[name + INDEX] = idx.to(torch.int16 if cols <= 1 << 15 else torch.int32)
-    if codec == "int8":
-        q, scale = quantize_int8(v)
-        out[name], out[name + SCALE] = q, scale
-    else:
-        out[name] = v.to(_STORE[codec])
-    if k == cols:
-        out[name] = out[name].reshape(shape)
-    return out
+    if enc.sparse:
+        return {name: sparse_code.encode(delta, enc.fraction, enc.value_bits, enc.chunk(shape))}
+    if enc.codec == "int8":
+        q, scale = quantize_int8(delta.detach().to(torch.float32).reshape(rows_of(shape)))
+        return {name: q.reshape(shape), name + SCALE: scale}
+    return {name: delta.detach().to(_STORE[enc.codec])}
 
 
 def max_update(cfg: Config) -> float:
@@ -244,41 +246,31 @@ def stored_specs(ref: Mapping[str, tuple[str, tuple[int, ...]]], enc: Encoding) 
         if dtype not in ("F64", "F32", "F16", "BF16"):
             out[name] = (dtype, shape)
             continue
-        if enc.codec == "topk":
-            lay = sparse_code.layout(math.prod(shape), enc.topk)
-            out[name] = ("U8", (lay.chunks, lay.row_bytes(enc.bits)))
+        if enc.sparse:
+            lay = enc.layout(shape)
+            out[name] = ("U8", (lay.chunks, lay.row_bytes(enc.value_bits)))
             continue
-        rows, cols = rows_of(shape)
-        k = kept_per_row(cols, enc.keep)
-        out[name] = (DTYPES[_STORE[enc.codec]], shape if k == cols else (rows, k))
-        if k < cols:
-            out[name + INDEX] = ("I16" if cols <= 1 << 15 else "I32", (rows, k))
+        out[name] = (DTYPES[_STORE[enc.codec]], shape)
         if enc.codec == "int8":
-            out[name + SCALE] = ("F32", (rows,))
+            out[name + SCALE] = ("F32", (rows_of(shape)[0],))
     return out
 
 
 def sparse_tensor(name: str, shape: tuple[int, ...], enc: Encoding, get: Callable[[str], torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A topk delta of tensor `name` (of `shape`) as (flat positions, fp32 values), checked
+    """A sparse delta of tensor `name` (of `shape`) as (flat positions, fp32 values), checked
     (core.topk.sparse), from its stored entries, fetched with `get`."""
-    return sparse_code.sparse(name, math.prod(shape), enc.topk, enc.bits, get(name))
+    return sparse_code.sparse(name, math.prod(shape), enc.fraction, enc.value_bits, get(name), enc.chunk(shape))
 
 
 def decode_tensor(name: str, shape: tuple[int, ...], enc: Encoding, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """The fp32 delta of tensor `name` (of `shape`) from its stored entries, fetched with `get`."""
-    if enc.codec == "topk":
+    if enc.sparse:
         return sparse_code.dense(math.prod(shape), *sparse_tensor(name, shape, enc, get)).reshape(shape)
-    rows, cols = rows_of(shape)
     v = get(name)
-    v = dequantize_int8(v.reshape(rows, -1), get(name + SCALE)) if enc.codec == "int8" else v.to(torch.float32)
-    if kept_per_row(cols, enc.keep) < cols:
-        dense = torch.zeros(rows, cols, dtype=torch.float32)
-        idx = get(name + INDEX).to(torch.int64)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= cols):
-            raise CheckpointError(f"tensor {name}: pruned-entry index out of range [0, {cols}): the file is damaged")
-        v = dense.scatter_(1, idx, v.reshape(rows, -1))
-    return v.reshape(shape)
+    if enc.codec == "int8":
+        return dequantize_int8(v.reshape(rows_of(shape)[0], -1), get(name + SCALE)).reshape(shape)
+    return v.to(torch.float32).reshape(shape)
 
 
 def outer_gradient(ck: TensorFile, name: str, base: torch.Tensor) -> torch.Tensor:

@@ -196,9 +196,10 @@ class RoundConfig:
     with topk use outer.optimizer sgd and outer.lr 3: the feedback is the momentum."""
     prune_keep: float = 1.0
     """`delta` only: fraction of each row's entries kept, the largest by magnitude (the DiLoCo
-    paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the kept values are
-    stored with their column index (2 bytes each for rows up to 32768 wide): it saves bytes only
-    below about 1/3 (int8), 1/2 (bf16) or 2/3 (fp32)."""
+    paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the delta is stored
+    as topk's are (core/topk.py), each row a chunk: the kept values (fp32 and bf16 as they are, int8
+    as 8-bit codes of the row's largest kept magnitude), their offsets in at most 2 bits a column,
+    and 4 bytes a row."""
     topk: float = 0.0625
     """codec `topk` only: fraction of each chunk of 4096 entries kept, the largest by magnitude
     (1/16: 256 a chunk; 1/64 halves the bytes and costs more loss, docs/benchmarks.md)."""

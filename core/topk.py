@@ -1,9 +1,11 @@
-"""Top-k of each chunk, in 2, 4 or 8 bits: the sparse coding of an outer gradient (round.codec: topk).
+"""Top-k of each chunk: the one sparse coding of an outer gradient (round.codec: topk, and the
+pruned deltas of round.prune_keep, core/codec.py).
 
-A tensor is seen flat and cut into chunks of CHUNK consecutive entries (a tensor smaller than that
-is one chunk of its own size; the last chunk is padded with entries never chosen over a real one).
-Each chunk keeps its k entries of largest magnitude, k = ceil(topk x chunk), stored as one row of
-the tensor's single entry `name`, U8 [chunks, Layout.row_bytes(bits)]:
+A tensor is seen flat and cut into chunks of consecutive entries: CHUNK of them for round.codec
+topk, one row of the tensor for a pruned delta (a tensor smaller than a chunk is one chunk of its
+own size; the last chunk is padded with entries never chosen over a real one). Each chunk keeps its
+k entries of largest magnitude, k = ceil(fraction x chunk), stored as one row of the tensor's
+single entry `name`, U8 [chunks, Layout.row_bytes(bits)]:
 
     4 bytes                   the chunk's largest kept magnitude a, F32 little-endian
     ceil(k x bits / 8) bytes  the kept values' codes, packed low bits first
@@ -12,8 +14,9 @@ the tensor's single entry `name`, U8 [chunks, Layout.row_bytes(bits)]:
 (One entry a tensor, not three: a safetensors header costs about 90 bytes an entry, which for the
 built-in model's 29 tensors was a fifth of the file.)
 
-A code q in [0, 2^bits) stands for -a + (q + 1/2) 2a / 2^bits (uniform, symmetric, no zero level:
-a kept entry is never small), so a value is off by at most a / 2^bits. Flat chunks rather than
+In 2, 4 or 8 bits, a code q in [0, 2^bits) stands for -a + (q + 1/2) 2a / 2^bits (uniform,
+symmetric, no zero level: a kept entry is never small), so a value is off by at most a / 2^bits;
+in 16 or 32 bits, the code is the value itself as bfloat16 or float32 (a pruned bf16 or fp32 delta). Flat chunks rather than
 SparseLoCo's 2-D tiles: with plain top-k (no DCT, as DeMo has) a tile's 2-D locality buys nothing,
 while a flat chunk is a view of any tensor, whatever its rank.
 
@@ -37,6 +40,9 @@ from core.errors import CheckpointError
 CHUNK = 4096
 """Entries per chunk (SparseLoCo's 64 x 64)."""
 BITS = (2, 4, 8)
+"""Widths of the quantized values (round.bits)."""
+RAW = {16: torch.bfloat16, 32: torch.float32}
+"""Widths at which a value is stored as it is, in that dtype."""
 LAYOUT = "rows/elias-fano"
 """How chunks are stored, named in a file's metadata (files without it hold three entries a
 tensor, with int16 offsets: an older islands wrote them)."""
@@ -85,14 +91,13 @@ def layout(numel: int, topk: float, chunk: int = CHUNK) -> Layout:
 
 def largest(mag: torch.Tensor, k: int) -> torch.Tensor:
     """The column indices of the k largest entries of each row of `mag`, ascending: the one sparse
-    selection of a coded delta (a top-k chunk here, a pruned row in core/codec.py), sorted so that
-    the same delta always codes to the same bytes."""
+    selection of a coded delta, sorted so that the same delta always codes to the same bytes."""
     return mag.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
-def encode(v: torch.Tensor, topk: float, bits: int) -> torch.Tensor:
+def encode(v: torch.Tensor, topk: float, bits: int, chunk: int = CHUNK) -> torch.Tensor:
     """U8 [chunks, row_bytes] of the fp32 tensor `v` (see the module docstring)."""
-    lay = layout(v.numel(), topk)
+    lay = layout(v.numel(), topk, chunk)
     padded = torch.zeros(lay.chunks, lay.chunk)
     padded.view(-1)[:lay.numel] = v.detach().reshape(-1)
     mag = padded.abs()
@@ -100,11 +105,13 @@ def encode(v: torch.Tensor, topk: float, bits: int) -> torch.Tensor:
     idx = largest(mag, lay.k)
     kept = padded.gather(1, idx)
     scale = kept.abs().amax(dim=1) if lay.chunks else torch.zeros(0)
+    head = scale.to(torch.float32).view(torch.uint8).view(lay.chunks, 4)
+    if bits in RAW:
+        return torch.cat([head, kept.to(RAW[bits]).view(torch.uint8), encode_offsets(idx, lay)], dim=1)
     levels = 1 << bits
     step = torch.where(scale > 0, 2 * scale / levels, torch.ones_like(scale))[:, None]
     codes = torch.floor((kept + scale[:, None]) / step).clamp_(0, levels - 1).to(torch.uint8)
-    return torch.cat([scale.to(torch.float32).view(torch.uint8).view(lay.chunks, 4), pack(codes, bits),
-                      encode_offsets(idx, lay)], dim=1)
+    return torch.cat([head, pack(codes, bits), encode_offsets(idx, lay)], dim=1)
 
 
 def encode_offsets(idx: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -162,12 +169,13 @@ def unpack(coded: torch.Tensor, count: int, width: int, dtype: torch.dtype) -> t
     return out
 
 
-def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat positions int64, fp32 values) of the kept entries of tensor `name`, from its stored
-    rows (shape already checked against the header); positions in padding are dropped.
-    Raises CheckpointError for offsets out of range or not strictly ascending (a duplicate), and for
-    scales that are negative, not finite, or so large that the values overflow."""
-    lay = layout(numel, topk)
+def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor, chunk: int = CHUNK
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions int64, fp32 values) of the kept entries of tensor `name`, from its stored rows (shape already checked against the header); positions in padding are dropped.
+    Raises CheckpointError for offsets out of range or not strictly ascending (a duplicate), for
+    scales that are negative, not finite, or so large that the values overflow, and for stored
+    values (16 or 32 bits) that are not finite."""
+    lay = layout(numel, topk, chunk)
     code_end = 4 + lay.code_bytes(bits)
     idx = decode_offsets(name, rows[:, code_end:], lay)
     if idx.numel() and int(idx.max()) >= lay.chunk:  # never below 0 from Elias-Fano's code
@@ -178,11 +186,16 @@ def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor) ->
     scale = rows[:, :4].reshape(-1).clone().view(torch.float32)  # a fresh buffer: aligned for F32
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise CheckpointError(f"tensor {name}: a chunk's scale is negative or not finite: the file is damaged")
-    step = (2 * scale / (1 << bits))[:, None]
-    vals = torch.addcmul(0.5 * step - scale[:, None], unpack(rows[:, 4:code_end], lay.k, bits, torch.float32), step)
-    if not bool(torch.isfinite(vals).all()):  # a finite scale near float32's largest: its values overflow
-        raise CheckpointError(f"tensor {name}: a chunk's scale ({float(scale.max()):.3g}) is too large for its values "
-                              "to be float32 numbers: the file is damaged")
+    if bits in RAW:
+        vals = rows[:, 4:code_end].reshape(-1).clone().view(RAW[bits]).to(torch.float32)  # a fresh, aligned buffer
+        if not bool(torch.isfinite(vals).all()):
+            raise CheckpointError(f"tensor {name}: a kept value is NaN or Inf: the file is damaged")
+    else:
+        step = (2 * scale / (1 << bits))[:, None]
+        vals = torch.addcmul(0.5 * step - scale[:, None], unpack(rows[:, 4:code_end], lay.k, bits, torch.float32), step)
+        if not bool(torch.isfinite(vals).all()):  # a finite scale near float32's largest: its values overflow
+            raise CheckpointError(f"tensor {name}: a chunk's scale ({float(scale.max()):.3g}) is too large for its "
+                                  "values to be float32 numbers: the file is damaged")
     pos = (idx + torch.arange(lay.chunks)[:, None] * lay.chunk).reshape(-1)
     vals = vals.reshape(-1)
     if lay.chunks * lay.chunk == numel:  # no padding

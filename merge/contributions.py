@@ -5,9 +5,9 @@ one at a time, for a robust aggregate (merge/robust.py, `whole_tensors`).
 A contribution in the round's space (weights, or a delta coded against this round's base) is read
 as it is stored, through the engine's prefetching reader (merge/engine.py) into read buffers kept
 from one contribution to the next: a tensor stored alone (plain, or a dense fp32/bf16 delta, whose
-decoding is the cast) slice by slice; a top-k delta's chunk rows as (positions, values), never a
-dense copy; one stored with its indices or scales decoded once all its entries are in (they are
-copied out of the read buffers, being small). One in the other space (a late worker's delta
+decoding is the cast) slice by slice; a sparse delta's (top-k or pruned) chunk rows as
+(positions, values), never a dense copy; a dense int8 delta decoded once its values and scales are
+in (copied out of the read buffers). One in the other space (a late worker's delta
 against an older base) is decoded whole (codec.load_weights, on a thread of its own: merge.engine.guarded)
 and converted tensor by tensor.
 """
@@ -76,11 +76,11 @@ class ContributionReader:
 
         def read() -> Iterator[Piece]:
             groups: dict[str, dict[str, torch.Tensor]] = {}
-            topk = enc is not None and enc.codec == "topk"
+            sparse = enc is not None and enc.sparse
             for (r,) in plan:
                 buf, got = reader.take()
                 name, t = owner[r.tag], got[r.tag]
-                if topk and self.ref[name].dtype in FLOATS:
+                if sparse and self.ref[name].dtype in FLOATS:
                     positions, values = codec.sparse_tensor(name, self.ref[name].shape, enc, {name: t}.__getitem__)
                     yield Piece(name, values, positions=positions)
                 elif entries[name] == [r.tag]:
@@ -102,7 +102,7 @@ def whole_tensors(f: TensorFile, enc: codec.Encoding | None, shapes: Mapping[str
                   worker: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, float32 tensor) for `f`'s float tensors `shapes` in that order, whole: plain ones as
     stored (views of a read buffer, valid until the next is taken), a coded delta's decoded
-    (core.codec), each read with its index and scales by merge.engine.read_whole, one at a time (a
+    (core.codec), each read with its scales by merge.engine.read_whole, one at a time (a
     read that stalls fails after merge.engine.STALL_S, naming `worker`)."""
     groups = [stored_entries(f, n) for n in shapes]
     with contextlib.closing(read_whole(f, worker, groups, depth=1)) as read:
@@ -112,8 +112,8 @@ def whole_tensors(f: TensorFile, enc: codec.Encoding | None, shapes: Mapping[str
 
 
 def stored_entries(f: TensorFile, name: str) -> list[str]:
-    """The entries of `f` that hold tensor `name`: itself, and its coding's index and scales if any."""
-    return [e for e in (name, name + codec.INDEX, name + codec.SCALE) if e in f.specs]
+    """The entries of `f` that hold tensor `name`: itself, and its coding's scales if any."""
+    return [e for e in (name, name + codec.SCALE) if e in f.specs]
 
 
 def stored_in(space: str | None, enc: codec.Encoding | None, base_digest: str) -> bool:

@@ -5,7 +5,9 @@ plain torch on the full tensors and torch.optim.SGD(nesterov=True) stepped direc
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -46,14 +48,15 @@ def test_int8_error_is_at_most_half_a_step_per_row():
 
 def test_prune_keeps_exactly_the_top_fraction_of_each_row():
     v = torch.tensor([[0.1, -3.0, 2.0, 0.5, -0.2], [1.0, 0.0, 0.0, 0.0, -1.5]])
-    assert codec.kept_per_row(5, 0.4) == 2
-    vals, idx = codec.prune_rows(v, 2)
-    assert idx.tolist() == [[1, 2], [0, 4]] and vals.tolist() == [[-3.0, 2.0], [1.0, -1.5]]
+    enc = codec.Encoding("fp32", 0.4, "x")
+    assert enc.layout((2, 5)).k == 2  # each row a chunk of its own: 2 of its 5 kept
+    pos, vals = codec.sparse_tensor("w", (2, 5), enc, codec.encode_tensor("w", v, enc).__getitem__)
+    assert pos.tolist() == [1, 2, 5, 9] and vals.tolist() == [-3.0, 2.0, 1.0, -1.5]
     torch.manual_seed(1)
     big = torch.randn(16, 300)
-    k = codec.kept_per_row(300, 0.1)
-    dense = codec.decode_tensor("w", (16, 300), codec.Encoding("fp32", 0.1, "x"),
-                                codec.encode_tensor("w", big, codec.Encoding("fp32", 0.1, "x")).__getitem__)
+    enc = codec.Encoding("fp32", 0.1, "x")
+    k = enc.layout((16, 300)).k
+    dense = codec.decode_tensor("w", (16, 300), enc, codec.encode_tensor("w", big, enc).__getitem__)
     assert k == 30 and all(int((row != 0).sum()) == k for row in dense)
     threshold = big.abs().sort(dim=1, descending=True).values[:, k - 1: k]  # the k-th largest magnitude
     assert torch.equal(dense != 0, big.abs() >= threshold)
@@ -319,6 +322,43 @@ def test_a_damaged_state_is_not_held_and_the_merge_names_it(mem, caplog):
     with pytest.raises(CheckpointError, match=r"outer optimizer state .*state_g1\.safetensors.*checksum does not match"):
         _round1(mem, cs, "g2.safetensors", acc)
     assert not mem.exists("g2.safetensors")
+
+
+def _nan_value(tensors, meta):
+    rows = tensors["a.w"].clone()
+    rows[0, 4:8] = torch.tensor([float("nan")]).view(torch.uint8)  # the first kept value, fp32
+    tensors["a.w"] = rows
+    return meta
+
+
+def _pruned_meta(**changes):
+    def damage(tensors, meta):
+        d = json.loads(meta[codec.META])
+        d.update(changes)
+        return {codec.META: json.dumps(d)}
+    return damage
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_nan_value, "tensor a.w: a kept value is NaN or Inf"),
+    (_pruned_meta(chunk=4096), "unknown contribution coding"),
+    (_pruned_meta(layout=None), "without a layout was written by an older islands"),
+    (lambda t, m: t.__setitem__("a.w", t["a.w"][:, :-1].contiguous()) or m, r"a\.w is U8\[8, 49\]"),
+])
+def test_a_damaged_pruned_contribution_is_one_rejection_with_its_reason(mem, damage, reason):
+    """A pruned delta is stored as top-k chunks a row long (core/topk.py), and refused as they are."""
+    g, workers, sha = _setup(mem, k=2, seed=11)
+    enc = codec.Encoding("fp32", 0.3, sha)
+    # a row of 33 keeps 10: its scale, 10 fp32 values, offsets in l = 1 low bit (2 bytes) and a
+    # high field of 10 + (33 >> 1) = 26 bits (4 bytes)
+    assert codec.stored_specs({"a.w": ("F32", (8, 33))}, enc) == {"a.w": ("U8", (8, 4 + 40 + 2 + 4))}
+    good = Contribution(0, _publish(mem, "d0.safetensors", g, workers[0], sha, "fp32", keep=0.3), 1.0)
+    tensors, meta, _ = codec.encode(g, workers[1], enc)
+    meta = damage(tensors, meta)
+    write_checkpoint(mem, "d1.safetensors", tensors, metadata=meta,
+                     manifest={"round": 0, "base": "g0.safetensors", "base_digest": sha})
+    res = _merge(mem, [good, Contribution(1, "d1.safetensors", 1.0)])
+    assert res.merged == [0] and re.search(reason, res.rejected[1]), res.rejected
 
 
 def test_a_coded_contribution_with_wrong_entries_is_rejected_with_the_tensor_named(mem):

@@ -256,22 +256,46 @@ def test_offsets_cost_about_two_bits_more_than_their_share_of_the_chunk():
     assert topk.layout(4096, 1.0).index_bytes == 2 * 4096 // 8  # all kept: no low bits, 2 bits an entry
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), chunk=st.sampled_from([topk.CHUNK, 1, 7, 64, 300]),
+       frac=st.sampled_from([1 / 64, 0.1, 0.5, 1.0]), seed=st.integers(0, 2**16))
+def test_values_of_16_and_32_bits_are_stored_as_they_are(n, chunk, frac, seed):
+    """A pruned delta's chunks (a row each: any length) keep each chunk's largest entries, their
+    values exact in 32 bits and bf16-rounded in 16."""
+    v = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    lay = topk.layout(n, frac, chunk)
+    for bits, dtype in ((32, torch.float32), (16, torch.bfloat16)):
+        got = topk.encode(v, frac, bits, chunk)
+        assert tuple(got.shape) == (lay.chunks, lay.row_bytes(bits))
+        pos, vals = topk.sparse("v", n, frac, bits, got, chunk)
+        assert torch.equal(vals, v[pos].to(dtype).to(torch.float32))
+        for c in range(lay.chunks):
+            part = v[c * lay.chunk:(c + 1) * lay.chunk].abs()
+            mine = pos[(pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)] - c * lay.chunk
+            assert len(mine) == min(lay.k, len(part))
+            rest = torch.ones(len(part), dtype=torch.bool)
+            rest[mine] = False
+            if rest.any():
+                assert part[mine].min() >= part[rest].max()
+
+
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 9000), frac=st.sampled_from([1 / 64, 1 / 16, 0.5, 1.0]), bits=st.sampled_from([2, 4, 8]),
-       data=st.data())
-def test_any_bytes_of_the_right_shape_decode_to_kept_entries_or_one_refusal(n, frac, bits, data):
+@given(n=st.integers(1, 9000), frac=st.sampled_from([1 / 64, 1 / 16, 0.5, 1.0]), bits=st.sampled_from([2, 4, 8, 16, 32]),
+       chunk=st.sampled_from([topk.CHUNK, 1, 64, 300]), data=st.data())
+def test_any_bytes_of_the_right_shape_decode_to_kept_entries_or_one_refusal(n, frac, bits, chunk, data):
     """What the header check lets through (the row shape) is decoded or refused by CheckpointError:
     never another exception, never a position outside the tensor or twice, never a value that is not
-    finite. Rows are random bytes, or a real coding with one byte changed."""
-    lay = topk.layout(n, frac)
+    finite. Rows are random bytes, or a real coding with one byte changed; chunks of 4096 (topk) or
+    a row's length (a pruned delta), values quantized or stored as they are (16, 32 bits)."""
+    lay = topk.layout(n, frac, chunk)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
     if data.draw(st.booleans()):
         rows = torch.randint(0, 256, (lay.chunks, lay.row_bytes(bits)), generator=g, dtype=torch.uint8)
     else:
-        rows = topk.encode(torch.randn(n, generator=g), frac, bits)
+        rows = topk.encode(torch.randn(n, generator=g), frac, bits, chunk)
         rows.view(-1)[data.draw(st.integers(0, rows.numel() - 1))] = data.draw(st.integers(0, 255))
     try:
-        pos, vals = topk.sparse("t", n, frac, bits, rows)
+        pos, vals = topk.sparse("t", n, frac, bits, rows, chunk)
     except CheckpointError:
         return
     assert pos.dtype == torch.int64 and len(set(pos.tolist())) == len(pos)

@@ -196,7 +196,7 @@ class Replica:
         get = lambda n: codec.entry(tensors, n, label)  # noqa: E731
         for name, s in sums.items():
             shape = tuple(self.weights[name].shape)
-            if enc.codec == "topk":
+            if enc.sparse:
                 fold_sparse(s, *codec.sparse_tensor(name, shape, enc, get), weight)
             else:
                 fold(s, codec.decode_tensor(name, shape, enc, get), weight)
