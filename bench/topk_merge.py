@@ -7,9 +7,10 @@ then merged from each set, alternating, with no running sum (all K read after th
 a resumed service does) and every file evicted from the page cache first, so reads come from the
 disk. A top-k contribution is scattered into the running sum (merge.rounds.RunningSum._add_sparse),
 an int8 one decoded densely and added. Also reported: bytes per contribution, and the worker's
-time to code one (codec.encode, error feedback on), against int8's.
+time to code one (codec.encode, error feedback on), against int8's. With `--pruned KEEP`, also
+fp32 and int8 deltas pruned to KEEP of each row (round.prune_keep: the same sparse format).
 
-    python -m bench.topk_merge [--k 8] [--dims 1024,2816,8192,4] [--repeats 3] [--dir /tmp]
+    python -m bench.topk_merge [--k 8] [--dims 1024,2816,8192,4] [--repeats 3] [--dir /tmp] [--pruned 0.5]
 """
 from __future__ import annotations
 
@@ -37,22 +38,23 @@ _DEFAULT = RoundConfig()
 CODINGS = {"int8": codec.Encoding("int8", 1.0, ""), "topk": codec.Encoding("topk", 1.0, "", _DEFAULT.topk, _DEFAULT.bits)}
 
 
-def setup(root: Path, k: int, dims: tuple[int, int, int, int]) -> tuple[Storage, dict[str, list[Contribution]], dict]:
+def setup(root: Path, k: int, dims: tuple[int, int, int, int], codings: dict[str, codec.Encoding]
+          ) -> tuple[Storage, dict[str, list[Contribution]], dict]:
     s = Storage(str(root))
     g = torch.Generator().manual_seed(0)
     base = {n: torch.rand(sh, generator=g) - 0.5 for n, sh in llama_shapes(*dims).items()}
     write_checkpoint(s, "g0.safetensors", base, manifest={"round": 0})
     sha = read_manifest(s, "g0.safetensors")["digest"]
-    sets: dict[str, list[Contribution]] = {name: [] for name in CODINGS}
-    encode_s: dict[str, list[float]] = {name: [] for name in CODINGS}
+    sets: dict[str, list[Contribution]] = {name: [] for name in codings}
+    encode_s: dict[str, list[float]] = {name: [] for name in codings}
     for i in range(k):
         w = {n: t + 0.01 * (torch.rand(t.shape, generator=g) - 0.5) for n, t in base.items()}
-        for name, enc in CODINGS.items():
+        for name, enc in codings.items():
             t0 = time.perf_counter()
             tensors, meta, _ = codec.encode(base, w, codec.Encoding(enc.codec, enc.keep, sha, enc.topk, enc.bits),
                                             {} if name == "topk" else None, 0.95)
             encode_s[name].append(time.perf_counter() - t0)
-            key = f"{name}_{i}.safetensors"
+            key = f"{name.replace(' ', '_')}_{i}.safetensors"
             write_checkpoint(s, key, tensors, metadata=meta, manifest={"round": 0, "worker": i, "base": "g0.safetensors"})
             sets[name].append(Contribution(i, key, 1000.0 + i))
     info = {"params": sum(t.numel() for t in base.values()),
@@ -77,21 +79,25 @@ def main() -> None:
     p.add_argument("--dims", default="1024,2816,8192,4", help="hidden,intermediate,vocab,layers")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    p.add_argument("--pruned", type=float, default=None, help="also fp32 and int8 deltas keeping this share of each row")
     args = p.parse_args()
+    codings = dict(CODINGS)
+    if args.pruned is not None:
+        codings.update({f"{c} keep {args.pruned:g}": codec.Encoding(c, args.pruned, "") for c in ("fp32", "int8")})
     root = Path(tempfile.mkdtemp(prefix="bench-topk-merge-", dir=args.dir))
     try:
-        s, sets, info = setup(root, args.k, tuple(int(x) for x in args.dims.split(",")))
-        times: dict[str, list[float]] = {name: [] for name in CODINGS}
+        s, sets, info = setup(root, args.k, tuple(int(x) for x in args.dims.split(",")), codings)
+        times: dict[str, list[float]] = {name: [] for name in codings}
         for _ in range(args.repeats):
             for name, contribs in sets.items():
-                times[name].append(merge_once(s, root, contribs, f"out_{name}.safetensors"))
+                times[name].append(merge_once(s, root, contribs, f"out_{name.replace(' ', '_')}.safetensors"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {name: statistics.median(v) for name, v in times.items()}
     print(json.dumps({"k": args.k, "params": info["params"], "bytes_per_contribution": info["bytes"],
                       "fp32_over_topk_bytes": round(4 * info["params"] / info["bytes"]["topk"], 1),
                       "merge_s": {n: round(v, 3) for n, v in med.items()},
-                      "merge_topk_over_int8": round(med["topk"] / med["int8"], 3),
+                      "merge_over_int8": {n: round(v / med["int8"], 3) for n, v in med.items()},
                       "encode_s": {n: round(v, 3) for n, v in info["encode_s"].items()},
                       "runs_s": {n: [round(x, 3) for x in v] for n, v in times.items()}}, indent=1))
 

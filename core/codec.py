@@ -121,8 +121,8 @@ def encoding_of(metadata: Mapping[str, str], label: str) -> Encoding | None:
         raise CheckpointError(f"{label}: unknown contribution coding {raw[:160]!r}; this version reads delta "
                               f"coded as {', '.join(CODECS)} with 0 < keep <= 1 (topk: 0 < topk <= 1, bits 2, 4 or "
                               f"8, keep 1, chunks of {sparse_code.CHUNK}; keep < 1: chunks {ROWS}; both layout "
-                              f"{sparse_code.LAYOUT}; a sparse file without a layout was written by an older islands: "
-                              "finish that run with it)")
+                              f"{sparse_code.LAYOUT}; a sparse file without a layout was written by an older islands, as was "
+                              "one of layout rows/elias-fano: finish that run with it)")
     return enc
 
 

@@ -198,7 +198,7 @@ class RoundConfig:
     """`delta` only: fraction of each row's entries kept, the largest by magnitude (the DiLoCo
     paper's Table 6 prunes outer gradients); the rest are sent as zero. Below 1 the delta is stored
     as topk's are (core/topk.py), each row a chunk: the kept values (fp32 and bf16 as they are, int8
-    as 8-bit codes of the row's largest kept magnitude), their offsets in at most 2 bits a column,
+    as 8-bit codes of the row's largest kept magnitude), their offsets in at most a bit a column,
     and 4 bytes a row."""
     topk: float = 0.0625
     """codec `topk` only: fraction of each chunk of 4096 entries kept, the largest by magnitude

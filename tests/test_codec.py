@@ -343,15 +343,16 @@ def _pruned_meta(**changes):
     (_nan_value, "tensor a.w: a kept value is NaN or Inf"),
     (_pruned_meta(chunk=4096), "unknown contribution coding"),
     (_pruned_meta(layout=None), "without a layout was written by an older islands"),
-    (lambda t, m: t.__setitem__("a.w", t["a.w"][:, :-1].contiguous()) or m, r"a\.w is U8\[8, 49\]"),
+    (lambda t, m: t.__setitem__("a.w", t["a.w"][:, :-1].contiguous()) or m, r"a\.w is U8\[8, 48\]"),
 ])
 def test_a_damaged_pruned_contribution_is_one_rejection_with_its_reason(mem, damage, reason):
     """A pruned delta is stored as top-k chunks a row long (core/topk.py), and refused as they are."""
     g, workers, sha = _setup(mem, k=2, seed=11)
     enc = codec.Encoding("fp32", 0.3, sha)
-    # a row of 33 keeps 10: its scale, 10 fp32 values, offsets in l = 1 low bit (2 bytes) and a
-    # high field of 10 + (33 >> 1) = 26 bits (4 bytes)
-    assert codec.stored_specs({"a.w": ("F32", (8, 33))}, enc) == {"a.w": ("U8", (8, 4 + 40 + 2 + 4))}
+    # a row of 33 keeps 10: its scale, 10 fp32 values and their offsets as a bitmap of 33 bits (5
+    # bytes; Elias-Fano's code would take 6: l = 1 low bit each, 2 bytes, and a high field of
+    # 10 + (33 >> 1) = 26 bits, 4 bytes)
+    assert codec.stored_specs({"a.w": ("F32", (8, 33))}, enc) == {"a.w": ("U8", (8, 4 + 40 + 5))}
     good = Contribution(0, _publish(mem, "d0.safetensors", g, workers[0], sha, "fp32", keep=0.3), 1.0)
     tensors, meta, _ = codec.encode(g, workers[1], enc)
     meta = damage(tensors, meta)

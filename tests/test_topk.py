@@ -28,13 +28,23 @@ from codec_support import merge_g0, publish_delta
 
 def test_a_chunk_by_hand():
     """k = 2 of 4: -4 and 3; scale 4; 2 bits: step 2, levels -3, -1, 1, 3; codes 0 and 3 packed
-    low bits first: 0 | 3 << 2 = 12. Offsets 1 and 3 in Elias-Fano's code, l = log2(4 / 2) = 1:
+    low bits first: 0 | 3 << 2 = 12. Offsets 1 and 3: in Elias-Fano's code, l = log2(4 / 2) = 1,
     low bits 1, 1 -> 0b11 = 3; high parts 0, 1 set bits 0 + 0 and 1 + 1 of a 2 + (4 >> 1) = 4-bit
-    field -> 0b101 = 5. The row: 4.0 as F32 little-endian (0x40800000), 12, 3, 5."""
+    field -> 0b101 = 5: 2 bytes, where a bitmap of the chunk's 4 entries takes 1: bits 1 and 3 ->
+    0b1010 = 10. The row: 4.0 as F32 little-endian (0x40800000), 12, 10. With 64 entries, -4 at 1
+    and 3 at 63, Elias-Fano's code is the smaller (3 bytes against 8), and used: l = log2(64 / 2) = 5,
+    low bits 1 and 31 -> 1 | 31 << 5 = 993 = 0x03E1; high parts 0, 1 -> bits 0 and 2 of a
+    2 + (64 >> 5)-bit field -> 5. The row: 4.0, 12, 0xE1, 0x03, 5."""
     got = topk.encode(torch.tensor([0.0, -4.0, 1.0, 3.0]), 0.5, 2)
-    assert got.dtype == torch.uint8 and got.tolist() == [[0, 0, 0x80, 0x40, 12, 3, 5]]
+    assert got.dtype == torch.uint8 and got.tolist() == [[0, 0, 0x80, 0x40, 12, 10]]
     pos, vals = topk.sparse("x", 4, 0.5, 2, got)
     assert pos.tolist() == [1, 3] and vals.tolist() == [-3.0, 3.0]
+    v = torch.zeros(64)
+    v[1], v[63] = -4.0, 3.0
+    got = topk.encode(v, 2 / 64, 2)
+    assert got.tolist() == [[0, 0, 0x80, 0x40, 12, 0xE1, 0x03, 5]]
+    pos, vals = topk.sparse("x", 64, 2 / 64, 2, got)
+    assert pos.tolist() == [1, 63] and vals.tolist() == [-3.0, 3.0]
 
 
 def test_layout_of_large_small_and_ragged_tensors():
@@ -206,6 +216,7 @@ def _meta(**changes):
     (_meta(chunk=1024), "chunks of 4096"),
     (_meta(bits="two"), "malformed"),
     (_meta(layout=None), "without a layout was written by an older islands"),
+    (_meta(layout="rows/elias-fano"), "one of layout rows/elias-fano: finish that run"),  # before the bitmaps
 ])
 def test_a_damaged_topk_contribution_is_one_rejection_with_its_reason(mem, damage, reason):
     g, workers, sha = _setup(mem, k=2, seed=4)
@@ -253,7 +264,8 @@ def test_offsets_cost_about_two_bits_more_than_their_share_of_the_chunk():
     """l = log2(chunk / k); bytes a chunk = k l / 8 + (k + chunk >> l) / 8."""
     assert topk.layout(4096, 1 / 64).index_bytes == 64 * 6 // 8 + (64 + 64) // 8 == 64  # 8 bits an offset
     assert topk.layout(4096, 1 / 16).index_bytes == 256 * 4 // 8 + (256 + 256) // 8 == 192  # 6 bits
-    assert topk.layout(4096, 1.0).index_bytes == 2 * 4096 // 8  # all kept: no low bits, 2 bits an entry
+    assert topk.layout(4096, 1.0).index_bytes == 4096 // 8  # all kept: a bitmap, 1 bit an entry
+    assert [topk.layout(4096, k / 4096).bitmap for k in (1000, 1024, 2048)] == [False, True, True]  # from k = chunk / 4
 
 
 @settings(max_examples=60, deadline=None)
