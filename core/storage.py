@@ -129,11 +129,6 @@ class Storage:
         p = self.path(key)
         return p if self._scheme is None else f"{self._scheme}://{p.lstrip('/')}"
 
-    def makedirs_path(self, path: str) -> None:
-        """Create folder `path` (a filesystem path of this fs) and its parents (locally: each new one
-        private to the user, 0700)."""
-        self.files.makedirs(path)
-
     @contextlib.contextmanager
     def local_folder(self, key: str) -> Iterator[int]:
         """A descriptor of the local run's folder `key`, made (0700) if missing and reached through no

@@ -116,7 +116,7 @@ def jobs_folder(storage: Storage, create: bool = True) -> str:
         folder = str(local_cache_root() / "jobs" / f"{Path(storage.root).name}-{digest}")
         _refuse_loose_folder(folder)
     if create:
-        run_storage(folder).makedirs_path(folder)  # private (0700): it holds the job scripts Slurm runs
+        run_storage(folder).files.makedirs(folder)  # private (0700): it holds the job scripts Slurm runs
     return folder
 
 

@@ -44,7 +44,7 @@ def test_nothing_is_written_through_a_planted_link(run_and_outside, folder):
     with pytest.raises(NotARegularFile):
         s.move("rounds/00000/contrib/worker_001.safetensors", f"{folder}/worker_001.safetensors")
     with pytest.raises(NotARegularFile):
-        s.makedirs_path(s.path(f"{folder}/deeper"))
+        s.files.makedirs(s.path(f"{folder}/deeper"))
     (outside / "victim").write_bytes(b"keep")
     with pytest.raises(NotARegularFile):
         s.remove(f"{folder}/victim")
