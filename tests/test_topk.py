@@ -260,6 +260,22 @@ def test_offsets_round_trip_through_elias_fano_at_any_density(chunk, data):
     assert torch.equal(topk.decode_offsets("t", coded, lay), idx)
 
 
+def test_a_bitmap_whose_chunks_hold_other_counts_than_k_is_refused():
+    """Chunks of 8 keeping 4, as bitmaps: a bit moved from the second chunk to the first leaves the
+    total right (8) and each chunk's count wrong (5 and 3): refused, as is a bit more or less."""
+    rows = topk.encode(torch.arange(1.0, 17.0), 0.5, 32, chunk=8)  # bitmaps 0xF0, 0xF0: the 4 largest
+    assert topk.layout(16, 0.5, 8).bitmap and rows[:, -1].tolist() == [0xF0, 0xF0]
+    for first, second in ((0xF8, 0x70), (0xF0, 0xF8), (0xF0, 0x70), (0x0F, 0xF0)):
+        bad = rows.clone()
+        bad[:, -1] = torch.tensor([first, second], dtype=torch.uint8)
+        if first == 0x0F:  # the right counts, other positions: decoded as they say
+            pos, _ = topk.sparse("t", 16, 0.5, 32, bad, chunk=8)
+            assert pos.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+            continue
+        with pytest.raises(CheckpointError, match="do not hold exactly 4 entries"):
+            topk.sparse("t", 16, 0.5, 32, bad, chunk=8)
+
+
 def test_offsets_cost_about_two_bits_more_than_their_share_of_the_chunk():
     """l = log2(chunk / k); bytes a chunk = k l / 8 + (k + chunk >> l) / 8."""
     assert topk.layout(4096, 1 / 64).index_bytes == 64 * 6 // 8 + (64 + 64) // 8 == 64  # 8 bits an offset
