@@ -17,8 +17,8 @@ built-in model's 29 tensors was a fifth of the file.)
 In 2, 4 or 8 bits, a code q in [0, 2^bits) stands for -a + (q + 1/2) 2a / 2^bits (uniform,
 symmetric, no zero level: a kept entry is never small), so a value is off by at most a / 2^bits;
 in 16 or 32 bits, the code is the value itself as bfloat16 or float32 (a pruned bf16 or fp32
-delta). Flat chunks rather than SparseLoCo's 2-D tiles: with plain top-k (no DCT, as DeMo has) a tile's 2-D locality buys nothing,
-while a flat chunk is a view of any tensor, whatever its rank.
+delta). Flat chunks rather than SparseLoCo's 2-D tiles: with plain top-k (no DCT, as DeMo has) a
+tile's 2-D locality buys nothing, while a flat chunk is a view of any tensor, whatever its rank.
 
 Offsets, ascending, in Elias-Fano's code (a fixed size for a given chunk and k, so the reader
 checks a file's shapes before it decodes a byte): with l = floor(log2(chunk / k)), each offset's
@@ -222,7 +222,8 @@ def sparse(name: str, numel: int, topk: float, bits: int, rows: torch.Tensor, ch
     values (16 or 32 bits) that are not finite."""
     lay = layout(numel, topk, chunk)
     code_end = 4 + lay.code_bytes(bits)
-    pos = bitmap_positions(name, rows[:, code_end:], lay) if lay.bitmap else _ef_positions(name, rows[:, code_end:], lay)
+    coded = rows[:, code_end:]
+    pos = bitmap_positions(name, coded, lay) if lay.bitmap else _ef_positions(name, coded, lay)
     scale = rows[:, :4].reshape(-1).clone().view(torch.float32)  # a fresh buffer: aligned for F32
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise CheckpointError(f"tensor {name}: a chunk's scale is negative or not finite: the file is damaged")
