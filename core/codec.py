@@ -11,7 +11,7 @@ they are, int8 as 8-bit codes). The file is plain safetensors; for a float tenso
 
     fp32 / bf16, dense    name            F32/BF16, the tensor's shape
     int8, dense           name            I8, the tensor's shape; name::scale F32 [rows]
-    topk, or pruned       name            U8 [chunks, row bytes]: per chunk its scale, values and offsets (Elias-Fano)
+    topk, or pruned       name            U8 [chunks, row bytes]: per chunk its scale, values and offsets (Elias-Fano, or a bitmap)
 
 Rows are the first dimension (a 1-D or 0-D tensor is one row); dense int8 is symmetric per row:
 q = round(v / s), s = max|v| / 127, so |v - q s| <= s / 2. Non-float tensors are stored as they are.

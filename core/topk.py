@@ -25,8 +25,8 @@ checks a file's shapes before it decodes a byte): with l = floor(log2(chunk / k)
 low l bits, packed, then its high part o >> l in unary, a bit set at (o >> l) + i for the i-th
 offset in a field of k + (chunk >> l) bits. That is about 2 + log2(chunk / k) bits an offset
 (8 at 1/64, 6 at 1/16) instead of 16. Where a bitmap of the chunk (a bit a position, set where
-kept) is no larger, from about k = chunk / 4 on, the offsets are that bitmap instead: it is also
-about 3x faster to decode, which matters for a pruned delta keeping half its entries.
+kept) is no larger, from about k = chunk / 4 on, the offsets are that bitmap instead, which is
+also the faster to decode (a pruned delta keeping half of each row: docs/benchmarks.md).
 Pure logic, no I/O; decoding checks everything a damaged or hostile file could get wrong.
 """
 from __future__ import annotations
