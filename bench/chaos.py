@@ -169,8 +169,10 @@ class Chaos:
         return self.start(resume=True)
 
     def _plant(self, r: int) -> None:
-        """Plant round r's file once global_r is published; then cancel that worker's job."""
-        if r in self.plant and r not in self.planted and read_manifest(self.s, L.global_weights(r)) is not None:
+        """Plant round r's file once global_r is published and the run exists (its config, written after
+        global_0: orchestrator.run_models); then cancel that worker's job."""
+        if r in self.plant and r not in self.planted and read_manifest(self.s, L.global_weights(r)) is not None \
+                and self.s.exists(L.CONFIG):
             w = self.rng.choice([w for w in range(self.a.workers) if w != self.slow])
             self.planted[r] = w
             digest = plant(self.s, r, w, self.plant[r], self.a)
