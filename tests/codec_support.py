@@ -2,6 +2,8 @@
 against g0 written as a worker writes it, and one round merged from g0 as the service merges it."""
 from __future__ import annotations
 
+import json
+
 from core import codec
 from core.checkpoint_writer import write_checkpoint
 from core.config import OuterConfig
@@ -20,3 +22,12 @@ def publish_delta(mem, key: str, g: dict, w: dict, enc: codec.Encoding) -> str:
 def merge_g0(mem, contribs, out="g1.safetensors", accumulator=None):
     return merge_round(mem, RoundSpec(base="g0.safetensors", out=out, outer=NESTEROV, state_out="state_" + out),
                        contribs, accumulator)
+
+
+def meta_changed(**changes):
+    """A damage for the hostile-file tests: the coding metadata with `changes` made to it."""
+    def damage(tensors, meta):
+        d = json.loads(meta[codec.META])
+        d.update(changes)
+        return {codec.META: json.dumps(d)}
+    return damage

@@ -5,7 +5,6 @@ plain torch on the full tensors and torch.optim.SGD(nesterov=True) stepped direc
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 
@@ -22,7 +21,7 @@ from merge.round_spec import QuorumError, RoundSpec
 from merge import contributions, rounds
 from merge.rounds import RunningSum
 
-from codec_support import NESTEROV, merge_g0, publish_delta
+from codec_support import NESTEROV, meta_changed, merge_g0, publish_delta
 
 
 # -- the codec on hand-worked tensors ---------------------------------------------------------
@@ -331,18 +330,10 @@ def _nan_value(tensors, meta):
     return meta
 
 
-def _pruned_meta(**changes):
-    def damage(tensors, meta):
-        d = json.loads(meta[codec.META])
-        d.update(changes)
-        return {codec.META: json.dumps(d)}
-    return damage
-
-
 @pytest.mark.parametrize("damage, reason", [
     (_nan_value, "tensor a.w: a kept value is NaN or Inf"),
-    (_pruned_meta(chunk=4096), "unknown contribution coding"),
-    (_pruned_meta(layout=None), "without a layout was written by an older islands"),
+    (meta_changed(chunk=4096), "unknown contribution coding"),
+    (meta_changed(layout=None), "without a layout was written by an older islands"),
     (lambda t, m: t.__setitem__("a.w", t["a.w"][:, :-1].contiguous()) or m, r"a\.w is U8\[8, 48\]"),
 ])
 def test_a_damaged_pruned_contribution_is_one_rejection_with_its_reason(mem, damage, reason):

@@ -6,7 +6,6 @@ each kind of damaged file refused with its reason.
 """
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -23,7 +22,7 @@ from core.layout import RunLayout
 from core.storage import Storage
 from merge.rounds import Contribution, RunningSum
 
-from codec_support import merge_g0, publish_delta
+from codec_support import merge_g0, meta_changed, publish_delta
 
 
 def test_a_chunk_by_hand():
@@ -54,6 +53,18 @@ def test_layout_of_large_small_and_ragged_tensors():
     assert topk.layout(5, 1.0).k == 5 and topk.layout(1, 0.01).k == 1
 
 
+def _assert_each_chunks_largest(v: torch.Tensor, pos: torch.Tensor, lay: topk.Layout) -> None:
+    """Each chunk of `v` kept exactly its k (or all, if fewer) entries of largest magnitude at `pos`."""
+    for c in range(lay.chunks):
+        chunk = v[c * lay.chunk:(c + 1) * lay.chunk].abs()
+        mine = pos[(pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)] - c * lay.chunk
+        assert len(mine) == min(lay.k, len(chunk))
+        rest = torch.ones(len(chunk), dtype=torch.bool)
+        rest[mine] = False
+        if rest.any():
+            assert chunk[mine].min() >= chunk[rest].max()
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 9000), frac=st.sampled_from([1 / 64, 1 / 8, 0.5, 1.0]), bits=st.sampled_from([2, 4, 8]),
        seed=st.integers(0, 2**16))
@@ -65,14 +76,8 @@ def test_kept_entries_are_each_chunks_largest_and_within_half_a_step(n, frac, bi
     scales = got[:, :4].reshape(-1).clone().view(torch.float32)
     pos, vals = topk.sparse("v", n, frac, bits, got)
     assert len(set(pos.tolist())) == len(pos) and all(0 <= p < n for p in pos.tolist())
+    _assert_each_chunks_largest(v, pos, lay)
     for c in range(lay.chunks):
-        chunk = v[c * lay.chunk:(c + 1) * lay.chunk].abs()
-        mine = pos[(pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)] - c * lay.chunk
-        assert len(mine) == min(lay.k, len(chunk))
-        rest = torch.ones(len(chunk), dtype=torch.bool)
-        rest[mine] = False
-        if rest.any():
-            assert chunk[mine].min() >= chunk[rest].max()
         step = 2 * scales[c] / (1 << bits)
         sel = (pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)
         assert torch.all((vals[sel] - v[pos[sel]]).abs() <= step / 2 + 1e-6 * scales[c])  # fp32 rounding
@@ -192,14 +197,6 @@ def _descending(i):
     i[0, :2] = torch.tensor([5, 3])  # one high part (0), low bits going down
 
 
-def _meta(**changes):
-    def damage(tensors, meta):
-        d = json.loads(meta[codec.META])
-        d.update(changes)
-        return {codec.META: json.dumps(d)}
-    return damage
-
-
 @pytest.mark.parametrize("damage, reason", [
     (lambda t, m: _index(t, lambda i: i.__setitem__((0, -1), 4096)), r"offset is out of range \[0, 4096\)"),
     (lambda t, m: _high_bit(t), "do not hold exactly 64 entries"),
@@ -210,13 +207,13 @@ def _meta(**changes):
     (lambda t, m: t.__setitem__("a.w", t["a.w"][:, :-1].contiguous()), r"a\.w is U8\[3, 99\], a topk delta .* has U8\[3, 100\]"),
     (lambda t, m: t.__setitem__("a.w", t["a.w"][:-1].contiguous()), r"tensor a\.w is U8\[2, 100\]"),
     (lambda t, m: t.pop("a.b"), r"a\.b"),
-    (_meta(topk=0), "unknown contribution coding"),
-    (_meta(topk=1.5), "unknown contribution coding"),
-    (_meta(bits=3), "unknown contribution coding"),
-    (_meta(chunk=1024), "chunks of 4096"),
-    (_meta(bits="two"), "malformed"),
-    (_meta(layout=None), "without a layout was written by an older islands"),
-    (_meta(layout="rows/elias-fano"), "one of layout rows/elias-fano: finish that run"),  # before the bitmaps
+    (meta_changed(topk=0), "unknown contribution coding"),
+    (meta_changed(topk=1.5), "unknown contribution coding"),
+    (meta_changed(bits=3), "unknown contribution coding"),
+    (meta_changed(chunk=1024), "chunks of 4096"),
+    (meta_changed(bits="two"), "malformed"),
+    (meta_changed(layout=None), "without a layout was written by an older islands"),
+    (meta_changed(layout="rows/elias-fano"), "one of layout rows/elias-fano: finish that run"),  # before the bitmaps
 ])
 def test_a_damaged_topk_contribution_is_one_rejection_with_its_reason(mem, damage, reason):
     g, workers, sha = _setup(mem, k=2, seed=4)
@@ -297,14 +294,7 @@ def test_values_of_16_and_32_bits_are_stored_as_they_are(n, chunk, frac, seed):
         assert tuple(got.shape) == (lay.chunks, lay.row_bytes(bits))
         pos, vals = topk.sparse("v", n, frac, bits, got, chunk)
         assert torch.equal(vals, v[pos].to(dtype).to(torch.float32))
-        for c in range(lay.chunks):
-            part = v[c * lay.chunk:(c + 1) * lay.chunk].abs()
-            mine = pos[(pos >= c * lay.chunk) & (pos < (c + 1) * lay.chunk)] - c * lay.chunk
-            assert len(mine) == min(lay.k, len(part))
-            rest = torch.ones(len(part), dtype=torch.bool)
-            rest[mine] = False
-            if rest.any():
-                assert part[mine].min() >= part[rest].max()
+        _assert_each_chunks_largest(v, pos, lay)
 
 
 @settings(max_examples=200, deadline=None)
