@@ -288,7 +288,7 @@ def load_weights(storage: Storage, key: str, label: str = "", depth: int = 0,
     decoded as base - delta, with its base (named in its manifest, checked by digest) loaded the
     same way, so a worker may continue from its own coded contribution of an earlier round.
     `alloc` (TensorFile.get) gives the buffers the file's tensors are read into; `on_read(name)` is
-    called before each tensor of the file and of its bases is read (merge.engine.guarded's sign of
+    called before each tensor of the file and of its bases is read (merge.reading.guarded's sign of
     progress)."""
     label = label or storage.display(key)
     read_into = alloc if on_read is None else lambda n, shape, dt: on_read(n) or (alloc(n, shape, dt) if alloc else None)

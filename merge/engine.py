@@ -7,30 +7,25 @@ How the bytes move (memory does not grow with K, nor with the size of the model)
 - The output is cut into segments: slices of at most `chunk` elements of one tensor, in the
   output's order. Every method is element-wise over a segment; one that needs a whole tensor of
   each input first (TIES's trim threshold) reads it beforehand, one input at a time (`prepare`).
-- Every input has a reader thread (Prefetch) filling `depth` reusable buffers with its next
-  segments: the digest fed on the way (core.checkpoint.TensorFile), bf16/f16 widened to float32.
-  File I/O, hashing and torch's kernels release the GIL, so the readers, the maths and the writer
-  thread (core.checkpoint_writer) run side by side.
+- Every input has a reader thread (merge.reading.Prefetch) reading its next segments ahead, and
+  the writer thread (core.checkpoint_writer) writes the last ones: readers, maths and writer run
+  side by side.
 - At the end every input's digest is checked against its manifest (every byte has streamed past),
   and only then are the outputs published. Any error deletes them: nothing half-merged is seen.
 
-merge.rounds is the merge service's own use of it; merge.manual is `orchestrate merge`'s.
+merge.manual (`orchestrate merge`) runs it; a round's merge is merge/rounds.py's running sum.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from core.checkpoint import DTYPES, FLOATS, ITEMSIZE, TORCH_DTYPES, TensorFile
+from core.checkpoint import DTYPES, FLOATS, TORCH_DTYPES
 from core.checkpoint_writer import OutputFile, StreamWriter
 from core.errors import CheckpointError
 from core.outer import state_in_specs, state_key, state_slots
@@ -39,179 +34,12 @@ from merge import DEFAULT_BUFFER_BYTES
 from merge.inputs import InputError, Model, finite, nonfinite, overflowed
 from merge.methods import check_method_args, method_spec
 from merge.outer import OuterStep
+from merge.reading import DEPTH, Prefetch, Read, merging
 from merge.task_vectors import row_length
 
-DEPTH = 4
-"""Segments read ahead per input: the maths take segment i of every input at once, so an input
-that is ahead waits for the slowest, and needs room to stay ahead meanwhile."""
-STALL_S = 300.0
-"""An input whose storage gives no segment for this long (a hung NFS server) fails the merge."""
 _MIN_CHUNK, _MAX_CHUNK = 1 << 18, 1 << 22
-T = TypeVar("T")
 
 
-class Stalled(InputError):
-    """An input's storage gave no data for STALL_S: nothing more is read from it on the caller's thread
-    (a read there would block as the reader's did)."""
-
-
-@dataclass(frozen=True)
-class Read:
-    """Elements [start, stop) of tensor `name` in `file`, viewed as `shape`; `tag` names it in the payload."""
-
-    tag: str | None
-    file: TensorFile
-    name: str
-    start: int
-    stop: int
-    shape: tuple[int, ...]
-
-
-class Buffer:
-    """Reusable memory of one segment: raw bytes as read, and float32 for widened bf16/f16."""
-
-    def __init__(self) -> None:
-        self.raw = torch.empty(0, dtype=torch.uint8)
-        self.f32 = torch.empty(0, dtype=torch.float32)
-
-    def fill(self, reads: list[Read]) -> dict[str | None, torch.Tensor]:
-        need = [(r.stop - r.start) * ITEMSIZE[r.file.specs[r.name].dtype] for r in reads]
-        if self.raw.numel() < sum(need):
-            self.raw = torch.empty(sum(need), dtype=torch.uint8)
-        widen = sum(r.stop - r.start for r in reads if r.file.specs[r.name].dtype in FLOATS - {"F32"})
-        if self.f32.numel() < widen:
-            self.f32 = torch.empty(widen, dtype=torch.float32)
-        out, o, o32 = {}, 0, 0
-        for r, n in zip(reads, need):
-            t = r.file.read(r.name, r.start, r.stop, self.raw[o:o + n]).reshape(-1)
-            o += n
-            if t.dtype in (torch.bfloat16, torch.float16, torch.float64):
-                t = self.f32[o32:o32 + t.numel()].copy_(t)
-                o32 += t.numel()
-            out[r.tag] = t.reshape(r.shape)
-        return out
-
-
-class Prefetch:
-    """Reads one model's segments (`plan`, each a list of Reads) in order, `depth` ahead, in its own
-    thread. take() hands over the next payload (tag -> tensor, views of a reused buffer) and the
-    buffer, which goes back with give_back() once the maths are done with it."""
-
-    def __init__(self, label: str, ident: Any, plan: list[list[Read]], buffers: list[Buffer] | None = None) -> None:
-        """`buffers`: the caller's to reuse from one reader to the next (DEPTH new ones by default)."""
-        self.label, self.ident, self.plan = label, ident, plan
-        self._free: queue.Queue[Buffer | None] = queue.Queue()
-        for buf in buffers if buffers is not None else [Buffer() for _ in range(DEPTH)]:
-            self._free.put(buf)
-        self._ready: queue.Queue[Any] = queue.Queue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"merge-read-{ident}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        for reads in self.plan:
-            buf = self._free.get()
-            if buf is None or self._closed:
-                return
-            try:
-                self._ready.put((buf, buf.fill(reads)))
-            except BaseException as exc:  # handed to take(), naming this input
-                self._ready.put(exc if isinstance(exc, InputError) else InputError(self.ident, _reason(self.label, exc)))
-                return
-
-    def take(self) -> tuple[Buffer, dict[str | None, torch.Tensor]]:
-        return _next(self._ready, self.label, self.ident)
-
-    def give_back(self, buf: Buffer) -> None:
-        self._free.put(buf)
-
-    def close(self) -> bool:
-        """Stop reading; True once the thread has ended, so that its buffers may be used again. A
-        read stuck in the kernel (a hung NFS server) keeps its daemon thread, and its buffer."""
-        self._closed = True
-        self._free.put(None)
-        self._thread.join(timeout=5)
-        return not self._thread.is_alive()
-
-
-def read_whole(f: TensorFile, ident: Any, groups: Sequence[Sequence[str]], depth: int = DEPTH
-               ) -> Iterator[dict[str | None, torch.Tensor]]:
-    """Each group of `f`'s entries, whole, in order ({entry: tensor}), read `depth` ahead by a
-    Prefetch: a read that stalls raises InputError naming `ident` after STALL_S instead of blocking
-    the caller for good. bf16/f16/f64 tensors come widened to float32. The tensors are views of a
-    read buffer, valid until the next group is taken."""
-    plan = [[Read(e, f, e, 0, math.prod(f.specs[e].shape), f.specs[e].shape) for e in g] for g in groups]
-    reader = Prefetch(f.label, ident, plan, buffers=[Buffer() for _ in range(depth)])
-    try:
-        for _ in plan:
-            buf, got = reader.take()
-            yield got
-            reader.give_back(buf)
-    finally:
-        reader.close()
-
-
-def read_tensors(f: TensorFile, ident: Any, names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for whole tensors of `f` (all, in file order, by default), as read_whole
-    reads them; each is the caller's."""
-    with contextlib.closing(read_whole(f, ident, [[n] for n in (names or list(f.specs))])) as read:
-        for got in read:
-            ((name, t),) = got.items()
-            yield str(name), t.clone()
-
-
-def guarded(label: str, ident: Any, read: Callable[[Callable[[str], None]], T]) -> T:
-    """`read(on_read)` on a thread of its own, for a reader of whole files that calls `on_read`
-    before each tensor it reads (core.codec.load_weights): no tensor begun for STALL_S raises
-    Stalled naming `ident` instead of blocking the caller for good (the blocked read keeps its
-    daemon thread); what `read` raises is raised here."""
-    events: queue.Queue[Any] = queue.Queue()
-
-    def run() -> None:
-        try:
-            events.put(("done", read(lambda _name: events.put(None))))
-        except BaseException as exc:  # handed to the caller, as raised
-            events.put(exc)
-
-    threading.Thread(target=run, name=f"merge-read-{ident}", daemon=True).start()
-    while (event := _next(events, label, ident)) is None:  # a tensor begun: the read moves
-        pass
-    return event[1]
-
-
-def _next(events: queue.Queue[Any], label: str, ident: Any) -> Any:
-    """The next thing a reader thread put in `events`; an exception it put is raised here, and
-    nothing for STALL_S raises Stalled naming `ident`."""
-    try:
-        event = events.get(timeout=STALL_S)
-    except queue.Empty:
-        raise Stalled(ident, f"{label}: no data came from the storage for {STALL_S:.0f} s: it stalls; check it, "
-                             "then try again") from None
-    if isinstance(event, BaseException):
-        raise event
-    return event
-
-
-def _reason(label: str, exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{label}: {type(exc).__name__}: {exc}"
-
-
-@contextlib.contextmanager
-def merging() -> Iterator[None]:
-    """While a merge runs, torch uses one thread: the maths are memory-bound, the cores are the
-    readers' (I/O, digests) and the writer's. And the objects alive so far (torch's are many) leave
-    the garbage collector's view for good (gc.freeze): a merge makes garbage fast, and every full
-    collection walked them all while holding the GIL the readers need (docs/benchmarks.md, Merge)."""
-    gc.freeze()
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
-# -- the engine ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Segment:
     name: str

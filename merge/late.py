@@ -18,7 +18,7 @@ from core.checkpoint import FLOATS, TensorFile, open_checkpoint
 from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.engine import read_tensors
+from merge.reading import read_tensors
 from merge.inputs import compare_specs, finite, nonfinite
 
 
@@ -40,7 +40,7 @@ def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, ou
 
 def _rebased(g: TensorFile, w: TensorFile, b: TensorFile) -> Iterator[tuple[str, torch.Tensor]]:
     # the late contribution is read by a reader thread: if its reads stall, it is refused after
-    # merge.engine.STALL_S instead of holding the merge service
+    # merge.reading.STALL_S instead of holding the merge service
     with contextlib.closing(read_tensors(w, w.label, list(g.specs))) as late:
         for (name, spec), (_, wt) in zip(g.specs.items(), late):
             gt = g.get(name)

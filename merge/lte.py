@@ -32,7 +32,7 @@ from core.checkpoint import TensorFile, TensorSpec, open_checkpoint
 from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.engine import read_tensors
+from merge.reading import read_tensors
 from merge.inputs import NONFINITE, finite, overflowed, refusal
 from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, RoundSpec
 

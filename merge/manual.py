@@ -39,10 +39,11 @@ from core.errors import CheckpointError, IslandsError, StorageError
 from core.storage import Storage
 from merge import DEFAULT_BUFFER_BYTES
 from merge import adapters as lora
-from merge.engine import MergeJob, read_tensors, run_merge
+from merge.engine import MergeJob, run_merge
 from merge.inputs import INDEX, InputError, Model, compare_specs, finite, nonfinite, open_file_model, open_model, split_url
 from merge.methods import check_method_args, method_spec, with_defaults
 from merge.outer import state_out_specs
+from merge.reading import read_tensors
 
 MERGE_KEY = "islands.merge"
 """safetensors metadata key of every output file: the method, inputs, weights and parameters as JSON."""

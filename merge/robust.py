@@ -19,9 +19,9 @@ from core import codec
 from core.checkpoint import TensorFile, read_manifest
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.contributions import decoded, in_space, stored_in, whole_tensors
 from merge.inputs import InputError, finite, refusal
 from merge.methods import median, sorted_elementwise
+from merge.reading import decoded, in_space, stored_in, whole_tensors
 
 AGGREGATES = ("mean", "median", "trimmed_mean")
 
@@ -45,9 +45,9 @@ def aggregate(values: Sequence[torch.Tensor], how: str, trim: float) -> torch.Te
 class Values:
     """Each accepted contribution's value of one tensor at a time, in the running sum's space
     (`weights`, or `delta` = base - weights), read again from storage and checked against the digest
-    it was folded with: a reader thread per contribution (merge.contributions.whole_tensors), so
+    it was folded with: a reader thread per contribution (merge.reading.whole_tensors), so
     that a read that stalls fails instead of holding the service. A contribution in the other space
-    or against another base (a late worker's) is decoded whole once (merge.contributions.decoded,
+    or against another base (a late worker's) is decoded whole once (merge.reading.decoded,
     guarded likewise) and converted per tensor. Whatever goes wrong with one contribution raises
     InputError naming its worker (the round is refused, that worker runs again)."""
 

@@ -5,7 +5,7 @@ The merge of a DiLoCo / FedAvg / lo-fi round is linear: the outer gradient is ba
 weighted mean. So each contribution is folded into a running sum S = sum_i w_i x_i the moment it
 lands (RunningSum.add, while the others still train), and the merge after the last one lands
 reads that one contribution, then takes one outer step per tensor from S (`outer_step`, below).
-Contributions are read by merge/contributions.py; this module adds what it reads, checked.
+Contributions are read by merge/reading.py; this module adds what it reads, checked.
 
 - Space: x_i are weights, or, when the contributions are deltas against this round's base
   (round.contribution: delta, core/codec.py), the deltas themselves, whose mean is the outer
@@ -41,11 +41,10 @@ from core.errors import CheckpointError
 from core.failpoints import failpoint
 from core.outer import outer_grad, state_in_specs, state_key, state_slots
 from core.storage import Storage
-from merge.contributions import ContributionReader, decoded, in_space, stored_in
-from merge.engine import Stalled, merging
 from merge.inputs import InputError, finite, nonfinite, refusal
 from merge.lte import merge_lte_round
 from merge.outer import OuterStep, StepOverflow, state_out_specs
+from merge.reading import ContributionReader, Stalled, decoded, in_space, merging, stored_in
 from merge.robust import Values
 from merge.robust import aggregate as robust_aggregate
 from merge.round_spec import Contribution, MergeResult, QuorumError, RoundSpec

@@ -153,13 +153,13 @@ def mount_tmpfs():
 @pytest.fixture
 def stall_reads(monkeypatch):
     """`stall_reads(key)`: reads of that file's data (past its header) by a reader thread block until
-    the test ends, as on a hung NFS server; merge.engine.STALL_S is 0.3 s meanwhile. A read of it on
+    the test ends, as on a hung NFS server; merge.reading.STALL_S is 0.3 s meanwhile. A read of it on
     the test's own thread (the service's, which would hang there for good) fails the test instead."""
     import threading
 
     from core.checkpoint import TensorFile
-    from merge import engine
-    monkeypatch.setattr(engine, "STALL_S", 0.3)
+    from merge import reading
+    monkeypatch.setattr(reading, "STALL_S", 0.3)
     release, keys, caller, on_caller = threading.Event(), set(), threading.current_thread(), []
     real = TensorFile._read_exact
 

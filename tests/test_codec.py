@@ -18,7 +18,7 @@ from core.config import OuterConfig, load_config
 from core.errors import CheckpointError, ConfigError
 from merge.rounds import Contribution, merge_round
 from merge.round_spec import QuorumError, RoundSpec
-from merge import contributions, rounds
+from merge import reading, rounds
 from merge.rounds import RunningSum
 
 from codec_support import NESTEROV, meta_changed, merge_g0, publish_delta
@@ -428,7 +428,7 @@ def test_a_fold_in_slices_gives_the_bytes_of_whole_tensors(mem, monkeypatch, cod
     whole = RunningSum(mem, "g0.safetensors")
     assert whole.add(cs[0]) and whole.add(cs[1])
     _merge(mem, cs, "g1.safetensors", accumulator=whole)
-    monkeypatch.setattr(contributions, "FOLD_CHUNK", 100)
+    monkeypatch.setattr(reading, "FOLD_CHUNK", 100)
     sliced = RunningSum(mem, "g0.safetensors")
     assert sliced.add(cs[0]) and sliced.add(cs[1])
     reads = []

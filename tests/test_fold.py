@@ -1,6 +1,6 @@
 """Folding contributions on local disk into the running sum (merge.rounds.RunningSum).
 
-Real files under tmp_path, read by a reader thread (merge.engine.Prefetch) through the one reader
+Real files under tmp_path, read by a reader thread (merge.reading.Prefetch) through the one reader
 of the format (core.checkpoint.TensorFile). The oracle is plain torch on whole tensors in the same
 order: S = sum_i (w_i * x_i) in float32, each product rounded first.
 """
@@ -12,7 +12,7 @@ import torch
 from core.checkpoint import read_manifest
 from core.checkpoint_writer import write_checkpoint
 from core.storage import Storage
-from merge import contributions, rounds
+from merge import reading, rounds
 from merge.rounds import Contribution, RunningSum
 
 WEIGHTS = [1.0, 2.0, 0.5]
@@ -37,7 +37,7 @@ def _setup(tmp_path) -> Storage:
 def test_folds_equal_plain_torch_in_the_same_order(tmp_path, monkeypatch, chunk):
     """chunk 1000: tensors a and c are read and added in slices of 1000 elements (c in 70)."""
     if chunk:
-        monkeypatch.setattr(contributions, "FOLD_CHUNK", chunk)
+        monkeypatch.setattr(reading, "FOLD_CHUNK", chunk)
     s = _setup(tmp_path)
     acc = RunningSum(s, "g.safetensors")
     buffers = []
@@ -120,7 +120,7 @@ def stalled_w1(tmp_path, stall_reads):
 
 def test_a_read_that_stalls_rejects_its_contribution_instead_of_hanging(stalled_w1):
     """A contribution whose storage stops answering is refused once no data came for
-    engine.STALL_S, and the service goes on. The blocked read keeps its thread until it returns."""
+    merge.reading.STALL_S, and the service goes on. The blocked read keeps its thread until it returns."""
     acc = RunningSum(stalled_w1, "g.safetensors")
     assert not acc.add(Contribution(1, "w1.safetensors", 1.0))
     assert "no data came from the storage for 0 s: it stalls" in acc.rejected[1][1], acc.rejected[1][1]

@@ -168,7 +168,7 @@ def _folded(mem):
 
 def test_a_contribution_whose_reads_stall_at_the_aggregate_refuses_the_round_naming_it(mem, stall_reads):
     """The aggregate reads every contribution again: a read that stalls there (a hung NFS server)
-    fails after merge.engine.STALL_S with the worker named, as a fold's does, instead of holding
+    fails after merge.reading.STALL_S with the worker named, as a fold's does, instead of holding
     the service; nothing is published and the run goes on (QuorumError: the worker runs again)."""
     acc, cs, spec = _folded(mem)
     stall_reads("c2.safetensors")
@@ -182,7 +182,7 @@ def test_a_contribution_whose_reads_stall_at_the_aggregate_refuses_the_round_nam
 @pytest.mark.parametrize("when", ["fold", "aggregate"])
 def test_a_late_delta_whose_reads_stall_is_refused_naming_its_worker(mem, stall_reads, stalled, when):
     """A delta against another base is decoded whole with that base, at its fold and again at the
-    aggregate: a read of either file that stalls fails after merge.engine.STALL_S naming the worker
+    aggregate: a read of either file that stalls fails after merge.reading.STALL_S naming the worker
     instead of holding the service (stall_reads fails the test if it is read on this thread)."""
     from merge.rounds import RunningSum
     _, _, cs = _late(mem)
