@@ -8,7 +8,7 @@ a local or shared POSIX filesystem, reached through no link). Both take fsspec p
 
 Why not fsspec's transactions for the staged writes: on a local filesystem fsspec writes a
 temporary file by path and moves it into place with shutil.move, following any link planted on the
-way, which core/folders.py exists to refuse; on S3 a transaction defers the upload's completion to
+way, which core/local_files.py's folder descriptors exist to refuse; on S3 a transaction defers the upload's completion to
 the transaction's end, which is what writing straight to the key and completing it on publish
 (`_Upload`) already does, one file at a time.
 """

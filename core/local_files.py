@@ -5,9 +5,12 @@ block an open for good), and only a regular file whose real path lies inside the
 read: a co-tenant's link to elsewhere, a named pipe or a device planted in the run is refused with
 a NotARegularFile naming it (`follow_links=True` lifts the first and last rule for paths a user
 names, such as a Hugging Face cache's links to its blobs). Everything written, renamed, made or
-removed is done by name inside a folder descriptor reached from the root one name at a time
-without following a link (core/folders.py): a link planted on the way is refused, and one swapped
-in after the walk changes nothing.
+removed is done by name inside a folder descriptor (`openat`, `renameat`, `linkat`, `unlinkat`,
+`mkdirat`) reached from the root one name at a time with O_NOFOLLOW (`open_folder`): a write by
+path checks nothing a co-tenant cannot change between the check and the write (a link swapped in
+for `final/` at that moment would receive the file), whereas a link on the way is refused here,
+and one swapped in after the walk changes nothing, since the descriptor is the folder that was
+reached. The root itself is the user's own path, links and all.
 """
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ import stat
 from collections.abc import Iterator
 from typing import IO
 
-from core import folders
 from core.errors import NotARegularFile
 from core.files import temp_name
 
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes of what islands creates on a local/shared POSIX filesystem
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a device",
           stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}
@@ -37,8 +41,8 @@ class LocalFiles:
         self._real_root: str | None = None
 
     def open_folder(self, path: str, create: bool) -> int:
-        """A descriptor of the folder `path` inside the run (core.folders.open_folder)."""
-        return folders.open_folder(self.root, path, create=create, follow_links=self.follow_links)
+        """A descriptor of the folder `path` inside the run (open_folder)."""
+        return open_folder(self.root, path, create=create, follow_links=self.follow_links)
 
     @contextlib.contextmanager
     def folder(self, path: str, create: bool = False) -> Iterator[int]:
@@ -101,7 +105,7 @@ class LocalFiles:
         tmp = temp_name(name)
         with self.folder(posixpath.dirname(path), create=True) as d:
             try:
-                with open(os.open(tmp, _NEW_FILE, folders.PRIVATE_FILE, dir_fd=d), "wb") as f:
+                with open(os.open(tmp, _NEW_FILE, PRIVATE_FILE, dir_fd=d), "wb") as f:
                     f.write(data)
                 try:
                     os.link(tmp, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
@@ -112,7 +116,7 @@ class LocalFiles:
                     if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
                         raise
                 try:
-                    fd = os.open(name, _NEW_FILE, folders.PRIVATE_FILE, dir_fd=d)
+                    fd = os.open(name, _NEW_FILE, PRIVATE_FILE, dir_fd=d)
                 except FileExistsError:
                     return False
                 with os.fdopen(fd, "wb") as f:
@@ -180,7 +184,7 @@ class _LocalTemp:
         self.tmp = temp_name(self.name)
         self.dir: int | None = files.open_folder(posixpath.dirname(path), create=True)
         try:
-            self.file = os.fdopen(os.open(self.tmp, _NEW_FILE, folders.PRIVATE_FILE, dir_fd=self.dir), "wb")
+            self.file = os.fdopen(os.open(self.tmp, _NEW_FILE, PRIVATE_FILE, dir_fd=self.dir), "wb")
         except BaseException:
             self._close_dir()
             raise
@@ -209,3 +213,70 @@ class _LocalTemp:
 
 def identity_of(st: os.stat_result) -> tuple:
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+# -- folders reached without following a link ---------------------------------------------
+def open_folder(root: str, path: str, *, create: bool = False, follow_links: bool = False) -> int:
+    """A descriptor of folder `path` (at or below `root`), reached from `root` one name at a time
+    without following a link (unless `follow_links`: paths a user names). `create`: missing folders,
+    the root's too, are made private (0700). NotARegularFile for a link on the way or a path that
+    leaves the root; FileNotFoundError for a missing folder when not `create`."""
+    rel = posixpath.relpath(path, root)
+    names = [] if rel == "." else rel.split("/")
+    if ".." in names:
+        raise NotARegularFile(f"{path} is not inside the run directory {root}: islands writes only inside the run")
+    if create:
+        make_private_dirs(root)
+    fd = os.open(root, _DIR)
+    try:
+        for i, name in enumerate(names):
+            sub = _open_sub(fd, name, _DIR | (0 if follow_links else os.O_NOFOLLOW), create)
+            if sub is None:
+                where = posixpath.join(root, *names[:i + 1])
+                raise NotARegularFile(f"{path}: {where} is a symbolic link, and islands writes inside the run directory "
+                                      f"{root} through no link (it may lead outside the run directory): remove the link")
+            os.close(fd)
+            fd = sub
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_sub(fd: int, name: str, flags: int, create: bool) -> int | None:
+    """The folder `name` in folder `fd`, made first if `create` and missing; None if it is a link."""
+    try:
+        return os.open(name, flags, dir_fd=fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except OSError as exc:
+        # O_NOFOLLOW | O_DIRECTORY on a link: ELOOP or ENOTDIR, whatever is at the name a moment later
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and not _plain_non_folder(fd, name)):
+            return None
+        raise
+    with contextlib.suppress(FileExistsError):  # another writer made it first
+        os.mkdir(name, PRIVATE_DIR, dir_fd=fd)
+    return _open_sub(fd, name, flags, create=False)
+
+
+def _plain_non_folder(fd: int, name: str) -> bool:
+    """`name` in folder `fd` is there and neither a folder nor a link (a file where a folder is due)."""
+    try:
+        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+
+
+def make_private_dirs(path: str) -> None:
+    """Folder `path` and its missing parents, each new one private (0700)."""
+    missing, p = [], path
+    while p and not os.path.isdir(p):
+        missing.append(p)
+        if posixpath.dirname(p) == p:
+            break
+        p = posixpath.dirname(p)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another writer created it first
+            os.mkdir(d, PRIVATE_DIR)

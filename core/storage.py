@@ -26,7 +26,6 @@ from typing import IO, Any, TypeVar
 
 import fsspec
 
-from core import folders
 from core.errors import CheckpointError, NotARegularFile, StorageError
 from core.files import TMP_PREFIX, Files, FsspecFiles, Writer, protocols
 from core.local_files import LocalFiles
@@ -34,7 +33,6 @@ from core.local_files import LocalFiles
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PRIVATE_FILE = folders.PRIVATE_FILE
 # Errors no retry can fix: report them at once, with what to do.
 _FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then try again (a run: `orchestrate resume` it)",
                  errno.EDQUOT: "the disk quota is exceeded: free space, then try again (a run: `orchestrate resume` it)",

@@ -1,5 +1,5 @@
 """Every write, rename, folder creation and removal of a local run directory stays inside it
-(core/folders.py: done by name in a folder descriptor reached from the root without following a
+(core/local_files.py: done by name in a folder descriptor reached from the root without following a
 link), as its reads do: a co-tenant who replaces `final/`, `metrics/` or a round's
 `rejected/` by a link to a folder elsewhere, before a write or while it runs, receives nothing.
 Real links, real files, a real second process swapping them."""

@@ -36,7 +36,8 @@ from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import IslandsError, StorageError
 from core.layout import RunLayout
-from core.storage import PRIVATE_FILE, Storage
+from core.local_files import PRIVATE_FILE
+from core.storage import Storage
 from core.records import RoundJobs, RoundRecord, RunInfo, utilization
 from orchestrator.runstate import arrived_workers
 
