@@ -24,7 +24,7 @@ from worker import overlap
 from worker.params import SEP, Params, take_feedback
 from worker.ranks import Ranks, data_parallel
 from worker.replica import Replica
-from worker.round import RoundInProgress
+from worker.round import Base, RoundInProgress
 from worker.state import inflight_tensors, usable_state
 from worker.weights import HostBuffers, load_weights, weights_of
 
@@ -57,22 +57,21 @@ class Learner:
         snapshot on storage, or (`own_state`) the state in memory, which is this worker's after its
         previous round; or, for a requeued job, the round's in-flight checkpoint."""
         a, params = rnd.assignment, self.params
-        rnd.base_sha = _published_base(storage, a)
+        digest = _published_base(storage, a)
         inflight, bound = L.worker_inflight(a.worker, a.round), codec.max_update(self.cfg)
         label = f"worker {a.worker} in-flight checkpoint {storage.display(inflight)}"
         # every rank reads what it holds (sharded: its rows; else all of it), the ranks agreeing on one verdict
         reader = params.reader(self.ranks)
-        tensors = inflight_tensors(storage, inflight, label, rnd.base_sha, self.cfg.inner.steps, bound, reader)
+        tensors = inflight_tensors(storage, inflight, label, digest, self.cfg.inner.steps, bound, reader)
         t0 = time.perf_counter()
-        base = None if tensors is not None else self.replica.next_global(storage, a, rnd.base_sha)
+        base = None if tensors is not None else self.replica.next_global(storage, a, digest)
         replayed = base is not None
         if replayed:
             params.load_trained(self.model, base, f"global weights {storage.display(a.base_key)}, replayed")
         else:
             base = params.load_base(storage, a.base_key, self.model, tensors is not None, alloc=self.host_base)
-        self.replica.hold(a, base, rnd.base_sha)
-        rnd.replayed, rnd.base_s, rnd.base_at = replayed, round(time.perf_counter() - t0, 4), time.time()
-        rnd.base = base if self.cfg.round.contribution == "delta" else None
+        self.replica.hold(a, base, digest)
+        rnd.base = self._took(digest, base, replayed, t0)
         if tensors is not None:
             self._resume(rnd, tensors, read_manifest(storage, inflight) or {})
             return
@@ -111,18 +110,22 @@ class Learner:
         label = f"base weights for worker {a.worker}"
         t0 = time.perf_counter()
         base = self.replica.next_global(storage, a, digest)
-        rnd.replayed = base is not None
+        replayed = base is not None
         if base is None:
             base = codec.load_weights(storage, a.base_key, label, alloc=self.host_base)
         self.replica.hold(a, base, digest)
         assert rnd.published is not None
         load_weights(self.model, overlap.adopt(weights_of(self.model), rnd.published, base, rc.overlap, rc.overlap_mix),
                      f"{label}, adopted at step {rnd.done}")
-        rnd.base_s, rnd.base_at = round(time.perf_counter() - t0, 4), time.time()
-        rnd.base_sha, rnd.adopted_at, rnd.published = digest, rnd.done, None
+        rnd.base = self._took(digest, base, replayed, t0)
+        rnd.adopted_at, rnd.published = rnd.done, None
         rnd.ahead_s = rnd.trained_s  # trained before the base existed: part of this round's busy time
-        rnd.base = base if rc.contribution == "delta" else None
         log.info("worker %d round %d: adopted its base at step %d (%s)", a.worker, a.round, rnd.done, rc.overlap)
+
+    def _took(self, digest: str, base: dict[str, torch.Tensor], replayed: bool, t0: float) -> Base:
+        """The base in the model since perf_counter `t0`: its weights kept for a delta contribution."""
+        return Base(digest, base if self.cfg.round.contribution == "delta" else None, replayed,
+                    round(time.perf_counter() - t0, 4), time.time())
 
     def _take_feedback(self, tensors: dict[str, torch.Tensor]) -> None:
         """The error-feedback buffer out of a state file's tensors (an older run's has none: {})."""

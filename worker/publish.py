@@ -103,16 +103,16 @@ class Publisher:
 
     def _manifest(self, rnd: RoundInProgress, seconds: float) -> dict[str, Any]:
         """What a contribution's manifest says of its round (rank 0)."""
-        a = rnd.assignment
+        a, b = rnd.assignment, rnd.base
         manifest = {
             "round": a.round, "worker": a.worker, "steps": rnd.done, "attempt": a.attempt,
-            "tokens": rnd.done * self.tokens_per_batch, "base": a.base_key, "base_digest": rnd.base_sha,
+            "tokens": rnd.done * self.tokens_per_batch, "base": a.base_key, "base_digest": rnd.base_digest,
             "loss_first": rnd.losses[0], "loss_last": rnd.losses[-1], "losses": [round(v, 5) for v in rnd.losses],
             "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
             "host": os.uname().nodename, "device": self.learner.device.type, "resumed_at_step": rnd.resumed_at,
             "waited_s": rnd.waited_s, "ranks": self.ranks.world, "trained_s": round(rnd.trained_s, 3),
             "threads": torch.get_num_threads(),  # per rank: a replay needs the same (core/replay.py)
-            "replica": rnd.replayed, "base_s": rnd.base_s, "base_at": rnd.base_at,
+            "replica": bool(b and b.replayed), "base_s": b.seconds if b else None, "base_at": b.at if b else None,
         }
         io, self.io = self.io, iostat.counters()
         if io and self.io:  # since the previous contribution (its write, the state snapshot, this round's base)
@@ -149,7 +149,7 @@ class Publisher:
                    **feedback_tensors(learner.feedback)}
         rnd.inflight_at = rnd.done
         self.params.save(self.storage, L.worker_inflight(a.worker, a.round), tensors,
-                         {"round": a.round, "worker": a.worker, "steps_done": rnd.done, "base_digest": rnd.base_sha,
+                         {"round": a.round, "worker": a.worker, "steps_done": rnd.done, "base_digest": rnd.base_digest,
                           "losses": rnd.losses, "trained_s": round(rnd.training_s(), 3),
                           "adopted_at_step": rnd.adopted_at, "ahead_s": rnd.ahead_s})
         if self.ranks.lead:
@@ -164,8 +164,9 @@ class Publisher:
         manifest["fp32_bytes"] = sum(4 * w.numel() if w.is_floating_point() else w.nbytes for w in weights.values())
         if rc.contribution == "weights":  # always so for lte (config refuses lte with delta)
             return weights, None, None
-        base = rnd.base if rnd.base is not None else codec.load_weights(self.storage, rnd.assignment.base_key)
-        t0, enc = time.perf_counter(), codec.encoding_for(rc, rnd.base_sha, rnd.number)
+        held = rnd.base.weights if rnd.base is not None else None
+        base = held if held is not None else codec.load_weights(self.storage, rnd.assignment.base_key)
+        t0, enc = time.perf_counter(), codec.encoding_for(rc, rnd.base_digest, rnd.number)
         tensors, metadata, feedback = codec.encode(base, weights, enc, self.learner.feedback, rc.error_feedback)
         manifest["contribution"] = _coding(rc, enc, time.perf_counter() - t0)
         return tensors, metadata, feedback
@@ -197,14 +198,14 @@ class Publisher:
         if rc.contribution == "weights":
             specs = [(n, DTYPES[d], s, math.prod(s) * d.itemsize) for n, (d, s) in shapes.items()]
             return write_data(OutputFile(self.storage, key, specs, None, manifest), lambda: gathered), None
-        enc = codec.encoding_for(rc, rnd.base_sha, rnd.number)
+        enc = codec.encoding_for(rc, rnd.base_digest, rnd.number)
         stored = {n: codec.stored_specs({n: (DTYPES[d], s)}, enc) for n, (d, s) in shapes.items()}
         specs = [(k, d, s, math.prod(s) * ITEMSIZE[d]) for n in shapes for k, (d, s) in stored[n].items()]
         feedback, left, spent = self.learner.feedback, {}, 0.0
 
         def coded() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal spent
-            with _base_tensors(self.storage, rnd.assignment.base_key, rnd.base_sha) as base:
+            with _base_tensors(self.storage, rnd.assignment.base_key, rnd.base_digest) as base:
                 for n, w in gathered:
                     t0 = time.perf_counter()
                     fb = None if feedback is None else {n: feedback[n]} if n in feedback else {}

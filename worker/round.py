@@ -1,10 +1,11 @@
 """The round a worker is training, and when its training stops: plain data and pure rules.
 
 `RoundInProgress` holds every fact of one (round, worker) as it is trained, read and published:
-which assignment, from which base, how far, for how long, and (round.overlap) how far ahead of its
-base. A new round is a new one: nothing of the previous round leaks into it. `StopRule` decides when
-a round's training stops (its steps, its time budget, its share trained ahead of its base, or the
-steps a replay's source run took) and `lr_at` the learning rate of a global step.
+which assignment, from which base (`Base`: how the worker took it in), how far, for how long, and
+(round.overlap) how far ahead of its base. A new round is a new one: nothing of the previous round
+leaks into it. `StopRule` decides when a round's training stops (its steps, its time budget, its
+share trained ahead of its base, or the steps a replay's source run took) and `lr_at` the learning
+rate of a global step.
 """
 from __future__ import annotations
 
@@ -21,6 +22,21 @@ from core.replay import Schedule
 from worker.ranks import Ranks
 
 
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """The round's base weights as this worker took them in."""
+    digest: str
+    """Of the global checkpoint the round trains from, recorded in its contribution."""
+    weights: dict[str, torch.Tensor] | None
+    """Kept to code a delta contribution from (round.contribution delta); None otherwise."""
+    replayed: bool
+    """Made from the previous round's contributions (worker/replica.py), not read."""
+    seconds: float
+    """Seconds it took to have the base in the model (read, or replayed)."""
+    at: float
+    """When (epoch seconds) the base was in the model: the round's turnaround ends there."""
+
+
 @dataclasses.dataclass
 class RoundInProgress:
     """One (round, worker) of this job, from its start to its publish."""
@@ -28,10 +44,8 @@ class RoundInProgress:
     """The round, the worker, the base checkpoint and the attempt this job was given."""
     step0: int
     """The global step the round starts at (round x inner.steps): the lr schedule and the batches."""
-    base_sha: str = ""
-    """The digest of the base the round trained from, recorded in its contribution."""
-    base: dict[str, torch.Tensor] | None = None
-    """The base weights, kept to code a delta contribution from (round.contribution delta)."""
+    base: Base | None = None
+    """The round's base, once it is in the model (round.overlap: None while training ahead of it)."""
     done: int = 0
     """Inner steps taken."""
     finished: bool = False
@@ -50,12 +64,6 @@ class RoundInProgress:
     """The step of the in-flight checkpoint this job saved."""
     state_from: int | None = None
     """The round of the optimizer-state snapshot the round started from, when read from storage."""
-    replayed: bool = False
-    """Its base was made from the previous round's contributions (worker/replica.py), not read."""
-    base_s: float | None = None
-    """Seconds it took to have the base in the model (read, or replayed)."""
-    base_at: float | None = None
-    """When (epoch seconds) the base was in the model: the round's turnaround ends there."""
     published: dict[str, torch.Tensor] | None = None
     """round.overlap, while training ahead of its base: the weights the previous round published."""
     adopted_at: int | None = None
@@ -74,6 +82,11 @@ class RoundInProgress:
     @property
     def number(self) -> int:
         return self.assignment.round
+
+    @property
+    def base_digest(self) -> str:
+        """The base's digest; "" while training ahead of it."""
+        return self.base.digest if self.base is not None else ""
 
     @property
     def ahead(self) -> bool:
