@@ -29,6 +29,7 @@ from core.storage import Storage
 from core.assignment import Assignment
 from orchestrator.run_models import create_run
 from orchestrator.slurm import rank_problems, service_parameters, slurm_parameters, worker_tasks
+from worker.ranks import COLLECTIVE_TIMEOUT_S
 
 L = RunLayout()
 pytestmark = pytest.mark.slow
@@ -302,16 +303,18 @@ def test_a_base_that_does_not_fit_fails_every_sharded_rank_at_once(tmp_path, cor
     t0 = time.monotonic()
     with pytest.raises(submitit.core.utils.FailedJobError, match="does not fit the model: missing tensor"):
         _two_ranks(tmp_path, _task(s, 0, threads=2))
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < COLLECTIVE_TIMEOUT_S  # a rank left waiting would have failed only there
 
 
 def test_a_rank_that_dies_fails_its_job_without_a_hang(tmp_path, corpus_cache, monkeypatch):
     s = _run(tmp_path, corpus_cache, "run")
     monkeypatch.setenv("ISLANDS_FAILPOINT", "rank_1.step")  # rank 1 exits as if killed, after its first step
     t0 = time.monotonic()
-    with pytest.raises(submitit.core.utils.FailedJobError, match="rank|gloo|Connection|closed|peer"):
+    with pytest.raises(submitit.core.utils.FailedJobError, match="rank|gloo|Connection|closed|peer") as failed:
         _two_ranks(tmp_path, _task(s, 0, threads=2))
-    assert time.monotonic() - t0 < 60  # the survivor's collective fails at once, far within its timeout
+    # the survivor's collective fails on the dead peer, not at its timeout (a bound loose enough for a
+    # loaded machine: the job's own start takes a minute there)
+    assert time.monotonic() - t0 < COLLECTIVE_TIMEOUT_S and "timed out" not in str(failed.value).lower()
     assert read_manifest(s, L.contribution(0, 0)) is None  # and nothing was published
 
 
