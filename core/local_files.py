@@ -41,7 +41,7 @@ class LocalFiles:
         self._real_root: str | None = None
 
     def open_folder(self, path: str, create: bool) -> int:
-        """A descriptor of the folder `path` inside the run (open_folder)."""
+        """A descriptor of the folder `path` inside the run (`open_folder` below, from this root, links as set)."""
         return open_folder(self.root, path, create=create, follow_links=self.follow_links)
 
     @contextlib.contextmanager
