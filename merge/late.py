@@ -18,8 +18,8 @@ from core.checkpoint import FLOATS, TensorFile, open_checkpoint
 from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.reading import read_tensors
 from merge.inputs import compare_specs, finite, nonfinite
+from merge.reading import read_tensors
 
 
 def rebase(storage: Storage, global_key: str, source_key: str, base_key: str, out_key: str,

@@ -32,8 +32,8 @@ from core.checkpoint import TensorFile, TensorSpec, open_checkpoint
 from core.checkpoint_writer import write_checkpoint
 from core.errors import CheckpointError
 from core.storage import Storage
-from merge.reading import read_tensors
 from merge.inputs import NONFINITE, finite, overflowed, refusal
+from merge.reading import read_tensors
 from merge.round_spec import Contribution, LteRule, MergeResult, QuorumError, RoundSpec
 
 log = logging.getLogger(__name__)
