@@ -300,14 +300,20 @@ def test_lease_on_another_host_lapses_only_without_heartbeat(tmp_path, caplog):
 
 def test_a_lapsing_heartbeat_is_waited_for(tmp_path, monkeypatch):
     """A holder that missed beats is neither refused at once nor taken at once: waited for until it
-    lapses (here: scaled down to 1.5 s)."""
+    lapses (here: scaled down to 1.5 s), and no longer. The sleeps are recorded as asked for, not
+    timed, so that a loaded machine cannot fail the upper bound; the lower bound is counted from
+    before the heartbeat was written, which load can only lengthen."""
     monkeypatch.setattr(leases, "STALE_S", 1.5)
     monkeypatch.setattr(leases, "LAPSING_S", 0.5)
+    slept: list[float] = []
+    sleep = time.sleep
+    monkeypatch.setattr(leases.time, "sleep", lambda s: (slept.append(s), sleep(s))[1])
     s = Storage(str(tmp_path / "run"))
-    s.write_json(L.LOCK, {"pid": 1, "host": "elsewhere", "epoch": 3, "since": 0.0, "heartbeat_at": time.time() - 0.6})
     t0 = time.monotonic()
+    s.write_json(L.LOCK, {"pid": 1, "host": "elsewhere", "epoch": 3, "since": 0.0, "heartbeat_at": time.time() - 0.6})
     lease = acquire(s)
-    assert 0.8 < time.monotonic() - t0 < 5 and lease.epoch == 4
+    assert lease.epoch == 4 and time.monotonic() - t0 > 0.8  # it lapses 0.9 s after the write
+    assert slept and sum(slept) < leases.STALE_S  # until the lapse, not a beat's interval (HEARTBEAT_S / 2)
     lease.release()
 
 
