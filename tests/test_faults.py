@@ -298,6 +298,21 @@ def test_lease_on_another_host_lapses_only_without_heartbeat(tmp_path, caplog):
     lease.release()
 
 
+class _SleepsRecorded:
+    """The `time` module as orchestrator/lease.py sees it, with the sleeps it asks for recorded (its
+    own only: the process's other threads keep the real module)."""
+
+    def __init__(self, slept: list[float]) -> None:
+        self.slept = slept
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        time.sleep(seconds)
+
+
 def test_a_lapsing_heartbeat_is_waited_for(tmp_path, monkeypatch):
     """A holder that missed beats is neither refused at once nor taken at once: waited for until it
     lapses (here: scaled down to 1.5 s), and no longer. The sleeps are recorded as asked for, not
@@ -306,8 +321,7 @@ def test_a_lapsing_heartbeat_is_waited_for(tmp_path, monkeypatch):
     monkeypatch.setattr(leases, "STALE_S", 1.5)
     monkeypatch.setattr(leases, "LAPSING_S", 0.5)
     slept: list[float] = []
-    sleep = time.sleep
-    monkeypatch.setattr(leases.time, "sleep", lambda s: (slept.append(s), sleep(s))[1])
+    monkeypatch.setattr(leases, "time", _SleepsRecorded(slept))
     s = Storage(str(tmp_path / "run"))
     t0 = time.monotonic()
     s.write_json(L.LOCK, {"pid": 1, "host": "elsewhere", "epoch": 3, "since": 0.0, "heartbeat_at": time.time() - 0.6})
