@@ -327,7 +327,7 @@ def test_a_lapsing_heartbeat_is_waited_for(tmp_path, monkeypatch):
     s.write_json(L.LOCK, {"pid": 1, "host": "elsewhere", "epoch": 3, "since": 0.0, "heartbeat_at": time.time() - 0.6})
     lease = acquire(s)
     assert lease.epoch == 4 and time.monotonic() - t0 > 0.8  # it lapses 0.9 s after the write
-    assert slept and sum(slept) < leases.STALE_S  # until the lapse, not a beat's interval (HEARTBEAT_S / 2)
+    assert sum(slept) < leases.STALE_S  # till the lapse, not a beat's interval; none if load let it lapse first
     lease.release()
 
 
