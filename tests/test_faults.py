@@ -298,21 +298,6 @@ def test_lease_on_another_host_lapses_only_without_heartbeat(tmp_path, caplog):
     lease.release()
 
 
-class _SleepsRecorded:
-    """The `time` module as orchestrator/lease.py sees it, with the sleeps it asks for recorded (its
-    own only: the process's other threads keep the real module)."""
-
-    def __init__(self, slept: list[float]) -> None:
-        self.slept = slept
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        time.sleep(seconds)
-
-
 def test_a_lapsing_heartbeat_is_waited_for(tmp_path, monkeypatch):
     """A holder that missed beats is neither refused at once nor taken at once: waited for until it
     lapses (here: scaled down to 1.5 s), and no longer. The sleeps are recorded as asked for, not
@@ -320,14 +305,16 @@ def test_a_lapsing_heartbeat_is_waited_for(tmp_path, monkeypatch):
     before the heartbeat was written, which load can only lengthen."""
     monkeypatch.setattr(leases, "STALE_S", 1.5)
     monkeypatch.setattr(leases, "LAPSING_S", 0.5)
-    slept: list[float] = []
-    monkeypatch.setattr(leases, "time", _SleepsRecorded(slept))
+    # recorded as the `slept` fixture does, but slept too: the heartbeat lapses only as time passes
+    asked: list[float] = []
+    sleep = time.sleep
+    monkeypatch.setattr("orchestrator.lease.time.sleep", lambda s: (asked.append(s), sleep(s))[1])
     s = Storage(str(tmp_path / "run"))
     t0 = time.monotonic()
     s.write_json(L.LOCK, {"pid": 1, "host": "elsewhere", "epoch": 3, "since": 0.0, "heartbeat_at": time.time() - 0.6})
     lease = acquire(s)
     assert lease.epoch == 4 and time.monotonic() - t0 > 0.8  # it lapses 0.9 s after the write
-    assert sum(slept) < leases.STALE_S  # till the lapse, not a beat's interval; none if load let it lapse first
+    assert sum(asked) < leases.STALE_S  # till the lapse, not a beat's interval; none if load let it lapse first
     lease.release()
 
 
