@@ -79,6 +79,8 @@ class Fault:
 class Chaos:
     def __init__(self, args: argparse.Namespace, run: Path, faults_on: bool) -> None:
         self.a, self.run, self.on = args, run, faults_on
+        # the clean run is the oracle: it may run elsewhere (--clean-executor), its bytes are the same
+        self.executor = args.executor if faults_on else args.clean_executor or args.executor
         self.rng = random.Random(args.seed)
         self.s = Storage(str(run))
         self.faults: list[Fault] = []
@@ -112,7 +114,7 @@ class Chaos:
     def start(self, resume: bool) -> subprocess.Popen:
         a = self.a
         args = ["resume", str(self.run)] if resume else [
-            "submit", "--executor", a.executor, "--run-dir", str(self.run), "--workers", str(a.workers), "--rounds",
+            "submit", "--executor", self.executor, "--run-dir", str(self.run), "--workers", str(a.workers), "--rounds",
             str(a.rounds), "--inner-steps", str(a.inner_steps), "--set", f"seed={a.seed}", *TINY,
             "--set", f"round.min_workers={a.workers}", "--set", f"round.deadline_s={a.deadline_s}",
             "--set", "round.stream_merge=false", "--set", "round.max_retries=8",
@@ -213,7 +215,7 @@ class Chaos:
                 self.faults.append(Fault("job_cancelled", tr, w, detail=f"job {job} {how}", data={"job": job, "at": time.time()}))
 
     def _cancel_job(self, job: str, hard: bool = False) -> bool:
-        if self.a.executor == "slurm":
+        if self.executor == "slurm":
             cmd = ["scancel", *(["--signal=KILL", "--full"] if hard else []), job]
             return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
         if not Path(f"/proc/{job}").exists():
@@ -292,6 +294,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow-s", type=float, default=4.0, help="the straggler's extra sleep before publishing")
     p.add_argument("--kills", type=int, default=3, help="times the merge service is killed and resumed")
     p.add_argument("--cancel-fraction", type=float, default=0.25, help="share of worker jobs cancelled")
+    p.add_argument("--clean-executor", choices=["local", "slurm", "inline"],
+                   help="where the clean run's jobs run (default: --executor's); inline, threads of its service, "
+                        "publishes the same bytes and starts no worker process")
     p.add_argument("--poison", action="store_true",
                    help="also plant a well-formed contribution with wrong weights: the run must then differ")
     p.add_argument("--seed", type=int, default=0)

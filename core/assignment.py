@@ -5,7 +5,23 @@ its own optimizer state) it reads from the run directory, so a requeued job need
 """
 from __future__ import annotations
 
+import os
+from contextvars import ContextVar
 from dataclasses import dataclass
+
+INLINE_JOB_ID: ContextVar[str | None] = ContextVar("islands_inline_job_id", default=None)
+"""The job id of an inline job (executor.kind inline: a thread of the orchestrating process), set
+on its thread; a process's job has its id in its environment instead."""
+
+
+def current_job_id() -> str | None:
+    """This job's id as the scheduler (and so the merge service) names it: 12_3 for array tasks."""
+    env = os.environ
+    if (inline := INLINE_JOB_ID.get()) is not None:
+        return inline
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID")
 
 
 @dataclass(frozen=True)

@@ -303,11 +303,13 @@ class RoundConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
-    kind: Literal["auto", "local", "slurm"] = "auto"
+    kind: Literal["auto", "local", "slurm", "inline"] = "auto"
     """`local` runs workers as local processes (submitit LocalExecutor); `slurm` submits them with
     sbatch; `auto` takes Slurm when `sbatch` is on PATH and its controller answers (`scontrol
     ping`), bringing a default request it refuses down to the partition's nodes, and never runs
-    workers here while Slurm answers; else local. A run records the kind it got."""
+    workers here while Slurm answers; else local. `inline` runs each worker as a thread of the
+    orchestrating process, one rank each, for debugging (a breakpoint or profiler sees every
+    worker) and tests: nothing survives that process. A run records the kind it got."""
     timeout_min: int = 60
     """Time limit of each worker job, in minutes."""
     cpus_per_task: int = 2

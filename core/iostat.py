@@ -14,11 +14,16 @@ import json
 import os
 from pathlib import Path
 
+from core.assignment import INLINE_JOB_ID
+
 ENV = "ISLANDS_IO_REPORT"
 
 
 def counters() -> dict[str, int]:
-    """This process's /proc/self/io counters ({} where there is no /proc)."""
+    """This process's /proc/self/io counters ({} where there is no /proc, and on an inline job's
+    thread, whose process's counts are the service's and every other worker's too)."""
+    if INLINE_JOB_ID.get() is not None:
+        return {}
     try:
         with open("/proc/self/io") as f:
             return {k: int(v) for k, v in (line.split(":") for line in f if ":" in line)}

@@ -35,9 +35,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", choices=list(typing.get_args(Algorithm)),
                    help=f"diloco: outer Nesterov on the workers' mean; fedavg: their plain average each round; lofi: "
                         f"one round, averaged once; lte: LoRA heads merged into the base each round (default {d.algorithm})")
-    p.add_argument("--executor", choices=["auto", "local", "slurm"],
-                   help="where workers run: local processes, Slurm jobs, or auto: Slurm when its controller answers "
-                        f"(default {d.executor.kind})")
+    p.add_argument("--executor", choices=["auto", "local", "slurm", "inline"],
+                   help="where workers run: local processes, Slurm jobs, auto: Slurm when its controller answers, "
+                        f"or inline: threads of this process, for debugging (default {d.executor.kind})")
     p.add_argument("--run-dir", help="run directory (any fsspec URL); default ./runs/<algorithm>-<time>")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set inner.lr=1e-3 (repeatable)")
@@ -174,7 +174,7 @@ def _with_executor(cfg: Config) -> Config:
     request Slurm still refuses is one error, before anything is made. This machine only where
     Slurm is not installed or its controller does not answer, or with --executor local."""
     kind = cfg.executor.kind
-    if kind == "local":
+    if kind in ("local", "inline"):
         return cfg
     from orchestrator.slurm import FIX_REQUEST, describe_request, fit_to_partition, request_refusal, slurm_parameters, \
         unreachable

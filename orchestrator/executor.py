@@ -29,6 +29,7 @@ import submitit
 from core.config import Config
 from core.errors import RunError
 from core.assignment import Assignment
+from orchestrator import inline
 from orchestrator.jobstatus import JobStatus
 from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, local_gpus, sbatch_said,
                                service_parameters, slurm_parameters, unreachable, worker_tasks)
@@ -87,6 +88,10 @@ def resolve_kind(kind: str) -> str:
     return kind
 
 
+HERE = ("local", "inline")
+"""The kinds whose jobs run on this machine and end with the service that started them."""
+
+
 class Executor:
     """Submits worker tasks and reports job states for the whole run in one call."""
 
@@ -99,8 +104,15 @@ class Executor:
         self._ex = self._make(self.folder / "%j")
         self._poller = SlurmPoller()
 
-    def _make(self, folder: Path) -> submitit.Executor:
+    @property
+    def here(self) -> bool:
+        """Whether the jobs run on this machine (local processes, inline threads) and stop with the service."""
+        return self.kind in HERE
+
+    def _make(self, folder: Path) -> submitit.Executor | None:
         e = self.cfg.executor
+        if self.kind == "inline":  # threads of this process (orchestrator/inline.py): no submitit
+            return None
         if self.kind == "local":
             ex = submitit.LocalExecutor(folder=folder)
             # submitit hides every GPU from a local job unless it is given some (CUDA_VISIBLE_DEVICES="")
@@ -126,6 +138,8 @@ class Executor:
         return count
 
     def _submit_one(self, task: Assignment) -> submitit.Job:
+        if self.kind == "inline":
+            return _InlineJob(inline.submit(WorkerJob(), task))
         if self.kind == "local" and self._gpus is None:  # not before: status and cancel never import torch
             self._gpus = self._local_gpu_count()
         if self.kind == "local" and self.cfg.executor.gpus_per_node:  # each local worker its own GPUs, if there are enough
@@ -144,7 +158,7 @@ class Executor:
     def submit_service(self, run_url: str, main: Callable[[str], int]) -> str:
         """Run the merge service detached: a CPU-only Slurm job running `main(run_url)`, or a local
         background process running `orchestrate resume RUN`."""
-        if self.kind == "local":
+        if self.kind in HERE:
             log_path = self.folder / "service.log"
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as out:
@@ -162,6 +176,8 @@ class Executor:
             return {}
         if self.kind == "slurm":
             return self._poller.poll(job_ids)
+        if self.kind == "inline":
+            return {j: inline.status(j) for j in job_ids}
         self._reap()
         return {j: self._local_status(j) for j in job_ids}
 
@@ -184,11 +200,13 @@ class Executor:
         persistent worker exits when it sees the finish): `status` right after the done line then
         shows none of them running. Slurm's jobs end on their own clock."""
         deadline = time.monotonic() + timeout_s
-        while self.kind == "local" and self.own_jobs() and time.monotonic() < deadline:
+        while self.kind in HERE and self.own_jobs() and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def own_jobs(self) -> list[str]:
         """The local jobs this process started that still run."""
+        if self.kind == "inline":
+            return [j for j in inline.running() if j in self._jobs]
         self._reap()
         return list(self._jobs)
 
@@ -213,6 +231,10 @@ class Executor:
             for j in job_ids:
                 self._mark_cancelled(j)
             return
+        if self.kind == "inline":
+            for j in job_ids:
+                inline.cancel(j)
+            return
         for j in job_ids:
             if self._is_ours(j):
                 self._mark_cancelled(j)
@@ -229,6 +251,8 @@ class Executor:
     def cancelled_here(self, job_id: str) -> bool:
         """Whether islands itself cancelled the job (Ctrl-C on the service, `orchestrate cancel`, a
         straggler's cancel): its resubmission is expected, not news for the user."""
+        if self.kind == "inline":
+            return inline.status(job_id).state == "CANCELLED"
         return bool(_JOB_ID.fullmatch(job_id)) and (self.folder / job_id / CANCELLED_MARK).exists()
 
     def _is_ours(self, job_id: str) -> bool:
@@ -240,8 +264,17 @@ class Executor:
 
     def stderr_tail(self, job_id: str, lines: int = 15) -> str:
         """The end of a job's stderr: why it ended without a contribution."""
+        if self.kind == "inline":
+            return inline.error_tail(job_id, lines)
         text = _tail(submitit.core.utils.JobPaths(self.folder / "%j", job_id).stderr, 256 * lines)
         return "\n".join(text.strip().splitlines()[-lines:])
+
+
+@dataclasses.dataclass(frozen=True)
+class _InlineJob:
+    """What Executor.submit keeps of an inline job (a submitit.Job's job_id)."""
+
+    job_id: str
 
 
 def sbatch_text(cfg: Config, folder: str | Path, array_size: int) -> str:

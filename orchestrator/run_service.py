@@ -98,7 +98,7 @@ def _take_run(storage: Storage, opts: ServiceOptions) -> tuple[Config, Executor,
 
 def _interrupted(where: str, executor: Executor) -> None:
     """Ctrl-C: local jobs stopped (they are this machine's processes: the CPUs go back), Slurm's kept."""
-    if executor.kind == "local":
+    if executor.here:
         executor.cancel(executor.own_jobs())
         say(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues the run")
     else:
@@ -183,7 +183,7 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
     except leases.LeaseLost:
         raise  # the service that took the run adopted the jobs: they are its to keep
     except BaseException:
-        if executor.kind == "local":  # a service that stops takes its local jobs with it: none trains unmerged
+        if executor.here:  # a service that stops takes its local jobs with it: none trains unmerged
             executor.cancel(executor.own_jobs())
             log.warning("the merge service stopped: this run's local jobs are stopped")
         raise

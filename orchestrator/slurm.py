@@ -59,6 +59,9 @@ def rank_problems(cfg: Config) -> list[str]:
                  f"make inner.batch_size a multiple of {tasks}" + (" x workers (lofi)" if cfg.algorithm == "lofi" else ""))
     if tasks > 1 and cfg.inner.parallel == "fsdp" and cfg.algorithm == "lte":
         p.append("inner.parallel=fsdp shards whole models, not LoRA heads over a frozen base (lte): use ddp")
+    if e.kind == "inline" and (tasks > 1 or gpus):
+        p.append("executor.kind=inline runs each worker as one thread of this process, on the devices this process "
+                 "sees: set executor.tasks_per_node and gpus_per_node to 0, or use --executor local for ranks and GPUs")
     if tasks > e.cpus_per_task:
         p.append(f"executor.cpus_per_task={e.cpus_per_task} is shared by the job's ranks: it needs one per rank "
                  f"({tasks}) at least")

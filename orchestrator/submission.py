@@ -116,7 +116,9 @@ class Submitter:
     def _threads(self) -> int:
         if self.cfg.inner.threads:
             return self.cfg.inner.threads
-        if self.executor.kind == "local":  # K processes share this machine's cores
+        if self.executor.kind == "inline":  # one thread each: torch's thread count is the process's (orchestrator/inline.py)
+            return 1
+        if self.executor.here:  # K processes share this machine's cores
             return max(1, (os.cpu_count() or 1) // self.cfg.workers)
         return self.cfg.executor.cpus_per_task
 

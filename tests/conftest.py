@@ -58,6 +58,17 @@ def pytest_collection_modifyitems(items):
         raise pytest.UsageError(f"tests marked slurm in {', '.join(stray)}: add the file(s) to SLURM_FILES in tests/conftest.py")
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """How many worker jobs the suite started as processes (local or Slurm): each costs an
+    interpreter and torch's imports (~5 CPU-s), where an inline job (a thread) costs none. Counted
+    from submitit's job pickles under the session's temporary folder, whoever submitted them."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller counts for the session
+        return
+    base = config._tmp_path_factory.getbasetemp()
+    jobs = sum(1 for _ in base.rglob("*_submitted.pkl"))
+    terminalreporter.write_line(f"worker jobs started as processes (local or Slurm, under {base}): {jobs}")
+
+
 @dataclass(frozen=True)
 class S3Server:
     """moto's S3 server on 127.0.0.1 (a random free port) and one bucket on it."""

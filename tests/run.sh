@@ -18,5 +18,6 @@ fi
 # In CI the Slurm tests must run: a cluster that failed to come up fails the run instead of skipping.
 if [ "${CI:-}" = true ]; then export ISLANDS_REQUIRE_SLURM=1; fi
 # Two pytest-xdist workers: the files that submit to Slurm run on one of them, one after another
-# (tests/conftest.py); `-n 0` after it runs everything in this process.
-python -m pytest -n 2 "$@"
+# (tests/conftest.py); `-n 0` after it runs everything in this process. The 15 slowest tests are
+# listed at the end: what the suite's time goes to stays in sight.
+python -m pytest -n 2 --durations=15 "$@"

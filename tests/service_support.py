@@ -34,7 +34,7 @@ tokens (the service derives a contribution's weight from the same figures: orche
 class ThreadExecutor:
     """Jobs are threads that sleep, then publish base + DELTA[worker]; cancel stops one before it writes."""
 
-    kind, folder = "fake", "(threads)"
+    kind, folder, here = "fake", "(threads)", False
 
     def __init__(self) -> None:
         self.jobs: dict[str, threading.Thread] = {}

@@ -27,7 +27,8 @@ LAST = re.compile(r"chaos: faults_injected=(\d+) faults_survived=(\d+) rounds=(\
 
 def _chaos(tmp_path, corpus_cache, *args: str) -> tuple[subprocess.CompletedProcess, re.Match | None, dict]:
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.chaos", "--inner-steps", "3", "--slow-s", "3",
+    # the clean run (the oracle) on inline workers: the same bytes as processes (tests/test_inline.py)
+    proc = subprocess.run([sys.executable, "-m", "bench.chaos", "--inner-steps", "3", "--slow-s", "3", "--clean-executor", "inline",
                            "--run-dir", str(tmp_path / "runs"), "--cache-dir", corpus_cache, "--json", str(out), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -203,7 +203,8 @@ def test_on_an_80_column_terminal_lines_break_between_words_and_the_footer_says_
     (3000 eval batches: seconds), the footer says so rather than `running`."""
     run = tmp_path / ("a-run-directory-whose-name-is-long-enough-to-need-a-line-of-its-own-" + "x" * 20)
     cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--workers", "2", "--rounds", "2", "--inner-steps", "30",
-           "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY, "--set", "data.eval_batches=3000"]
+           "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY, "--set", "data.eval_batches=3000",
+           "--executor", "inline"]  # the lines are the subject, not the workers' processes (the README run's test is local)
     raw, lines = in_a_terminal(cmd, cols=80, rows=40)
     text = raw.decode(errors="replace")
     pieces = [p for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).split("\r\n") for p in line.split("\r")]

@@ -186,7 +186,7 @@ def test_a_json_lines_source_is_prepared_on_first_use_and_a_failed_one_leaves_no
     bad = tmp_path / "other.jsonl"
     bad.write_text("".join(json.dumps({"body": "x" * 300}) + "\n" for _ in range(20)))
     before = sorted(p.name for p in (cache / "data").iterdir())
-    assert main(["submit", "--executor", "local", "--run-dir", str(tmp_path / "run"), "--set", f"data.source={bad}",
+    assert main(["submit", "--executor", "inline", "--run-dir", str(tmp_path / "run"), "--set", f"data.source={bad}",
                  "--set", f"data.cache_dir={cache}"]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert f"data.source {bad} could not be prepared" in out and f"orchestrate data prepare {bad} --out DIR" in out, out

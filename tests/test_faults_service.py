@@ -34,8 +34,11 @@ def _shas(run: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory, corpus_cache) -> list[str]:
+    """The oracle: the same run never interrupted, its workers threads of this process (the same
+    bytes as processes: tests/test_inline.py)."""
     run = tmp_path_factory.mktemp("clean") / "run"
-    assert main(["submit", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
+    assert main(["submit", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY,
+                 "--executor", "inline"]) == 0
     return _shas(run)
 
 

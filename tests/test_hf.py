@@ -192,7 +192,7 @@ def test_lte_heads_on_every_linear_of_the_hf_model(hf_dir):
 
 # -- whole runs through the local executor --------------------------------------------------------
 def _submit(run: Path, hf_dir: Path, texts: Path, cache: str, *extra: str) -> list[str]:
-    return ["submit", "--executor", "local", "--workers", "2", "--rounds", "2", "--inner-steps", "4",
+    return ["submit", "--executor", "inline", "--workers", "2", "--rounds", "2", "--inner-steps", "4",
             "--run-dir", str(run), "--set", f"model=hf:{hf_dir}", "--set", "model.block_size=32",
             "--set", f"data.source={texts}", "--set", f"data.cache_dir={cache}", "--set", "data.heldout_fraction=0.1",
             "--set", "inner.batch_size=4", "--set", "inner.warmup_steps=2", "--set", "data.eval_batches=2",
@@ -332,7 +332,7 @@ def test_every_entry_point_reads_a_hostile_hf_config_through_the_one_loader(hf_d
     assert main(["data", "prepare", str(src), "--out", str(tmp_path / "ds"), "--tokenizer", f"hf:{bad}"]) == 2
     out = capsys.readouterr().out
     assert re.search(says, out) and "Traceback" not in out, out
-    assert main(["submit", "--set", f"model=hf:{bad}", "--set", "model.block_size=32", "--executor", "local",
+    assert main(["submit", "--set", f"model=hf:{bad}", "--set", "model.block_size=32", "--executor", "inline",
                  "--run-dir", str(tmp_path / "run"), "--set", f"data.source={src}"]) == 2
     out = capsys.readouterr().out
     assert re.search(says, out) and "Traceback" not in out, out

@@ -337,7 +337,7 @@ def test_end_to_end_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
     from orchestrator.cli import main
     run = tmp_path / "run"
     # `--algorithm lte` once orchestrator/cli.py lists it among its choices; --set works either way
-    argv = ["submit", "--set", "algorithm=lte", "--workers", "2", "--rounds", "2", "--executor", "local",
+    argv = ["submit", "--set", "algorithm=lte", "--workers", "2", "--rounds", "2", "--executor", "inline",
             "--inner-steps", "3", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}",
             "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
             "--set", "model.block_size=32", "--set", "inner.batch_size=4", "--set", "lte.rank=4",

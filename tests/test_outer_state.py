@@ -27,7 +27,7 @@ from worker.weights import model_metadata
 L = RunLayout()
 NESTEROV = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
 ADAM = OuterConfig(optimizer="adam", lr=0.1)
-TINY = ["--executor", "local", "--workers", "3", "--rounds", "2", "--inner-steps", "2",
+TINY = ["--executor", "inline", "--workers", "3", "--rounds", "2", "--inner-steps", "2",
         "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
         "--set", "inner.batch_size=4", "--set", "data.eval_batches=1", "--set", "round.poll_s=0.1"]
 

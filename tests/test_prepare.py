@@ -238,12 +238,12 @@ def test_the_cli_prepares_a_jsonl_corpus_that_a_run_trains_on(tmp_path, capsys):
     assert main(["data", "check", str(out)]) == 0
     run = tmp_path / "run"
     # 4 groups cannot be dealt whole to 5 workers: refused by submit, before a run or a job exists
-    assert main(["submit", "--executor", "local", "--run-dir", str(run), "--workers", "5", "--set", f"data.source={out}",
+    assert main(["submit", "--executor", "inline", "--run-dir", str(run), "--workers", "5", "--set", f"data.source={out}",
                  "--set", "data.sharding=non-iid"]) == 2
     said = "".join(capsys.readouterr())
     assert f"the 4 group(s) of {out}'s train split over 5 workers" in said and "--group-field" in said, said
     assert not run.exists() and "Traceback" not in said
-    assert main(["submit", "--executor", "local", "--run-dir", str(run), "--workers", "2", "--rounds", "2", "--inner-steps", "3",
+    assert main(["submit", "--executor", "inline", "--run-dir", str(run), "--workers", "2", "--rounds", "2", "--inner-steps", "3",
                  "--set", f"data.source={out}", "--set", "data.sharding=non-iid", "--set", "model.n_layer=1",
                  "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
                  "--set", "inner.batch_size=4", "--set", "data.eval_batches=2", "--set", "round.poll_s=0.2"]) == 0
@@ -258,7 +258,7 @@ def test_a_dataset_prepared_on_s3_is_trained_on_by_a_local_run(s3_server, tmp_pa
     src = _jsonl(tmp_path / "a.jsonl.zst", _rows(400))
     assert main(["data", "prepare", str(src), "--out", url]) == 0
     run = tmp_path / "run"
-    assert main(["submit", "--executor", "local", "--run-dir", str(run), "--workers", "2", "--rounds", "1", "--inner-steps", "3",
+    assert main(["submit", "--executor", "inline", "--run-dir", str(run), "--workers", "2", "--rounds", "1", "--inner-steps", "3",
                  "--set", f"data.source={url}", "--set", "model.n_layer=1", "--set", "model.n_embd=32",
                  "--set", "model.n_head=2", "--set", "model.block_size=32", "--set", "inner.batch_size=4",
                  "--set", "data.eval_batches=2", "--set", "round.poll_s=0.2"]) == 0

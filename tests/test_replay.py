@@ -172,7 +172,8 @@ def _submit(run: Path, cache: str, *extra: str, env: dict | None = None, code: i
 
 def _replay_equals(src: Path, cache: str, rounds: int, workers: int) -> None:
     again = src.parent / "replay"
-    assert main(["submit", "--replay", str(src), "--run-dir", str(again), "--executor", "local",
+    # the replay's workers are threads of this process (orchestrator/inline.py): the same bytes as processes
+    assert main(["submit", "--replay", str(src), "--run-dir", str(again), "--executor", "inline",
                  "--set", "executor.timeout_min=30"]) == 0
     assert _bytes_of(again, rounds, workers) == _bytes_of(src, rounds, workers)
     got = [[(m["steps"], (m.get("overlap") or {}).get("adopted_at_step")) for m in ms] for ms in _manifests(again, rounds, workers)]
@@ -187,7 +188,7 @@ def test_an_overlapped_run_with_a_slow_worker_is_replayed_bit_for_bit(tmp_path, 
     """Time budget + overlap, worker 1 slower per step (a slowpoint): how many steps each worker
     trains, and where each adopts its global, is timing; the replay repeats it exactly."""
     src = tmp_path / "run"
-    _submit(src, corpus_cache, *TINY, *OVERLAPPED, "--set", f"round.overlap={mode}",
+    _submit(src, corpus_cache, *TINY, *OVERLAPPED, "--set", f"round.overlap={mode}", "--executor", "inline",
             env={"ISLANDS_SLOWPOINT": "worker_001.step=0.05"})  # slower however loaded the machine
     manifests = _manifests(src, 3, 3)
     adopted = [m["overlap"]["adopted_at_step"] for ms in manifests[1:] for m in ms if "overlap" in m]
@@ -242,13 +243,13 @@ def test_an_overlapped_run_goes_on_without_a_dropped_worker(tmp_path, corpus_cac
 @pytest.mark.slow
 def test_a_run_on_a_prepared_dataset_is_replayed_bit_for_bit(tmp_path, corpus_cache):
     """Workers read a prepared dataset's shards by position (non-iid shares by a record field): what
-    each reads is a pure function of (dataset, seed, worker, step), so a replay in new processes
+    each reads is a pure function of (dataset, seed, worker, step), so a replay (its workers threads of this process)
     publishes every global of its source bit for bit."""
     rows = [{"text": f"record {i}: " + " ".join(str(i * j % 97) for j in range(60)), "source": f"s{i % 3}"} for i in range(300)]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["data", "prepare", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "ds"), "--group-field", "source"]) == 0
     src = tmp_path / "run"
-    _submit(src, corpus_cache, *TINY, "--workers", "2", "--rounds", "2", "--inner-steps", "4",
+    _submit(src, corpus_cache, *TINY, "--workers", "2", "--rounds", "2", "--inner-steps", "4", "--executor", "inline",
             "--set", f"data.source={tmp_path / 'ds'}", "--set", "data.sharding=non-iid")
     _replay_equals(src, corpus_cache, 2, 2)
 
@@ -257,7 +258,7 @@ def test_a_run_on_a_prepared_dataset_is_replayed_bit_for_bit(tmp_path, corpus_ca
 def test_a_topk_run_whose_service_was_killed_is_replayed_bit_for_bit(tmp_path, corpus_cache, capsys):
     """Top-k contributions with error feedback (round.codec topk): each persistent worker carries
     its buffer in memory and writes it with its AdamW state. The service dies after round 0's
-    commit and `resume` finishes the run; the replay, in new processes, publishes every global of
+    commit and `resume` finishes the run; the replay (its workers threads of this process) publishes every global of
     its source bit for bit, so the buffers were neither lost nor applied twice."""
     src = tmp_path / "run"
     _submit(src, corpus_cache, *TINY, "--workers", "3", "--rounds", "3", "--inner-steps", "4",

@@ -51,7 +51,7 @@ def _tensors(run: Path) -> list[str]:
 @pytest.mark.slow
 def test_a_pruned_run_is_flat_and_still_resumes_rebuilds_and_replays(tmp_path, corpus_cache, capsys, monkeypatch):
     run = tmp_path / "run"
-    args = ["submit", "--executor", "local", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY,
+    args = ["submit", "--executor", "inline", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY,
             "--workers", "2", "--rounds", "4", "--inner-steps", "2"]
     assert main(args) == 0
     assert _tensors(run) == ["final/model.safetensors", "global/round_00003.safetensors", "global/round_00004.safetensors",
@@ -72,7 +72,7 @@ def test_a_pruned_run_is_flat_and_still_resumes_rebuilds_and_replays(tmp_path, c
         (run / "rounds" / "00003" / name).unlink()
     assert main(["resume", str(run)]) == 0 and (run / "rounds" / "00003" / "record.json").exists()
     again = tmp_path / "replay"
-    assert main(["submit", "--replay", str(run), "--run-dir", str(again), "--executor", "local"]) == 0
+    assert main(["submit", "--replay", str(run), "--run-dir", str(again), "--executor", "inline"]) == 0
     assert _bytes_of(again, 4, 2) == _bytes_of(run, 4, 2)  # every global, state and contribution, by digest
 
 

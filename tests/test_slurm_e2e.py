@@ -257,7 +257,7 @@ def test_overlapped_workers_requeued_ahead_and_mid_round_are_replayed_bit_for_bi
     worker 0 while it trains ahead of its next round's global (worker 1 is slow to publish, so the
     merge waits for it), whose steps are then lost and whose requeued job starts the round from its
     base; worker 1 in the middle of a round it had adopted the global of, whose in-flight
-    checkpoint keeps the adoption step. The run finishes, and its replay on the local executor,
+    checkpoint keeps the adoption step. The run finishes, and its replay on the inline executor,
     which knows nothing of the requeues, equals it global by global: what the run recorded is what
     it did. (The replay pins the source's torch threads: a sum split over other threads differs.)"""
     run, rounds = tmp_path / "run", 4
@@ -289,7 +289,7 @@ def test_overlapped_workers_requeued_ahead_and_mid_round_are_replayed_bit_for_bi
                                  capture_output=True, text=True).stdout
         assert "REQUEUED" in history, history
     again = tmp_path / "replay"
-    assert main(["submit", "--replay", str(run), "--run-dir", str(again), "--executor", "local"]) == 0
+    assert main(["submit", "--replay", str(run), "--run-dir", str(again), "--executor", "inline"]) == 0
     assert _replay_digests(again, rounds) == _replay_digests(run, rounds), (ahead, mid)
 
 

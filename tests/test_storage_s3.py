@@ -119,7 +119,7 @@ def test_whole_run_on_s3(s3_server, corpus_cache, tmp_path, monkeypatch, capsys)
     tiny = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
             "--set", "model.block_size=32", "--set", "inner.batch_size=4", "--set", "data.eval_batches=2",
             "--set", "round.poll_s=0.2", "--set", f"data.cache_dir={corpus_cache}"]
-    assert main(["submit", "--executor", "local", "--run-dir", url, "--workers", "2", "--rounds", "2",
+    assert main(["submit", "--executor", "inline", "--run-dir", url, "--workers", "2", "--rounds", "2",
                  "--inner-steps", "3", *tiny]) == 0
     capsys.readouterr()
     assert main(["status", url, "--json"]) == 0

@@ -133,7 +133,7 @@ def test_lte_puts_heads_on_the_vision_models_attention_and_mlp():
 ])
 def test_the_vision_task_trains_with_each_algorithm(tmp_path, capsys, algorithm, extra):
     run = tmp_path / "run"
-    assert main(["submit", "--set", "task=digits", "--algorithm", algorithm, "--workers", "2", "--executor", "local",
+    assert main(["submit", "--set", "task=digits", "--algorithm", algorithm, "--workers", "2", "--executor", "inline",
                  "--run-dir", str(run), *SMALL, *extra]) == 0
     out = capsys.readouterr().out
     assert "accuracy" in out  # the progress line shows the task's metric beside the loss
@@ -176,7 +176,7 @@ def test_a_users_task_from_a_temporary_directory_trains_on_the_local_executor(tm
     monkeypatch.chdir(tmp_path)  # task_path given relative to where submit runs
     run = tmp_path / "run"
     assert main(["submit", "--set", "task=blobs:Blobs", "--set", "task_path=mytasks", "--workers", "2",
-                 "--rounds", "3", "--inner-steps", "10", "--executor", "local", "--run-dir", str(run), *SMALL]) == 0
+                 "--rounds", "3", "--inner-steps", "10", "--executor", "inline", "--run-dir", str(run), *SMALL]) == 0
     st = _status(run, capsys)
     assert st["state"] == "done" and st["rounds"][-1]["eval_metrics"]["accuracy"] > 0.8  # an easy problem, learnt
     assert f"task_path: {tmp_path / 'mytasks'}" in (run / "config.yaml").read_text()  # absolute: jobs start anywhere
@@ -228,7 +228,7 @@ def test_a_bad_task_is_one_clear_error_before_anything_is_made(tmp_path, capsys,
     where = _write_task(tmp_path / "mytasks", source)
     run = tmp_path / "run"
     code = main(["submit", "--set", f"task=blobs:{cls}", "--set", f"task_path={where}", "--workers", "2",
-                 "--executor", "local", "--run-dir", str(run), *SMALL])
+                 "--executor", "inline", "--run-dir", str(run), *SMALL])
     out = capsys.readouterr().out
     assert code == 2 and says in out and "task blobs:" in out and "Traceback" not in out, out
     assert not run.exists()
@@ -263,7 +263,7 @@ def test_a_task_path_others_can_write_is_refused(tmp_path, capsys, mode):
     (tmp_path / "mytasks").chmod(mode)
     run = tmp_path / "run"
     code = main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--workers", "2",
-                 "--executor", "local", "--run-dir", str(run), *SMALL])
+                 "--executor", "inline", "--run-dir", str(run), *SMALL])
     out = " ".join(capsys.readouterr().out.split())
     assert code == 2 and f"task_path {where} is writable by" in out and f"chmod go-w {where}" in out, out
     assert not run.exists()
@@ -295,7 +295,7 @@ def test_a_loss_that_turns_non_finite_in_the_worker_names_task_worker_and_job(tm
     where = _write_task(tmp_path / "mytasks", source)
     run = tmp_path / "run"
     code = main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--workers", "1",
-                 "--rounds", "1", "--inner-steps", "3", "--executor", "local", "--run-dir", str(run), *SMALL,
+                 "--rounds", "1", "--inner-steps", "3", "--executor", "inline", "--run-dir", str(run), *SMALL,
                  "--set", "inner.batch_size=4", "--set", "round.max_retries=0"])
     assert code != 0
     jobs = Storage(str(run)).read_json("rounds/00000/jobs.json")
@@ -316,8 +316,8 @@ def test_a_users_task_under_a_time_budget_is_replayed_bit_for_bit(tmp_path):
     src, again = tmp_path / "src", tmp_path / "again"
     assert main(["submit", "--set", "task=blobs:Blobs", "--set", f"task_path={where}", "--workers", "2", "--rounds", "2",
                  "--inner-steps", "5000", "--set", "round.budget=seconds", "--set", "round.budget_seconds=0.3",
-                 "--executor", "local", "--run-dir", str(src), *SMALL]) == 0
-    assert main(["submit", "--replay", str(src), "--run-dir", str(again), "--executor", "local"]) == 0
+                 "--executor", "inline", "--run-dir", str(src), *SMALL]) == 0
+    assert main(["submit", "--replay", str(src), "--run-dir", str(again), "--executor", "inline"]) == 0
     a, b = Storage(str(src)), Storage(str(again))
     for r in range(2):
         assert a.read_json(f"rounds/{r:05d}/record.json")["global_digest"] == b.read_json(f"rounds/{r:05d}/record.json")["global_digest"]
@@ -333,7 +333,7 @@ def test_task_digits_without_the_vision_extra_says_what_to_install(tmp_path, mon
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     run = tmp_path / "run"
-    assert main(["submit", "--executor", "local", "--set", "task=digits", "--workers", "2", "--rounds", "1",
+    assert main(["submit", "--executor", "inline", "--set", "task=digits", "--workers", "2", "--rounds", "1",
                  "--run-dir", str(run)]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert "task digits needs sklearn" in out and "pip install 'islands[vision]'" in out and "Traceback" not in out

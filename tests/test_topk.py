@@ -335,7 +335,7 @@ def test_dense_first_rounds_then_topk_in_a_real_run(tmp_path, corpus_cache):
     buffer), round 1's top-k ones; the service merges both kinds."""
     from orchestrator.cli import main
     run = tmp_path / "run"
-    assert main(["submit", "--executor", "local", "--workers", "2", "--rounds", "2", "--inner-steps", "3",
+    assert main(["submit", "--executor", "inline", "--workers", "2", "--rounds", "2", "--inner-steps", "3",
                  "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", "--set", "model.n_layer=1",
                  "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=32",
                  "--set", "inner.batch_size=4", "--set", "data.eval_batches=1", "--set", "round.contribution=delta",

@@ -61,7 +61,7 @@ def expected(run: Path) -> dict[tuple[str, int], float]:
 @pytest.mark.slow
 def test_a_run_sends_what_the_report_plots_to_wandb_and_mlflow(tmp_path, corpus_cache):
     run, db = tmp_path / "run", tmp_path / "mlflow.db"
-    argv = ["submit", "--executor", "local", "--run-dir", str(run), "--workers", "2", "--rounds", "2", "--inner-steps", "3",
+    argv = ["submit", "--executor", "inline", "--run-dir", str(run), "--workers", "2", "--rounds", "2", "--inner-steps", "3",
             "--set", f"data.cache_dir={corpus_cache}", *TINY, "--set", "log.wandb=islands-test",
             "--set", "log.wandb_mode=offline", "--set", f"log.mlflow=sqlite:///{db}"]
     printed = io.StringIO()
@@ -141,7 +141,7 @@ def test_wandb_online_without_a_login_never_prompts_on_a_terminal(tmp_path):
 def test_submit_names_the_extra_of_a_missing_client_before_anything_is_made(tmp_path, capsys, monkeypatch, key, module, extra):
     monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     run = tmp_path / "run"
-    assert main(["submit", "--executor", "local", "--run-dir", str(run), "--set", f"log.{key}=somewhere"]) == 2
+    assert main(["submit", "--executor", "inline", "--run-dir", str(run), "--set", f"log.{key}=somewhere"]) == 2
     err = capsys.readouterr()
     assert f"log.{key}: the {module} client is not installed here: pip install 'islands[{extra}]'" in err.out + err.err
     assert not run.exists()

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
 from core.layout import RunLayout
 from core.storage import Storage
-from core.assignment import Assignment
+from core.assignment import Assignment, current_job_id
 from worker.ranks import join
 from worker.train import InnerTrainer, load_run_config, pick_device, serve_round
 
@@ -34,14 +33,6 @@ log = logging.getLogger(__name__)
 L = RunLayout()
 WAIT_POLL_S = 0.2
 _CURRENT_ROUND: int | None = None  # the round this process serves or waits for (for requeue)
-
-
-def current_job_id() -> str | None:
-    """This job's id as the scheduler (and so the merge service) names it: 12_3 for array tasks."""
-    env = os.environ
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID")
 
 
 def current_round() -> int | None:

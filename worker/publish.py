@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from core import codec, iostat
+from core.assignment import current_job_id
 from core.checkpoint import DTYPES, ITEMSIZE, open_checkpoint
 from core.checkpoint_writer import OutputFile, publish_manifest, write_checkpoint, write_data
 from core.errors import CheckpointError, IslandsError
@@ -108,7 +109,7 @@ class Publisher:
             "round": a.round, "worker": a.worker, "steps": rnd.done, "attempt": a.attempt,
             "tokens": rnd.done * self.tokens_per_batch, "base": a.base_key, "base_digest": rnd.base_digest,
             "loss_first": rnd.losses[0], "loss_last": rnd.losses[-1], "losses": [round(v, 5) for v in rnd.losses],
-            "seconds": round(seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+            "seconds": round(seconds, 3), "job_id": current_job_id(),
             "host": os.uname().nodename, "device": self.learner.device.type, "resumed_at_step": rnd.resumed_at,
             "waited_s": rnd.waited_s, "ranks": self.ranks.world, "trained_s": round(rnd.trained_s, 3),
             "threads": torch.get_num_threads(),  # per rank: a replay needs the same (core/replay.py)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from core import replay, trust
-from core.assignment import Assignment
+from core.assignment import Assignment, current_job_id
 from core.checkpoint import read_manifest
 from core.config import Config
 from core.errors import IslandsError
@@ -213,7 +213,7 @@ class InnerTrainer:
     def _check_losses(self) -> None:
         losses, a = self.round.losses, self.round.assignment
         if not all(math.isfinite(v) for v in losses[-5:]):
-            job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or "?"
+            job = current_job_id() or "?"
             raise IslandsError(f"task {self.cfg.task}, worker {a.worker} round {a.round} (job {job}): the loss "
                                f"became non-finite ({losses[-5:]}); lower inner.lr or raise inner.warmup_steps, "
                                "or check the task's loss")

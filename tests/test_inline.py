@@ -1,0 +1,110 @@
+"""`executor.kind: inline` (orchestrator/inline.py): worker jobs as threads of the orchestrating
+process. What the tests that use it rely on: an inline run publishes the same bytes as one whose
+workers are processes; a job's state, failure and cancel are what a process's would be; its job id
+reaches its manifest; what a thread cannot be (several ranks, its own GPUs, its own I/O counters)
+is refused or left unsaid."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from core import iostat
+from core.assignment import INLINE_JOB_ID, current_job_id
+from core.config import config_from_dict
+from core.storage import Storage
+from orchestrator import inline
+from orchestrator.cli import main
+from orchestrator.executor import Executor
+from orchestrator.slurm import rank_problems
+from test_e2e_local import TINY
+
+
+def _digests(run) -> list[str]:
+    s = Storage(str(run))
+    return [s.read_json(f"rounds/{r:05d}/record.json")["global_digest"] for r in range(2)] + \
+        [s.read_json(f"outer/state_{r:05d}.json")["digest"] for r in (1, 2)]
+
+
+@pytest.mark.slow
+def test_an_inline_run_publishes_what_a_run_of_processes_does(tmp_path, corpus_cache, capsys):
+    """Every global and outer state of a 2 x 2 run, workers as threads and as local processes; the
+    inline jobs' ids are in the manifests and `status` shows them COMPLETED with their run time."""
+    runs = {}
+    for kind in ("inline", "local"):
+        runs[kind] = tmp_path / kind
+        assert main(["submit", "--executor", kind, "--run-dir", str(runs[kind]), "--workers", "2", "--rounds", "2",
+                     "--inner-steps", "3", "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
+    assert _digests(runs["inline"]) == _digests(runs["local"])
+    s = Storage(str(runs["inline"]))
+    ids = s.read_json("rounds/00000/jobs.json")["workers"]
+    manifest = s.read_json("rounds/00001/contrib/worker_001.json")
+    assert manifest["job_id"] == ids["1"]["job_ids"][-1] and manifest["job_id"].startswith(f"{os.getpid()}_")
+    assert manifest["threads"] == 1 and "io_read" not in manifest  # its process's counters are not its own
+    capsys.readouterr()
+    assert main(["status", str(runs["inline"])]) == 0
+    out = capsys.readouterr().out
+    assert "worker I/O" not in out and "FAILED" not in out and "ENDED" not in out, out
+
+
+def _wait(job_id: str, deadline_s: float = 30) -> str:
+    """The job's state once its thread has ended."""
+    deadline = time.monotonic() + deadline_s
+    while job_id in inline.running():
+        assert time.monotonic() < deadline, f"inline job {job_id} still runs"
+        time.sleep(0.01)
+    return inline.status(job_id).state
+
+
+def test_a_job_s_state_failure_and_cancel_are_a_process_s():
+    started, seen = threading.Event(), []
+
+    def spin(arg):
+        seen.append(current_job_id())
+        started.set()
+        while True:
+            time.sleep(0.01)
+
+    def fail(arg):
+        raise ValueError(f"bad input {arg}")
+
+    done = inline.submit(lambda arg: seen.append(arg), "x")
+    assert _wait(done) == "COMPLETED" and "x" in seen
+    st = inline.status(done)
+    assert st.job_id == done and st.start and st.end and st.timing()["run_s"] is not None
+    failed = inline.submit(fail, 7)
+    assert _wait(failed) == "FAILED"
+    assert inline.error_tail(failed, 3).splitlines()[-1] == "ValueError: bad input 7"
+    running = inline.submit(spin, None)
+    assert started.wait(10) and seen[-1] == running and inline.status(running).state == "RUNNING"
+    assert running in inline.running()
+    inline.cancel(running)
+    assert inline.status(running).state == "CANCELLED"  # at once, as scancel's job
+    assert _wait(running) == "CANCELLED"  # and its thread ended
+    # a job of another process (an earlier orchestrator's): out of sight, not alive, so resubmitted
+    assert inline.status("1_0").state == "ENDED" and not inline.status("1_0").alive
+    assert INLINE_JOB_ID.get() is None and current_job_id() is None  # outside a job: no id
+    assert inline.error_tail("1_0", 3) == ""
+
+
+def test_the_executor_reports_cancels_and_tails_inline_jobs(tmp_path):
+    ex = Executor(config_from_dict({"executor": {"kind": "inline"}}), tmp_path / "jobs")
+    assert ex.kind == "inline" and ex.here
+    job = inline.submit(lambda arg: time.sleep(30), None)
+    ex._jobs[job] = None  # as submit() keeps it
+    assert ex.own_jobs() == [job] and ex.status([job])[job].state == "RUNNING"
+    ex.cancel([job])
+    assert ex.cancelled_here(job) and ex.status([job])[job].state == "CANCELLED"
+    assert not (tmp_path / "jobs").exists()  # no submitit folder, no files
+
+
+def test_what_a_thread_cannot_be_is_refused():
+    problems = rank_problems(config_from_dict({"executor": {"kind": "inline", "tasks_per_node": 2, "cpus_per_task": 2}}))
+    assert any("executor.kind=inline runs each worker as one thread" in p for p in problems), problems
+    assert rank_problems(config_from_dict({"executor": {"kind": "inline"}})) == []
+    seen = {}
+    job = inline.submit(lambda arg: seen.update(io=iostat.counters()), None)
+    _wait(job)
+    assert seen["io"] == {}  # the process's counters would count the service and every other worker
