@@ -140,6 +140,18 @@ def corpus_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("corpus-cache"))
 
 
+@pytest.fixture(scope="session")
+def dense_run(tmp_path_factory, corpus_cache) -> Path:
+    """The suite's standard run (tests/runs.py: DiLoCo, 2 workers x 2 rounds x 3 steps, dense, every
+    round kept), made once per session with inline workers, for the tests that only read a run;
+    one that changes it copies it first."""
+    from orchestrator.cli import main
+    from runs import DENSE, submit_tiny
+    run = tmp_path_factory.mktemp("dense") / "run"
+    assert main(submit_tiny(run, corpus_cache, *DENSE, executor="inline")) == 0
+    return run
+
+
 @pytest.fixture
 def mount_tmpfs():
     """`mount_tmpfs(path)`: a real 1 MiB disk (tmpfs) mounted at `path` for the test, to fill; needs

@@ -14,18 +14,11 @@ import torch
 
 from core.storage import Storage
 from orchestrator.cli import main
+from runs import DENSE, submit_tiny
 from worker.weights import load_model
 
 pytestmark = pytest.mark.slow
-TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
-        "--set", "model.block_size=32", "--set", "inner.batch_size=4", "--set", "inner.warmup_steps=2",
-        "--set", "data.eval_batches=2", "--set", "round.poll_s=0.2"]
-
-
-def _tiny(run_dir: Path, cache: str, *extra: str, executor: str = "local") -> list[str]:
-    """`orchestrate submit` of a tiny run; `executor` inline where the worker processes are not the
-    subject (orchestrator/inline.py)."""
-    return ["submit", "--executor", executor, "--run-dir", str(run_dir), "--set", f"data.cache_dir={cache}", *TINY, *extra]
+_tiny = submit_tiny
 
 
 def _status(run_dir: Path, capsys) -> dict:
@@ -92,21 +85,20 @@ def test_lofi_one_round_average(tmp_path, corpus_cache, capsys):
         assert torch.allclose(g[k], (a[k] + b[k]) / 2, atol=1e-6), k
 
 
-def test_same_seed_same_result(tmp_path, corpus_cache, capsys):
-    shas = []
-    for i in range(2):
-        run = tmp_path / f"run{i}"
-        assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "1", "--inner-steps", "3", executor="inline")) == 0
-        shas.append(Storage(str(run)).read_json("rounds/00000/record.json")["global_digest"])
+def test_same_seed_same_result(tmp_path, corpus_cache, dense_run):
+    """The session's dense run made again: every round's global the same, bit for bit."""
+    run = tmp_path / "run"
+    assert main(_tiny(run, corpus_cache, *DENSE, executor="inline")) == 0
+    shas = [[Storage(str(r)).read_json(f"rounds/{q:05d}/record.json")["global_digest"] for q in range(2)] for r in (run, dense_run)]
     assert shas[0] == shas[1]
 
 
-def test_existing_run_dir_is_refused(tmp_path, corpus_cache, capsys):
-    run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "1", executor="inline")) == 0
+def test_existing_run_dir_is_refused(corpus_cache, capsys, dense_run):
+    before = (dense_run / "config.yaml").read_bytes()
     capsys.readouterr()
-    assert main(_tiny(run, corpus_cache, "--workers", "1", "--rounds", "1", executor="inline")) == 2
+    assert main(_tiny(dense_run, corpus_cache, "--workers", "1", "--rounds", "1", executor="inline")) == 2
     assert "already holds a run" in capsys.readouterr().out
+    assert (dense_run / "config.yaml").read_bytes() == before  # nothing of it changed
 
 
 def _until_round_0(run: Path, args: list[str], **popen) -> subprocess.Popen:

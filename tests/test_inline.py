@@ -19,7 +19,7 @@ from orchestrator import inline
 from orchestrator.cli import main
 from orchestrator.executor import Executor
 from orchestrator.slurm import rank_problems
-from test_e2e_local import TINY
+from runs import DENSE, submit_tiny
 
 
 def _digests(run) -> list[str]:
@@ -29,22 +29,20 @@ def _digests(run) -> list[str]:
 
 
 @pytest.mark.slow
-def test_an_inline_run_publishes_what_a_run_of_processes_does(tmp_path, corpus_cache, capsys):
-    """Every global and outer state of a 2 x 2 run, workers as threads and as local processes; the
-    inline jobs' ids are in the manifests and `status` shows them COMPLETED with their run time."""
-    runs = {}
-    for kind in ("inline", "local"):
-        runs[kind] = tmp_path / kind
-        assert main(["submit", "--executor", kind, "--run-dir", str(runs[kind]), "--workers", "2", "--rounds", "2",
-                     "--inner-steps", "3", "--set", f"data.cache_dir={corpus_cache}", *TINY]) == 0
-    assert _digests(runs["inline"]) == _digests(runs["local"])
-    s = Storage(str(runs["inline"]))
+def test_an_inline_run_publishes_what_a_run_of_processes_does(tmp_path, corpus_cache, capsys, dense_run):
+    """Every global and outer state of the session's dense run (inline) and of the same run with its
+    workers local processes; the inline jobs' ids are in the manifests and `status` shows them
+    COMPLETED (it names no other state)."""
+    local = tmp_path / "local"
+    assert main(submit_tiny(local, corpus_cache, *DENSE)) == 0
+    assert _digests(dense_run) == _digests(local)
+    s = Storage(str(dense_run))
     ids = s.read_json("rounds/00000/jobs.json")["workers"]
     manifest = s.read_json("rounds/00001/contrib/worker_001.json")
     assert manifest["job_id"] == ids["1"]["job_ids"][-1] and manifest["job_id"].startswith(f"{os.getpid()}_")
     assert manifest["threads"] == 1 and "io_read" not in manifest  # its process's counters are not its own
     capsys.readouterr()
-    assert main(["status", str(runs["inline"])]) == 0
+    assert main(["status", str(dense_run)]) == 0
     out = capsys.readouterr().out
     assert "worker I/O" not in out and "FAILED" not in out and "ENDED" not in out, out
 

@@ -19,7 +19,7 @@ from core.storage import Storage
 from orchestrator.cli import main
 from orchestrator.observe.report import write_report
 from orchestrator.retention import doomed, prune
-from test_e2e_local import TINY
+from runs import TINY
 from test_replay import _bytes_of
 from test_resident import _merge, _run as _worker_run, _task
 
