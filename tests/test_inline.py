@@ -106,3 +106,27 @@ def test_what_a_thread_cannot_be_is_refused():
     job = inline.submit(lambda arg: seen.update(io=iostat.counters()), None)
     _wait(job)
     assert seen["io"] == {}  # the process's counters would count the service and every other worker
+
+
+@pytest.mark.slow
+def test_a_cancelled_inline_run_stops_its_threads(tmp_path, corpus_cache):
+    """`orchestrate cancel` of an inline run: the service (here on a thread of this process) stops
+    with the cancel's exit code, and its worker threads, which nothing outside the process can
+    reach, stop on the run's CANCEL mark as a persistent worker does."""
+    run, done = tmp_path / "run", {}
+    before = set(inline.running())
+    service = threading.Thread(target=lambda: done.update(rc=main(submit_tiny(
+        run, corpus_cache, "--workers", "2", "--rounds", "50", "--inner-steps", "300", executor="inline"))))
+    service.start()
+    s, deadline = Storage(str(run)), time.monotonic() + 60
+    while not s.exists("rounds/00000/jobs.json"):
+        assert time.monotonic() < deadline and service.is_alive(), done
+        time.sleep(0.1)
+    assert set(inline.running()) - before  # its workers train
+    assert main(["cancel", str(run)]) == 0
+    service.join(60)
+    assert done == {"rc": 3}
+    deadline = time.monotonic() + 30
+    while set(inline.running()) - before:
+        assert time.monotonic() < deadline, "the run's worker threads outlived its cancel"
+        time.sleep(0.05)
