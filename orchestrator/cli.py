@@ -173,8 +173,9 @@ def _with_executor(cfg: Config) -> Config:
     a default request Slurm refuses brought down to what the partition's nodes have (said); a
     request Slurm still refuses is one error, before anything is made. This machine only where
     Slurm is not installed or its controller does not answer, or with --executor local."""
+    from orchestrator.executor import HERE
     kind = cfg.executor.kind
-    if kind in ("local", "inline"):
+    if kind in HERE:
         return cfg
     from orchestrator.slurm import FIX_REQUEST, describe_request, fit_to_partition, request_refusal, slurm_parameters, \
         unreachable

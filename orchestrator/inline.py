@@ -68,13 +68,14 @@ def submit(fn: Callable[[Any], Any], arg: Any) -> str:
         try:
             fn(arg)
         except JobCancelled:
-            state = "CANCELLED"
+            pass  # cancel() marked it CANCELLED
         except BaseException:  # a job's failure is its state, as a process's is: never the service's
             state, error = "FAILED", traceback.format_exc()
             log.warning("inline job %s failed:\n%s", job_id, error)
         with _LOCK:
             job = _JOBS[job_id]
-            job.state = "CANCELLED" if job.state == "CANCELLED" else state
+            if job.state != "CANCELLED":
+                job.state = state
             job.end, job.error = _now(), error
 
     thread = threading.Thread(target=run, name=f"islands-job-{job_id}", daemon=True)

@@ -18,7 +18,6 @@ from runs import DENSE, submit_tiny
 from worker.weights import load_model
 
 pytestmark = pytest.mark.slow
-_tiny = submit_tiny
 
 
 def _status(run_dir: Path, capsys) -> dict:
@@ -29,7 +28,7 @@ def _status(run_dir: Path, capsys) -> dict:
 
 def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "4")) == 0
+    assert main(submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "4")) == 0
     st = _status(run, capsys)
     assert st["state"] == "done" and st["rounds_done"] == 2 and st["algorithm"] == "diloco"
     assert [r["merged"] for r in st["rounds"]] == [[0, 1], [0, 1]]
@@ -70,7 +69,7 @@ def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
 
 def test_lofi_one_round_average(tmp_path, corpus_cache, capsys):
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--algorithm", "lofi", "--workers", "2", "--inner-steps", "3", executor="inline")) == 0
+    assert main(submit_tiny(run, corpus_cache, "--algorithm", "lofi", "--workers", "2", "--inner-steps", "3", executor="inline")) == 0
     st = _status(run, capsys)
     assert st["rounds_total"] == 1 and st["rounds"][0]["merged"] == [0, 1]
     s = Storage(str(run))
@@ -88,7 +87,7 @@ def test_lofi_one_round_average(tmp_path, corpus_cache, capsys):
 def test_same_seed_same_result(tmp_path, corpus_cache, dense_run):
     """The session's dense run made again: every round's global the same, bit for bit."""
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, *DENSE, executor="inline")) == 0
+    assert main(submit_tiny(run, corpus_cache, *DENSE, executor="inline")) == 0
     shas = [[Storage(str(r)).read_json(f"rounds/{q:05d}/record.json")["global_digest"] for q in range(2)] for r in (run, dense_run)]
     assert shas[0] == shas[1]
 
@@ -96,7 +95,7 @@ def test_same_seed_same_result(tmp_path, corpus_cache, dense_run):
 def test_existing_run_dir_is_refused(corpus_cache, capsys, dense_run):
     before = (dense_run / "config.yaml").read_bytes()
     capsys.readouterr()
-    assert main(_tiny(dense_run, corpus_cache, "--workers", "1", "--rounds", "1", executor="inline")) == 2
+    assert main(submit_tiny(dense_run, corpus_cache, "--workers", "1", "--rounds", "1", executor="inline")) == 2
     assert "already holds a run" in capsys.readouterr().out
     assert (dense_run / "config.yaml").read_bytes() == before  # nothing of it changed
 
@@ -114,7 +113,7 @@ def _until_round_0(run: Path, args: list[str], **popen) -> subprocess.Popen:
 
 def test_resume_after_the_orchestrator_is_killed(tmp_path, corpus_cache):
     run = tmp_path / "run"
-    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3")
+    args = submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3")
     proc = _until_round_0(run, args, start_new_session=True)
     s = Storage(str(run))
     os.kill(proc.pid, signal.SIGKILL)  # the orchestrator dies; its workers may live on
@@ -136,7 +135,7 @@ def test_a_second_service_forced_onto_a_live_run_fences_the_first(tmp_path, corp
     first stops before its next commit, naming who took it: no round submitted or merged twice."""
     run = tmp_path / "run"
     # per-round jobs: each round's submissions are then countable (one batch, one job per worker)
-    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "4", "--inner-steps", "3", "--set", "round.worker_mode=per_round")
+    args = submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "4", "--inner-steps", "3", "--set", "round.worker_mode=per_round")
     first = _until_round_0(run, args)
     s = Storage(str(run))
     refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], capture_output=True,
@@ -157,7 +156,7 @@ def test_a_second_service_forced_onto_a_live_run_fences_the_first(tmp_path, corp
 
 def test_cancel_stops_the_run(tmp_path, corpus_cache):
     run = tmp_path / "run"
-    args = _tiny(run, corpus_cache, "--workers", "2", "--rounds", "50", "--inner-steps", "200")
+    args = submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "50", "--inner-steps", "200")
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     s = Storage(str(run))
@@ -177,7 +176,7 @@ def test_detached_service_local(tmp_path, corpus_cache, capsys):
     from orchestrator.runstate import run_status
 
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "1", "--rounds", "2", "--inner-steps", "2", "--detach")) == 0
+    assert main(submit_tiny(run, corpus_cache, "--workers", "1", "--rounds", "2", "--inner-steps", "2", "--detach")) == 0
     assert "merge service started as process" in capsys.readouterr().out
     s = Storage(str(run))
     deadline = time.time() + 120
@@ -192,7 +191,7 @@ def test_int8_delta_contributions_two_workers_two_rounds(tmp_path, corpus_cache,
     from core.checkpoint import load_checkpoint, open_checkpoint
 
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "4",
+    assert main(submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "4",
                       "--set", "round.contribution=delta", "--set", "round.codec=int8",
                       "--set", "round.keep_last=0", executor="inline")) == 0  # round 0's tensors kept: the oracle below reads them
     st = _status(run, capsys)
@@ -233,7 +232,7 @@ def test_a_median_round_is_not_dragged_by_a_planted_outlier(tmp_path, corpus_cac
     from bench.chaos import plant
     from core.checkpoint import load_checkpoint, read_manifest
     run, steps = tmp_path / "run", 3
-    args = _tiny(run, corpus_cache, "--workers", "3", "--rounds", "1", "--inner-steps", str(steps),
+    args = submit_tiny(run, corpus_cache, "--workers", "3", "--rounds", "1", "--inner-steps", str(steps),
                  "--set", "round.aggregate=median", "--set", "round.worker_mode=per_round", executor="inline")
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=Path(__file__).parent.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -267,7 +266,7 @@ def test_a_time_budget_keeps_a_slow_worker_from_holding_the_round(tmp_path, corp
     fewer steps, and each is weighted by its tokens."""
     monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_001.step=0.1")
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "100000",
+    assert main(submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "2", "--inner-steps", "100000",
                       "--set", "round.budget=seconds", "--set", "round.budget_seconds=1.5", executor="inline")) == 0
     s = Storage(str(run))
     for r in range(2):
@@ -285,7 +284,7 @@ def test_overlapped_rounds_train_ahead_and_adopt_each_global(tmp_path, corpus_ca
     """round.overlap: rebase. From round 1 on, each contribution records the step at which its
     worker adopted the round's global; it names that global as its base and took H steps in all."""
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "200",
+    assert main(submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "200",
                       "--set", "round.overlap=rebase", executor="inline")) == 0
     s = Storage(str(run))
     for r in range(3):
@@ -312,7 +311,7 @@ def test_a_worker_ahead_by_its_bound_waits_for_the_global(tmp_path, corpus_cache
     asserted; that it stopped at the bound is."""
     monkeypatch.setenv("ISLANDS_SLOWPOINT", "worker_001.publish=3")
     run = tmp_path / "run"
-    assert main(_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", str(steps),
+    assert main(submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", str(steps),
                       "--set", "round.overlap=rebase", "--set", f"round.overlap_ahead={ahead}", executor="inline")) == 0
     s = Storage(str(run))
     adopted = {(r, w): s.read_json(f"rounds/{r:05d}/contrib/worker_{w:03d}.json")["overlap"]["adopted_at_step"]

@@ -130,3 +130,36 @@ def test_a_cancelled_inline_run_stops_its_threads(tmp_path, corpus_cache):
     while set(inline.running()) - before:
         assert time.monotonic() < deadline, "the run's worker threads outlived its cancel"
         time.sleep(0.05)
+
+
+def test_a_job_id_is_the_scheduler_s_name_for_it(monkeypatch):
+    """One reader of a job's id for the worker (its manifest, its persistent wait, its errors): an
+    array task is `JOB_TASK`, as jobs.json names it; an inline job's id comes from its thread."""
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "15")
+    assert current_job_id() == "15"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert current_job_id() == "12_3"
+    seen = {}
+    _wait(inline.submit(lambda arg: seen.update(id=current_job_id()), None))
+    assert seen["id"].startswith(f"{os.getpid()}_")
+
+
+@pytest.mark.slow
+def test_a_detached_inline_service_runs_its_workers_as_its_threads(tmp_path, corpus_cache, capsys):
+    """`--detach`: the service is a background process (as for local jobs), whose workers are its
+    threads; one worker takes one intra-op thread, where a local one would take the machine's cores."""
+    from orchestrator.runstate import run_status
+    run = tmp_path / "run"
+    assert main(submit_tiny(run, corpus_cache, "--workers", "1", "--rounds", "1", "--inner-steps", "1", "--detach",
+                            executor="inline")) == 0
+    assert "merge service started as process" in capsys.readouterr().out
+    s, deadline = Storage(str(run)), time.monotonic() + 120
+    while run_status(s)["state"] != "done":
+        assert time.monotonic() < deadline, (run / "jobs" / "service.log").read_text()[-2000:]
+        time.sleep(0.2)
+    manifest = s.read_json("rounds/00000/contrib/worker_000.json")
+    assert manifest["threads"] == 1 and not manifest["job_id"].startswith(f"{os.getpid()}_")  # the service's threads
+    assert not list((run / "jobs").glob("*/*_submitted.pkl"))  # no submitit job was made
