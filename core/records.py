@@ -86,6 +86,9 @@ class JobEntry:
         return self.job_ids[-1]
 
 
+JOBS_FIX = "; move it aside and `orchestrate resume` resubmits the round"
+
+
 @dataclass
 class RoundJobs:
     round: int
@@ -109,7 +112,7 @@ class RoundJobs:
         raw = storage.read_json(L.round_jobs(r), limit=LIMIT)
         if raw is None:
             return cls(r)
-        fix = "; move it aside and `orchestrate resume` resubmits the round"
+        fix = JOBS_FIX
         try:
             top = checked(_JobsFile, raw, where)
             workers = {}

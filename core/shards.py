@@ -162,6 +162,9 @@ def _layout(storage: Storage, key: str, m: Mapping[str, Any], label: str, files:
         if sm["digest"] != s.get("digest"):
             raise CheckpointError(f"{slabel}: its digest differs from the set's record: it was replaced after "
                                   "the set was written")
+        if stray := [f"{k} {sm.get(k)!r}, the set's {m[k]!r}" for k in ("round", "worker") if k in m and sm.get(k) != m[k]]:
+            raise CheckpointError(f"{slabel}: its manifest names {' and '.join(stray)}: a file of another checkpoint "
+                                  "was put in the set; the set is damaged or forged")
         rows = sm.get("rows")
         if sm.get("rank") != i or sm.get("ranks") != ranks or not isinstance(rows, dict):
             raise CheckpointError(f"{slabel}: its manifest says rank {sm.get('rank')!r} of {sm.get('ranks')!r}, or "

@@ -17,9 +17,9 @@ from typing import Any
 
 from core.checkpoint import read_manifest
 from core.config import Config
-from core.errors import CheckpointError, ContributionRejected
+from core.errors import CheckpointError, ContributionRejected, RunError
 from core.layout import RunLayout
-from core.records import RoundJobs, RoundRecord
+from core.records import JOBS_FIX, RoundJobs, RoundRecord
 from core.storage import Storage
 from merge.late import rebase
 from merge.rounds import Contribution
@@ -86,7 +86,10 @@ def _fold_one(storage: Storage, cfg: Config, r: int, f: Fold) -> Folded:
         m = read_manifest(storage, src) or {}
     except CheckpointError as exc:
         raise ContributionRejected(f.worker, str(exc)) from None
-    entry = RoundJobs.load(storage, f.from_round).workers.get(f.worker)
+    try:
+        entry = RoundJobs.load(storage, f.from_round).workers.get(f.worker)
+    except RunError as exc:  # a damaged or planted jobs file: this input is refused, the round goes on
+        raise ContributionRejected(f.worker, str(exc).removesuffix(JOBS_FIX)) from None
     base, want = (entry.base, entry.base_digest) if entry else (None, None)
     if m.get("round") != f.from_round or m.get("worker") != f.worker or not base or m.get("base_digest") != want:
         raise ContributionRejected(f.worker, f"stale late contribution: manifest says round {m.get('round')} worker "
@@ -114,8 +117,12 @@ def unfinished_late_jobs(storage: Storage, r: int, max_staleness: int) -> list[s
         rec = RoundRecord.load(storage, q)
         owing = [w for w in (rec.dropped if rec else []) if w not in unmerged.get(q, [])]
         if owing:
-            jobs = RoundJobs.load(storage, q).workers
-            ids += [jobs[w].latest for w in owing]
+            try:
+                jobs = RoundJobs.load(storage, q).workers
+            except RunError as exc:
+                log.warning("round %d: its late jobs are not cancelled: %s", q, exc)
+                continue
+            ids += [jobs[w].latest for w in owing if w in jobs]
     return ids
 
 

@@ -14,7 +14,8 @@ from core.storage import Storage
 from core.assignment import Assignment
 from orchestrator.executor import Executor, JobStatus
 from orchestrator.plan import next_bases
-from core.records import JobEntry, RoundJobs, RoundRecord, text
+from core.errors import RunError
+from core.records import JOBS_FIX, JobEntry, RoundJobs, RoundRecord, text
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -24,10 +25,28 @@ UNKNOWN = JobStatus("?", "UNKNOWN")  # not polled yet: assume alive
 class Submitter:
     def __init__(self, storage: Storage, cfg: Config, executor: Executor) -> None:
         self.storage, self.cfg, self.executor = storage, cfg, executor
+        self._jobs: dict[int, RoundJobs] = {}  # what this service saved: a file planted since is not read back
+
+    def jobs(self, r: int) -> RoundJobs:
+        """Round r's jobs as this service keeps them, else from its jobs file, checked. A damaged
+        or planted file is set aside with a warning and the round's jobs start over (its
+        persistent workers, finding other job ids, stop)."""
+        if (jobs := self._jobs.get(r)) is None:
+            try:
+                jobs = RoundJobs.load(self.storage, r)
+            except RunError as exc:
+                aside = f"{L.round_jobs(r)}.rejected-{int(time.time() * 1000)}"
+                self.storage.move(L.round_jobs(r), aside)
+                log.warning("round %d: %s. Set aside to %s; the round's jobs are submitted again", r,
+                            str(exc).removesuffix(JOBS_FIX), self.storage.display(aside))
+                jobs = RoundJobs(r)
+            self._jobs = {k: v for k, v in self._jobs.items() if k >= r - 1}
+            self._jobs[r] = jobs
+        return jobs
 
     def ensure(self, r: int) -> RoundJobs:
         """Round r's jobs, submitting them first if that has not been done."""
-        jobs = RoundJobs.load(self.storage, r)
+        jobs = self.jobs(r)
         if not jobs.workers:
             bases = self._bases(r)
             adopted = self._adopt_persistent(jobs, bases)
@@ -90,7 +109,7 @@ class Submitter:
         r = jobs.round
         if self.cfg.round.worker_mode != "persistent" or r == 0:
             return []
-        latest = RoundJobs.load(self.storage, r - 1).latest()
+        latest = self.jobs(r - 1).latest()
         states = self.executor.status(list(latest.values()))
         adopted = [w for w, j in latest.items() if states[j].alive]
         digests = self._digests({bases[w] for w in adopted})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import posixpath
 import threading
 
 import pytest
@@ -201,3 +202,42 @@ def test_any_json_in_a_jobs_field_is_loaded_typed_or_refused(value):
             assert isinstance(jobs.sbatch_calls, int)
             assert all(isinstance(w, int) and e.job_ids and all(isinstance(j, str) for j in e.job_ids)
                        for w, e in jobs.workers.items())
+
+
+PLANTED_JOBS = [_jobs(workers__0__job_ids=[]), _jobs(workers__0__attempts="1"), b"\xff{"]
+
+
+@pytest.mark.parametrize("raw", PLANTED_JOBS)
+def test_a_waiting_persistent_worker_reads_a_planted_jobs_file_through_its_loader_and_waits_on(tmp_path, raw, caplog):
+    """worker/persistent.py's wait: a planted jobs.json is one warning, then the honest file (the
+    service's rewrite) assigns the round."""
+    from worker.persistent import wait_for_assignment
+    s = Storage(str(tmp_path / "run"))
+    s.write_bytes(L.round_jobs(3), raw if isinstance(raw, bytes) else json.dumps(raw).encode())
+    timer = threading.Timer(1.0, lambda: s.write_bytes(L.round_jobs(3), json.dumps(GOOD_JOBS).encode()))
+    timer.start()
+    with caplog.at_level("WARNING"):
+        entry = wait_for_assignment(s, 3, 0, "12_0")
+    timer.join()
+    assert entry.latest == "12_0" and entry.base == GOOD_JOBS["workers"]["0"]["base"]
+    said = [r.getMessage() for r in caplog.records if "jobs.json" in r.getMessage()]
+    assert len(said) == 1 and "waiting on as if round 3 were not assigned yet" in said[0]
+
+
+def test_the_service_keeps_the_jobs_it_saved_and_sets_a_damaged_file_aside(tmp_path, caplog):
+    """The service never reads back a file planted over the one it saved; after a restart a
+    damaged one is set aside (named, kept) and the round's jobs start over: never a stopped run."""
+    from core.config import config_from_dict
+    from orchestrator.submission import Submitter
+    s = Storage(str(tmp_path / "run"))
+    cfg = config_from_dict({"workers": 1, "rounds": 5, "run_dir": s.url})
+    s.write_bytes(L.round_jobs(3), json.dumps(GOOD_JOBS).encode())
+    service = Submitter(s, cfg, executor=None)
+    assert service.jobs(3).latest() == {0: "12_0"}
+    s.write_bytes(L.round_jobs(3), json.dumps(PLANTED_JOBS[0]).encode())
+    assert service.jobs(3).latest() == {0: "12_0"}  # what it saved
+    with caplog.at_level("WARNING"):
+        assert Submitter(s, cfg, executor=None).jobs(3).workers == {}  # a restarted service
+    assert "at least one job id" in caplog.text and "Set aside to" in caplog.text and not s.exists(L.round_jobs(3))
+    (aside,) = [n for n in s.list(posixpath.dirname(L.round_jobs(3))) if ".rejected-" in n]
+    assert json.loads(s.read_bytes(f"{posixpath.dirname(L.round_jobs(3))}/{aside}")) == PLANTED_JOBS[0]

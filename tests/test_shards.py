@@ -119,11 +119,21 @@ def _without_b_in_rank_2(path) -> None:
     m = json.loads((path / manifest_key(key)).read_text())
     tensors = read_checkpoint(s, key)
     del tensors["b::exp_avg"], m["rows"]["b::exp_avg"]
-    entry = write_checkpoint(s, key, tensors, manifest={k: m[k] for k in ("rank", "ranks", "rows")})
+    entry = write_checkpoint(s, key, tensors, manifest={k: m[k] for k in ("rank", "ranks", "rows", "round", "worker")})
     _edit_json(path / manifest_key(KEY), lambda sm: sm["shards"][2].__setitem__("digest", entry["digest"]))
 
 
+def _rank_1_of_round_2(path) -> None:
+    """Rank 1's file as round 2's set wrote it (same shape, its manifest saying round 2) in round 3's
+    set, the set's record of its digest updated to agree."""
+    s, key = Storage(str(path)), shard_key(KEY, 1, 3)
+    m = json.loads((path / manifest_key(key)).read_text())
+    entry = write_checkpoint(s, key, read_checkpoint(s, key), manifest={**m, "round": 2})
+    _edit_json(path / manifest_key(KEY), lambda sm: sm["shards"][1].__setitem__("digest", entry["digest"]))
+
+
 DAMAGE = {
+    "a rank file of another round": (_rank_1_of_round_2, r"rank 1 of 3 .*names round 2, the set's 3: a file of another"),
     "a missing rank file": (lambda p: (p / shard_key(KEY, 1, 3)).unlink(), r"rank 1 of 3 .*checkpoint file is missing"),
     "a missing rank manifest": (lambda p: (p / manifest_key(shard_key(KEY, 2, 3))).unlink(), r"rank 2 of 3 .*missing"),
     "a rank file replaced after the commit": (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -25,7 +26,7 @@ from worker.params import SEP, Params, take_feedback
 from worker.ranks import Ranks, data_parallel
 from worker.replica import Replica
 from worker.round import Base, RoundInProgress
-from worker.state import inflight_tensors, usable_state
+from worker.state import expect_of, inflight_tensors, usable_state
 from worker.weights import HostBuffers, load_weights, weights_of
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ class Learner:
         inflight, bound = L.worker_inflight(a.worker, a.round), codec.max_update(self.cfg)
         label = f"worker {a.worker} in-flight checkpoint {storage.display(inflight)}"
         # every rank reads what it holds (sharded: its rows; else all of it), the ranks agreeing on one verdict
-        reader = params.reader(self.ranks)
+        reader = replace(params.reader(self.ranks), expect=expect_of(a.worker, self.model, self.opt, self.names,
+                                                                     self.cfg.inner.grad_clip))
         tensors = inflight_tensors(storage, inflight, label, digest, self.cfg.inner.steps, bound, reader)
         t0 = time.perf_counter()
         base = None if tensors is not None else self.replica.next_global(storage, a, digest)
@@ -76,7 +78,7 @@ class Learner:
             self._resume(rnd, tensors, read_manifest(storage, inflight) or {})
             return
         # every rank reads and checks its part (a damaged snapshot is set aside by rank 0), as above
-        found = None if own_state else usable_state(storage, a.worker, a.round, bound, reader)
+        found = None if own_state else usable_state(storage, a.worker, a.round, bound, reader, rnd.state_refused)
         if not own_state:
             self.feedback = {} if self.uses_feedback else None
         if found is not None:

@@ -23,7 +23,9 @@ import logging
 import time
 from typing import Any
 
+from core.errors import RunError, StorageError
 from core.layout import RunLayout
+from core.records import JobEntry, RoundJobs
 from core.storage import Storage
 from core.assignment import Assignment, current_job_id
 from worker.ranks import join
@@ -39,23 +41,35 @@ def current_round() -> int | None:
     return _CURRENT_ROUND
 
 
-def wait_for_assignment(storage: Storage, r: int, worker: int, job_id: str | None) -> dict[str, Any] | None:
+def wait_for_assignment(storage: Storage, r: int, worker: int, job_id: str | None) -> JobEntry | None:
     """This worker's entry in round r's jobs.json once it names this job; None when we should stop."""
-    last_log = time.monotonic()
+    last_log, refused = time.monotonic(), None
     while True:
         if storage.exists(L.CANCEL) or storage.exists(L.FAILED):
             log.info("worker %d: the run was cancelled or failed; stopping", worker)
             return None
-        entry = (storage.read_json(L.round_jobs(r)) or {}).get("workers", {}).get(str(worker))
+        entry, why = _entry(storage, r, worker)
+        if why is not None and why != refused:  # said once per damage: the service rewrites the file it owns
+            log.warning("worker %d: %s; waiting on as if round %d were not assigned yet", worker, why, r)
+        refused = why
         if entry is not None:
-            if job_id is not None and entry["job_ids"][-1] != job_id:
-                log.info("worker %d: round %d went to job %s, not this job (%s); stopping", worker, r, entry["job_ids"][-1], job_id)
+            if job_id is not None and entry.latest != job_id:
+                log.info("worker %d: round %d went to job %s, not this job (%s); stopping", worker, r, entry.latest, job_id)
                 return None
             return entry
         if time.monotonic() - last_log > 60:
             log.info("worker %d: waiting for round %d to be assigned", worker, r)
             last_log = time.monotonic()
         time.sleep(WAIT_POLL_S)
+
+
+def _entry(storage: Storage, r: int, worker: int) -> tuple[JobEntry | None, str | None]:
+    """(this worker's entry in round r's jobs file, None) through its checked loader; (None, why)
+    when the file is damaged or planted."""
+    try:
+        return RoundJobs.load(storage, r).workers.get(worker), None
+    except (RunError, StorageError) as exc:
+        return None, str(exc)
 
 
 def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) -> None:
@@ -72,8 +86,7 @@ def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) ->
         if time.monotonic() < next_poll:
             return False
         next_poll = time.monotonic() + WAIT_POLL_S
-        return storage.exists(L.CANCEL) or storage.exists(L.FAILED) or \
-            str(worker) in (storage.read_json(L.round_jobs(r)) or {}).get("workers", {})
+        return storage.exists(L.CANCEL) or storage.exists(L.FAILED) or _entry(storage, r, worker)[0] is not None
 
     trainer.train(until=assigned)
     log.info("worker %d: %d step(s) of round %d taken before its base was assigned", worker, trainer.round.done, r)
@@ -101,7 +114,7 @@ def run_persistent(assignment: Assignment) -> dict[str, Any]:
             if closed:
                 r += 1
                 continue
-            sub = dataclasses.replace(assignment, round=r, base_key=entry["base"], attempt=entry["attempts"] - 1)
+            sub = dataclasses.replace(assignment, round=r, base_key=entry.base, attempt=entry.attempts - 1)
             summary, trainer = serve_round(sub, round(time.monotonic() - t_wait, 3), trainer, persistent=True)
             served.append(summary)
             r += 1

@@ -123,6 +123,8 @@ class Publisher:
         self.params.describe(manifest)
         if rnd.state_from is not None:
             manifest["state_from_round"] = rnd.state_from  # a job's first round, from a snapshot on storage
+        if rnd.state_refused:  # snapshots set aside (worker/state.py): from an older one, or fresh AdamW state
+            manifest["state_refused_rounds"] = rnd.state_refused
         return manifest
 
     def checkpoint(self, rnd: RoundInProgress) -> None:

@@ -64,6 +64,8 @@ class RoundInProgress:
     """The step of the in-flight checkpoint this job saved."""
     state_from: int | None = None
     """The round of the optimizer-state snapshot the round started from, when read from storage."""
+    state_refused: list[int] = dataclasses.field(default_factory=list)
+    """The rounds of the snapshots refused (set aside) before it: it started from an older one, or fresh."""
     published: dict[str, torch.Tensor] | None = None
     """round.overlap, while training ahead of its base: the weights the previous round published."""
     adopted_at: int | None = None

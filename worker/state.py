@@ -38,6 +38,39 @@ SEP = "::"  # optimizer state keys are `param<SEP>slot`
 FEEDBACK = "error_feedback/"  # round.codec topk: the error-feedback buffer's keys are `FEEDBACK<param>`
 
 
+ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")
+MARGIN = 1.05  # float rounding of honest moments (equality holds at an AdamW's first step)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a worker's state file or in-flight checkpoint may hold, taken from the live model and
+    optimizer (expect_of): a file is checked against it before any tensor reaches either."""
+
+    worker: int
+    held: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    """Every tensor of the model: the shape this rank holds (its rows, sharded) and its dtype."""
+    whole: dict[str, tuple[int, ...]]
+    """Every tensor's whole shape: the error-feedback buffer is kept whole."""
+    trained: frozenset[str]
+    """The optimizer's parameters: the only names AdamW state may be for."""
+    betas: tuple[float, float]
+    eps: float
+    grad_clip: float = 0.0
+    """inner.grad_clip: a gradient entry is at most this, so exp_avg_sq at most its square (0: unbounded)."""
+
+
+def expect_of(worker: int, model: torch.nn.Module, opt: torch.optim.Optimizer, names: list[str],
+              grad_clip: float) -> Expect:
+    def held(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's rows
+    sd = model.state_dict()
+    b1, b2 = opt.defaults["betas"]
+    return Expect(worker, {k: (tuple(held(t).shape), t.dtype) for k, t in sd.items()},
+                  {k: tuple(t.shape) for k, t in sd.items()}, frozenset(names), (float(b1), float(b2)),
+                  float(opt.defaults["eps"]), grad_clip)
+
+
 @dataclass(frozen=True)
 class Reader:
     """What this rank reads of a state file or in-flight checkpoint, and which ranks agree on it."""
@@ -45,9 +78,67 @@ class Reader:
     ranks: Ranks = SOLO
     want: Want | None = field(default=None, compare=False)
     """Which tensors, whole or which rows (core.shards.Want); None: all of them, whole."""
+    expect: Expect | None = field(default=None, compare=False)
+    """What the tensors must fit (names, shapes, dtypes, AdamW's slots); None: the file's own checks only."""
 
 
-def check_state(tensors: dict[str, torch.Tensor], label: str, feedback_bound: float) -> None:
+def fit_problems(tensors: dict[str, torch.Tensor], expect: Expect) -> list[str]:
+    """How a state file's tensors do not fit the model and its AdamW (empty: they fit): every
+    tensor a model's or its error feedback, every parameter's state exactly AdamW's three slots,
+    moments shaped like the parameter, the step count one whole number >= 1."""
+    problems, slots = [], {}
+    for key, t in tensors.items():
+        if key.startswith(FEEDBACK):
+            name, want = key[len(FEEDBACK):], expect.whole.get(key[len(FEEDBACK):])
+        elif SEP in key:
+            name, _, slot = key.rpartition(SEP)
+            if name not in expect.trained:
+                problems.append(f"tensor {key} is AdamW state for {name}, which the model does not train")
+                continue
+            if slot not in ADAMW_SLOTS:
+                problems.append(f"tensor {key} is not one of AdamW's slots ({', '.join(ADAMW_SLOTS)})")
+                continue
+            slots.setdefault(name, set()).add(slot)
+            if slot == "step":
+                if t.dim() or not float(t).is_integer() or float(t) < 1:
+                    problems.append(f"tensor {key} (AdamW's step count) is {list(t.shape)}-shaped or not a whole "
+                                    "number >= 1")
+                continue
+            name, want = name, expect.held[name][0]
+            if t.dtype != expect.held[name][1]:
+                problems.append(f"tensor {key} is {t.dtype}, its parameter {expect.held[name][1]}")
+        else:
+            name, want = key, expect.held.get(key, (None,))[0]
+        if want is None:
+            problems.append(f"tensor {key} names {name}, which the model does not have")
+        elif tuple(t.shape) != want:
+            problems.append(f"tensor {key} has shape {list(t.shape)}, the model's {name} {list(want)}")
+    problems += [f"{name} has AdamW state without {', '.join(s for s in ADAMW_SLOTS if s not in got)}"
+                 for name, got in slots.items() if len(got) < len(ADAMW_SLOTS)]
+    return problems
+
+
+def moment_problem(tensors: dict[str, torch.Tensor], name: str, expect: Expect) -> str | None:
+    """Why `name`'s AdamW moments cannot come from training, if they cannot. Honest moments obey
+    |exp_avg| <= C(t) sqrt(exp_avg_sq) entry by entry (Cauchy-Schwarz over the steps, as in
+    core.codec.max_update), which bounds every step AdamW takes from them; with gradient clipping
+    exp_avg_sq is at most the clip's square."""
+    m, v, t = (tensors[f"{name}{SEP}{s}"] for s in ADAMW_SLOTS)
+    (b1, b2), steps = expect.betas, int(float(t))
+    q = b1 * b1 / b2
+    series = steps if abs(1 - q) < 1e-12 else (1 - q ** min(steps, 10**6)) / (1 - q)
+    c = MARGIN * (1 - b1) / math.sqrt(1 - b2) * math.sqrt(series)
+    if expect.grad_clip > 0 and v.numel() and float(v.max()) > MARGIN * expect.grad_clip ** 2:
+        return (f"its exp_avg_sq reaches {float(v.max()):.3g}, more than inner.grad_clip {expect.grad_clip:g} "
+                "squared: no clipped gradient leaves that")
+    if m.numel() and bool((m.abs() > v.sqrt().add_(expect.eps).mul_(c)).any()):
+        return (f"its exp_avg exceeds {c:.3g} x sqrt(exp_avg_sq) + eps: AdamW would step farther than any "
+                "training could take it")
+    return None
+
+
+def check_state(tensors: dict[str, torch.Tensor], label: str, feedback_bound: float,
+                expect: Expect | None = None) -> None:
     """CheckpointError naming `label` and the tensor when a state file's tensors cannot be a worker's."""
     for key, t in tensors.items():
         if not t.is_floating_point():
@@ -62,6 +153,15 @@ def check_state(tensors: dict[str, torch.Tensor], label: str, feedback_bound: fl
                                   "or forged")
         if key.startswith(FEEDBACK):
             check_bound(label, key, t, feedback_bound, what="(the error-feedback buffer) holds an entry of magnitude")
+    if expect is None:
+        return
+    if problems := fit_problems(tensors, expect):
+        raise CheckpointError(f"{label} does not fit the model and its AdamW: " + "; ".join(problems[:6])
+                              + ("" if len(problems) <= 6 else f"; and {len(problems) - 6} more")
+                              + ": the file is damaged, forged, or from another model")
+    for name in sorted({k.rpartition(SEP)[0] for k in tensors if SEP in k and not k.startswith(FEEDBACK)}):
+        if (why := moment_problem(tensors, name, expect)) is not None:
+            raise CheckpointError(f"{label}: AdamW state for {name}: {why}; the file is damaged or forged")
 
 
 def set_aside(storage: Storage, key: str, why: str) -> str | None:
@@ -84,18 +184,19 @@ def set_aside(storage: Storage, key: str, why: str) -> str | None:
         return None
 
 
-def checked(storage: Storage, key: str, label: str, feedback_bound: float, reader: Reader = Reader()
-            ) -> dict[str, torch.Tensor] | None:
-    """What `reader` reads of the state file or in-flight checkpoint at `key`, checked
-    (check_state); None when it has no manifest. One that fails on any rank is set aside, naming
-    why, and its CheckpointError raised on every rank."""
+def checked(storage: Storage, key: str, label: str, feedback_bound: float, reader: Reader = Reader(),
+            round_: int | None = None) -> dict[str, torch.Tensor] | None:
+    """What `reader` reads of the state file or in-flight checkpoint at `key` (of `round_` when
+    given), checked (check_state); None when it has no manifest. One that fails on any rank is set
+    aside, naming why, and its CheckpointError raised on every rank."""
     ranks, problem, tensors, present = reader.ranks, None, None, False
     try:
         manifest = read_manifest(storage, key, label)
         present = manifest is not None
         if present:
+            _check_owner(manifest, label, reader.expect, round_)
             tensors = read_checkpoint(storage, key, label, reader.want, prefer=ranks.rank, manifest=manifest)
-            check_state(tensors, label, feedback_bound)
+            check_state(tensors, label, feedback_bound, reader.expect)
     except CheckpointError as exc:
         problem = str(exc)
     if (problem := ranks.first(problem)) is not None:
@@ -105,22 +206,33 @@ def checked(storage: Storage, key: str, label: str, feedback_bound: float, reade
     return tensors if not ranks.any(not present) else None
 
 
+def _check_owner(manifest: dict, label: str, expect: Expect | None, round_: int | None) -> None:
+    """The manifest is this worker's, of this round: another worker's file copied in is refused."""
+    if expect is not None and (w := manifest.get("worker")) != expect.worker:
+        raise CheckpointError(f"{label}: its manifest names worker {w!r}, not worker {expect.worker}: another "
+                              "worker's file was copied here, or it is forged")
+    if round_ is not None and (r := manifest.get("round")) != round_:
+        raise CheckpointError(f"{label}: its manifest names round {r!r}, not round {round_} as its name does: the "
+                              "file was copied or renamed, or it is forged")
+
+
 def usable_state(storage: Storage, worker: int, before_round: int, feedback_bound: float = math.inf,
-                 reader: Reader = Reader()) -> tuple[str, dict[str, torch.Tensor]] | None:
+                 reader: Reader = Reader(), refused: list[int] | None = None
+                 ) -> tuple[str, dict[str, torch.Tensor]] | None:
     """This worker's newest optimizer-state snapshot before `before_round` that passes check_state,
-    with its tensors; a damaged one is set aside (naming it and why) and the one before is tried.
-    None: no usable snapshot, the job starts from fresh AdamW state (and says so when one was refused)."""
-    ranks = reader.ranks
+    with its tensors; a damaged one is set aside (naming it and why, its round appended to
+    `refused`) and the one before is tried. None: no usable snapshot, the job starts from fresh
+    AdamW state (and says so when one was refused)."""
+    ranks, refused = reader.ranks, [] if refused is None else refused
     rounds = ranks.lead_says(sorted({r for n in storage.list(L.worker_dir(worker)) if (r := L.parse_state(n)) is not None})
                              if ranks.lead else None)
-    refused = 0
     for r in sorted((r for r in rounds if r < before_round), reverse=True):
         key = L.worker_state(worker, r)
         try:
             tensors = checked(storage, key, f"worker {worker} optimizer state {storage.display(key)}", feedback_bound,
-                              reader)
+                              reader, r)
         except CheckpointError:
-            refused += 1
+            refused.append(r)
             continue
         if tensors is None:
             continue
