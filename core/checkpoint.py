@@ -161,6 +161,11 @@ class TensorFile:
         except OSError as exc:
             self.close()
             raise CheckpointError(f"{self.label}: cannot be opened ({exc}); check the path and its permissions") from None
+        promised = self.manifest.get("bytes") if self.manifest is not None else None
+        if promised is not None and actual != promised:  # before a byte is read: a planted file may be any size
+            self.close()
+            raise CheckpointError(f"{self.label}: the file has {actual} bytes, its manifest says {promised}: truncated "
+                                  "or replaced; delete it and its .json so it is written again")
         self._drop = self._fd is not None and actual >= DROP_BEHIND_BYTES
         try:
             self.metadata, self.specs, self.data_start = self._read_header(actual)

@@ -21,7 +21,7 @@ from core.assignment import Assignment
 from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
 from core.config import load_config
-from core.layout import RunLayout
+from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from tests.service_support import WORK, Scripted, scripted_run
 from worker.replica import Replica
@@ -136,8 +136,14 @@ def _plant(s: Storage, r: int, w: int, **tensors) -> None:
     old, meta, manifest = load_checkpoint(s, L.contribution(r, w))
     write_checkpoint(s, L.contribution(r, w), {**old, **tensors}, metadata=meta,
                      manifest={k: v for k, v in manifest.items() if k in ("round", "worker", "base", "base_digest")})
-    recorded = s.read_json(L.round_record(r))["contrib_digest"]
-    _forge_record(s, r, contrib_digest={**recorded, str(w): read_manifest(s, L.contribution(r, w))["digest"]})
+    rec, m = s.read_json(L.round_record(r)), read_manifest(s, L.contribution(r, w))
+    _forge_record(s, r, contrib_digest={**rec["contrib_digest"], str(w): m["digest"]},
+                  contribution_bytes={**rec["contribution_bytes"], str(w): m["bytes"]})
+
+
+def _edit_manifest(s: Storage, key: str, **changes) -> None:
+    m = s.read_json(manifest_key(key))
+    s.write_json(manifest_key(key), {**m, **changes})
 
 
 def _forge_record(s: Storage, r: int, **changes) -> None:
@@ -185,6 +191,9 @@ def test_inputs_not_fewer_bytes_than_the_global_are_not_replayed(tmp_path, caplo
     (lambda s: _alter(s, L.contribution(1, 1)), "is not the file the round's record merged"),
     (lambda s: s.remove(L.contribution(1, 2)), "checkpoint file is missing"),
     (lambda s: _plant(s, 1, 1, b=torch.zeros(3)), "a recorded input could not be replayed (IndexError"),
+    (lambda s: _edit_manifest(s, L.contribution(1, 1), bytes=2 << 30), "not the size the record says"),
+    (lambda s: os.truncate(os.path.join(s.url, L.contribution(1, 2)), 2 << 30),  # sparse: nothing is written
+     "the file has 2147483648 bytes, its manifest says"),
 ])
 def test_anything_missing_or_altered_after_the_commit_reads_the_global(nesterov_run, tmp_path, caplog, damage, why):
     s, cfg = nesterov_run

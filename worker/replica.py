@@ -145,8 +145,8 @@ class Replica:
         cfg = outer_at(self.cfg.outer, r)
         state = self._state(storage, r, cfg)
         sums = {n: torch.zeros(t.shape) for n, t in self.weights.items() if t.is_floating_point()}
-        for i in inputs:
-            self._fold(storage, i.worker, i.key, i.weight, record.contrib_digest.get(str(i.worker)), sums)
+        for i, size in zip(inputs, sizes):
+            self._fold(storage, i.worker, i.key, i.weight, (record.contrib_digest.get(str(i.worker)), size), sums)
         total = float(sum(i.weight for i in inputs))
         new_state: State = {}
         for name, s in sums.items():
@@ -178,16 +178,19 @@ class Replica:
         log.info("replica: outer optimizer state of round %d read once from %s", r, storage.display(L.outer_state(r)))
         return {n: {slot: tensors[state_key(n, slot)] for slot, _ in slots} for n, slots in have.items()}
 
-    def _fold(self, storage: Storage, worker: int, key: str, weight: float, recorded: str | None,
+    def _fold(self, storage: Storage, worker: int, key: str, weight: float, recorded: tuple[str | None, int],
               sums: dict[str, torch.Tensor]) -> None:
-        """Add one recorded input, as the merge added it: its delta's kept entries, or all of it."""
+        """Add one recorded input (the record's (digest, bytes) of it), as the merge added it: its
+        delta's kept entries, or all of it. Its size is checked against the record's before a byte
+        of it is read (TensorFile compares the file with its manifest)."""
         label = f"worker {worker}'s contribution {storage.display(key)}"
-        if self.mine is not None and self.mine[0] == recorded:  # its own, hashed as it was written
+        if self.mine is not None and self.mine[0] == recorded[0]:  # its own, hashed as it was written
             _, tensors, meta = self.mine
         else:
             m = read_manifest(storage, key, label)
-            if m is None or m["digest"] != recorded:
-                raise Fallback(f"{label} is not the file the round's record merged (missing or replaced)", warn=True)
+            if m is None or (m["digest"], m.get("bytes")) != recorded:
+                raise Fallback(f"{label} is not the file the round's record merged (missing, replaced, or not the "
+                               "size the record says)", warn=True)
             with TensorFile(storage, key, m, label) as f:  # the manifest just read, not read again
                 tensors, meta = f.load_all(verify=True), f.metadata
         enc = codec.encoding_of(meta, label)
