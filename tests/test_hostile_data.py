@@ -148,3 +148,66 @@ def test_a_text_corpus_with_folders_named_shards_and_parts_is_still_text(tmp_pat
     cfg = config_from_dict({"data": {"source": str(src), "cache_dir": str(tmp_path / "cache"), "heldout_fraction": 0.3}})
     ds = dataset_for(cfg)
     assert ds.index.documents == 3 and str(tmp_path / "cache") in ds.url
+
+
+# -- the data cache: data.source a raw corpus, prepared on first use into data.cache_dir/data/<fingerprint>
+
+def _cached(tmp_path: Path, cache: Path, words: bytes = b"ours") -> tuple[dict, Path]:
+    src = write_tree(tmp_path / f"src-{words.decode()}", {f"d{i}.txt": words + b" %d " % i * 40 for i in range(6)})
+    cfg = config_from_dict({"data": {"source": str(src), "cache_dir": str(cache)}})
+    return cfg, Path(dataset_for(cfg).url)
+
+
+def _tokens(ds_url) -> bytes:
+    d = Dataset(str(ds_url))
+    return b"".join(bytes(d.storage.read_bytes(s.key)) for s in d.index.shards)
+
+
+def _link_to_other(entry: Path, other: Path) -> None:
+    import shutil
+    shutil.rmtree(entry)
+    entry.symlink_to(other, target_is_directory=True)
+
+
+def _damaged_link(entry: Path, other: Path) -> None:
+    _link_to_other(entry, other)
+    (other / "index.json").write_bytes(b"\xff\xfe{not json")
+
+
+def _open_to_all(entry: Path, other: Path) -> None:
+    import shutil
+    shutil.rmtree(entry)
+    shutil.copytree(other, entry)  # another corpus, under our entry's name
+    os.chmod(entry / "index.json", 0o666)
+
+
+def _someone_elses(entry: Path, other: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    _open_to_all(entry, other)
+    os.chmod(entry / "index.json", 0o644)
+    os.chown(entry, 4321, 4321)
+
+
+@pytest.mark.parametrize("tamper, says", [
+    (_link_to_other, "is a link"), (_damaged_link, "is a link"), (_open_to_all, "writable by other users"),
+    (_someone_elses, "belongs to uid 4321")])
+def test_a_cache_entry_that_cannot_be_trusted_is_prepared_again_from_the_source(tmp_path, tamper, says, caplog):
+    cache = tmp_path / "cache"
+    cfg, entry = _cached(tmp_path, cache)
+    ours = _tokens(entry)
+    _, other = _cached(tmp_path, tmp_path / "elsewhere", b"theirs")
+    tamper(entry, other)
+    with caplog.at_level("WARNING"):
+        again = Path(dataset_for(cfg).url)
+    assert again == entry and not entry.is_symlink() and _tokens(entry) == ours
+    assert says in caplog.text and "preparing it again" in caplog.text
+    assert other.exists()  # where a link led is never touched
+
+
+def test_a_cache_folder_open_to_others_is_refused_with_the_fix(tmp_path):
+    cache = tmp_path / "cache"
+    cfg, entry = _cached(tmp_path, cache)
+    os.chmod(entry.parent, 0o777)
+    with pytest.raises(DatasetError, match=r"writable by other users .*chmod o-w .*data.cache_dir to a folder of your own"):
+        dataset_for(cfg)

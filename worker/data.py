@@ -22,6 +22,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import sysconfig
 from dataclasses import dataclass
 from collections.abc import Callable, Collection, Sequence
@@ -36,6 +37,7 @@ from core.dataset import DatasetError, Index, Shard
 from core.errors import CheckpointError, StorageError
 from core.layout import local_cache_root
 from core.storage import Storage
+from core.trust import stranger
 from worker.prepare import PrepareSpec, load_tokenizer, prepare, unit_hash
 from worker.sources import Unit, is_records
 
@@ -206,12 +208,16 @@ def _text_dataset(source: str | None, include_tests: bool, cache_dir: str | os.P
     for rel, _, size, mtime_ns in files:
         h.update(json.dumps([rel, size, mtime_ns]).encode() + b"\n")
     directory = Path(cache_dir or local_cache_root()) / "data" / h.hexdigest()
-    if (directory / fmt.INDEX).is_file():
+    _check_cache_folder(directory.parent)
+    if os.path.lexists(directory):
         try:
-            return Dataset(str(directory))
-        except (DatasetError, StorageError) as exc:  # derived data: prepared again
-            logger.warning("the prepared corpus in %s is unusable (%s); preparing it again from %s", directory, exc, root)
-            shutil.rmtree(directory)
+            why = _untrusted(directory)
+            if why is None:
+                return Dataset(str(directory))
+        except (DatasetError, StorageError, OSError, ValueError) as exc:  # derived data: prepared again
+            why = f"it is unusable ({exc})"
+        logger.warning("the prepared corpus in %s: %s; preparing it again from %s", directory, why, root)
+        _remove_entry(directory)
     if any(is_records(rel) for rel, _, _, _ in files):  # JSON lines or parquet: records, as `data prepare` reads them
         given = str(Path(source.removeprefix("file://")).expanduser().resolve())  # type: ignore[union-attr]
         logger.warning("data.source %s holds records (JSON lines or parquet): preparing them once, each record's "
@@ -232,6 +238,46 @@ def _text_dataset(source: str | None, include_tests: bool, cache_dir: str | os.P
                            f"prepare it yourself: `orchestrate data prepare {source or root} --out DIR` (--text-field, "
                            "--heldout, ...) and set data.source=DIR") from None
     return Dataset(str(directory))
+
+
+def _check_cache_folder(folder: Path) -> None:
+    """The cache's data/ folder, once made, is the user's and closed to others (core/trust.py), as a
+    run directory is: else DatasetError, since no entry in it could be trusted."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return
+    if (who := stranger(st, allow_group=True)) is not None or stat.S_ISLNK(st.st_mode):
+        raise DatasetError(f"data.cache_dir's folder {folder} {who or 'is a link'}: someone else could put a corpus "
+                           f"there for you to train on; chmod o-w {folder} (or replace the link with a folder), or set "
+                           "data.cache_dir to a folder of your own")
+
+
+def _untrusted(entry: Path) -> str | None:
+    """Why a cache entry cannot be trained on, trusted like a run directory: the entry and
+    everything in it a folder or regular file of the user's that others cannot write, never a link
+    (which could lead anywhere). None: it can be."""
+    for path in [entry, *(Path(d) / n for d, dirs, files in os.walk(entry) for n in dirs + files)]:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            return f"{path} is a link, not what islands prepared"
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            return f"{path} is not a regular file"
+        if (who := stranger(st, allow_group=True)) is not None:
+            return f"{path} {who}"
+    return None
+
+
+def _remove_entry(entry: Path) -> None:
+    """A cache entry removed (a link itself, not where it leads), or DatasetError naming it."""
+    try:
+        if entry.is_symlink() or not entry.is_dir():
+            entry.unlink()
+        else:
+            shutil.rmtree(entry)
+    except OSError as exc:
+        raise DatasetError(f"the prepared corpus {entry} cannot be trusted or used and cannot be removed ({exc}): "
+                           "remove it, or set data.cache_dir to a folder of your own") from None
 
 
 def _batches(files: list[tuple[str, Path, int, int]], limit: int = 32 << 20) -> list[list]:
