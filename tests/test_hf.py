@@ -336,3 +336,67 @@ def test_every_entry_point_reads_a_hostile_hf_config_through_the_one_loader(hf_d
                  "--run-dir", str(tmp_path / "run"), "--set", f"data.source={src}"]) == 2
     out = capsys.readouterr().out
     assert re.search(says, out) and "Traceback" not in out, out
+
+
+def _weights_fifo(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    os.mkfifo(d / "model.safetensors")
+
+
+def _weights_link(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").symlink_to("/etc/passwd")
+
+
+def _weights_bomb(d: Path) -> None:
+    (d / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + b"{" * 64)
+
+
+def _weights_folder(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+
+
+def _weights_transposed(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(d / "model.safetensors")
+    name = next(k for k, t in tensors.items() if t.dim() == 2 and t.shape[0] != t.shape[1])
+    tensors[name] = tensors[name].t().contiguous()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+
+HOSTILE_WEIGHTS = {
+    "a FIFO": (_weights_fifo, "is a FIFO|not a regular file"),
+    "a link to /etc/passwd": (_weights_link, "model.safetensors: .*(header|truncated|safetensors)"),
+    "a header bomb": (_weights_bomb, "model.safetensors: .*header"),
+    "a folder": (_weights_folder, "is a directory|not a regular file"),
+    "a transposed matrix": (_weights_transposed, r"has shape \[(\d+), (\d+)\], the model of its config.json wants \[\2, \1\]"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_run(hf_dir, texts, tmp_path_factory) -> Path:
+    """A run directory of the tiny Llama (its config only: no round is trained), for `eval --run`."""
+    from orchestrator.run_models import create_run
+    run = tmp_path_factory.mktemp("hf-run") / "run"
+    cfg = _cfg(hf_dir, data={"source": str(texts), "cache_dir": str(tmp_path_factory.mktemp("hf-cache"))},
+               run_dir=str(run), workers=1, rounds=1)
+    create_run(Storage(str(run)), cfg)
+    return run
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_WEIGHTS))
+def test_eval_of_a_hostile_hf_folder_is_one_clear_error(hf_dir, hf_run, tmp_path, capsys, case):
+    """`orchestrate eval FOLDER --run RUN` reads the folder's weights through worker.hf.check_weights
+    (islands' own safetensors reader) before transformers sees them: no traceback, nothing blocks."""
+    import shutil
+    from orchestrator.cli import main
+    bad = tmp_path / "hf"
+    shutil.copytree(hf_dir, bad)
+    damage, says = HOSTILE_WEIGHTS[case]
+    damage(bad)
+    capsys.readouterr()
+    assert main(["eval", str(bad), "--run", str(hf_run), "--batches", "1"]) != 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert re.search(says, text) and "Traceback" not in text, text

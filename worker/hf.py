@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from core.config import ModelConfig
-from core.errors import ConfigError, IslandsError
+from core.errors import CheckpointError, ConfigError, IslandsError
 from core.storage import Storage
 
 _COPY_CHUNK = 16 << 20
@@ -148,10 +148,48 @@ def build(cfg: ModelConfig, pretrained: bool = True) -> HFCausalLM:
         raise ConfigError([f"model.block_size is {cfg.block_size}, but the Hugging Face model at {path} has "
                            f"{limit} positions: set model.block_size <= {limit}"], source="model")
     if pretrained:
-        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **_dtype_kw(tf))
+        check_weights(path, config)
+        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                        **_dtype_kw(tf))
     else:
         model = tf.AutoModelForCausalLM.from_config(config, **_dtype_kw(tf))
     return HFCausalLM(model, limit or cfg.block_size)
+
+
+_WEIGHTS, _WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def check_weights(path: str, config: object) -> None:
+    """The weights of the model directory `path` checked before transformers reads them: safetensors
+    only (a .bin is a pickle), each file regular (never a FIFO or a folder; a link a user made, as
+    the Hugging Face cache does, is followed to a regular file), its header checked by islands' one
+    reader (core.checkpoint.TensorFile: size, offsets, dtypes), every tensor the model has shaped as
+    the model of its config wants (a transposed matrix is named). CheckpointError naming the file."""
+    from core.checkpoint import TensorFile
+    storage = Storage(path, follow_links=True)  # the folder a user names
+    names = [_WEIGHTS]
+    if storage.exists(_WEIGHTS_INDEX) and not storage.exists(_WEIGHTS):  # sharded: the files its index names
+        try:
+            index = json.loads(storage.read_bytes(_WEIGHTS_INDEX, limit=_CONFIG_LIMIT))
+            names = sorted(set(index["weight_map"].values()))
+            if not all(isinstance(n, str) and n == posixpath.basename(n) and n.endswith(".safetensors") for n in names):
+                raise ValueError("it names a file outside the folder, or one that is not .safetensors")
+        except Exception as exc:  # noqa: BLE001 - any damage to the index is the same refusal
+            raise CheckpointError(f"{path}/{_WEIGHTS_INDEX} is not a usable index of safetensors files "
+                                  f"({type(exc).__name__}: {str(exc)[:120]})") from None
+    tf = transformers_module()
+    with torch.device("meta"):  # the model's shapes, no memory
+        want = {k: tuple(t.shape) for k, t in tf.AutoModelForCausalLM.from_config(config).state_dict().items()}
+    for name in names:
+        label = f"Hugging Face weights {path}/{name}"
+        if storage.kind(name) is None:
+            raise CheckpointError(f"{label}: missing; islands reads a model's weights from safetensors files "
+                                  "(save_pretrained writes them)")
+        with TensorFile(storage, name, None, label) as f:
+            bad = [f"tensor {k} has shape {list(sp.shape)}, the model of its config.json wants {list(want[k])}"
+                   for k, sp in f.specs.items() if k in want and tuple(sp.shape) != want[k]]
+        if bad:
+            raise CheckpointError(f"{label} does not fit the model of its config.json: " + "; ".join(bad[:4]))
 
 
 def _directory(cfg: ModelConfig) -> str:
