@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from core.config import Config, ExecutorConfig, replace
+from orchestrator import commands
 from orchestrator.jobstatus import JobStatus
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ def unreachable() -> str | None:
     if not shutil.which("sbatch"):
         return "sbatch is not on PATH: Slurm is not installed here"
     try:
-        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
+        ping = commands.run(["scontrol", "ping"], timeout=15)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`scontrol ping` did not run ({exc})"
     said = next(iter((ping.stdout or ping.stderr).strip().splitlines()), "")[:160]  # not its banner
@@ -138,7 +139,7 @@ def request_refusal(cfg: Config) -> str | None:
     """Why Slurm refuses the run's worker jobs as the config asks for them (its own words), or None."""
     params = slurm_parameters(cfg)
     try:
-        done = subprocess.run(test_only_command(params), capture_output=True, text=True, timeout=30)
+        done = commands.run(test_only_command(params), timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`sbatch --test-only` did not run ({exc})"
     if done.returncode == 0:
@@ -152,8 +153,7 @@ def largest_node(partition: str | None) -> tuple[str, int, int, int | None] | No
     (the cluster's default partition when None) with the most memory, as `sinfo` reports them;
     None when sinfo does not run or names no such node."""
     try:
-        done = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P|%c|%m|%l"], capture_output=True, text=True,
-                              timeout=30)
+        done = commands.run(["sinfo", "--noheader", "--Node", "--format=%P|%c|%m|%l"], timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     nodes = []
@@ -302,7 +302,7 @@ class SlurmPoller:
 
 def _run(cmd: list[str]) -> str:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+        return commands.run(cmd, timeout=60).stdout
     except (subprocess.SubprocessError, OSError) as exc:
         log.warning("%s failed (%s); job states may lag", cmd[0], exc)
         return ""

@@ -237,3 +237,22 @@ def test_a_submission_sbatch_refuses_after_the_test_only_check_is_one_clear_erro
     said = str(err.value)
     assert said.startswith("sbatch refused the merge service job(s): ") and "Invalid account" in said
     assert "sbatch: error" not in said and "2048MB of memory" in said and "executor.mem_gb" in said
+
+
+def test_scheduler_output_that_is_not_utf8_or_holds_escapes_is_read_as_plain_text(tmp_path, monkeypatch, capsys):
+    """scontrol, sbatch --test-only and sinfo printing invalid UTF-8 and terminal escape sequences:
+    `auto` decides as before, and what it prints holds no control character (orchestrator/commands.py)."""
+    from orchestrator.cli import main
+    bin_dir = Path(_slurm_shims(tmp_path, controller_up=True))
+    esc = r"\033]0;owned\007\033[2J\377\376"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\nprintf 'Slurmctld(primary) at vm{esc} is UP\\n'\n")
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\nprintf 'sbatch: error: no{esc} node\\n' >&2\nexit 1\n")
+    (bin_dir / "sinfo").write_text(f"#!/bin/sh\nprintf 'debug{esc}*|4|zz\\377|infinite\\n'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + "/bin")
+    capsys.readouterr()
+    assert main(["submit", "--executor", "auto", "--run-dir", str(tmp_path / "run")]) == 2
+    out = capsys.readouterr().out
+    assert "Slurm refuses the worker jobs: no]0;owned[2J\ufffd\ufffd node" in " ".join(out.split()), out
+    assert "Traceback" not in out and not any(c in out for c in "\033\007\x9b")

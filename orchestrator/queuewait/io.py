@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from core.progress import progress
+from orchestrator import commands
 from orchestrator.queuewait.waits import SACCT_FIELDS, QueueWaitError, WaitData, parse_sacct, parse_swf
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def _run(args: list[str], what: str, stderr_too: bool = False) -> str:
         raise QueueWaitError(f"{args[0]} is not on PATH; {what} needs Slurm's client commands "
                              "(or read a saved file: --sacct FILE / --swf FILE)")
     try:
-        out = subprocess.run(args, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False)
+        out = commands.run(args, timeout=_CMD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise QueueWaitError(f"`{' '.join(args)}` did not answer within {_CMD_TIMEOUT_S}s ({what})") from None
     if out.returncode != 0:
@@ -237,7 +238,7 @@ def cancel_probes(ids: Sequence[str]) -> None:
     if not ids:
         return
     try:
-        out = subprocess.run(["scancel", *ids], capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False)
+        out = commands.run(["scancel", *ids], timeout=_CMD_TIMEOUT_S)
         if out.returncode != 0:  # also when some had already ended: harmless
             log.warning("scancel %s: %s; check with `squeue -j %s` and cancel what is left by hand",
                         " ".join(ids), out.stderr.strip(), ",".join(ids))
