@@ -161,17 +161,21 @@ MAX_WORKERS, MAX_ROUNDS = 4096, 1_000_000
 """Past these a number is a typo, not a run: each worker is a job (on the local executor a process)."""
 
 
-def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
-    """(dotted key, value) of every float in a config, nested sections and tuples included."""
+MAX_INT = 1 << 53
+"""No key needs an integer past this; beyond it a count is no longer exact as a float, and 2**1100
+overflows one (outer.warmup_rounds once did, in the first merge)."""
+
+
+def _leaves(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every value in a config, nested sections and tuples included."""
     out = []
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(v):
-            out += _floats(v, key + ".")
-        for x in (v if isinstance(v, tuple) else (v,)):
-            if isinstance(x, float):
-                out.append((key, x))
+            out += _leaves(v, key + ".")
+            continue
+        out += [(key, x) for x in (v if isinstance(v, tuple) else (v,))]
     return out
 
 
@@ -187,7 +191,14 @@ def _collector() -> tuple[list[str], Callable[[bool, str], None]]:
 
 def check(cfg: Config) -> list[str]:
     """Range and cross-field checks, all of them, on a well-typed config."""
-    p = [f"{key} must be a finite number, got {value}" for key, value in _floats(cfg) if not math.isfinite(value)]
+    leaves = _leaves(cfg)
+    p = [f"{key} must be a finite number, got {value}" for key, value in leaves
+         if isinstance(value, float) and not math.isfinite(value)]
+    p += [f"{key} is {'a' if value > 0 else 'minus a'} {len(str(abs(value)))}-digit number, past any count a run "
+          f"needs (at most {MAX_INT}): a typo?" for key, value in leaves
+          if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT]
+    p += [f"{key} holds a NUL byte (at character {value.index(chr(0))}), which no path, name or command can: "
+          "a damaged or pasted value?" for key, value in leaves if isinstance(value, str) and "\0" in value]
     for part in (_check_run, _check_round, _check_schedule, _check_model, _check_training, _check_io):
         p += part(cfg)
     return p

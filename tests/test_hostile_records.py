@@ -104,6 +104,9 @@ def test_hostile_yaml_is_one_config_error_everywhere_it_is_read(tmp_path, capsys
     (["--set", "round.poll_s=.inf"], "round.poll_s must be a finite number, got inf"),
     (["--set", "inner.lr=.nan"], "inner.lr must be a finite number"),
     (["--set", "model.block_size=1000000000000"], "more than any model this runs"),
+    (["--set", f"outer.warmup_rounds={2**1100}"], "outer.warmup_rounds is a 332-digit number, past any count"),
+    (["--set", f"inner.steps={2**60}"], "inner.steps is a 19-digit number"),
+    (["--set", 'data.cache_dir="/tmp/a\\0b"'], "data.cache_dir holds a NUL byte (at character 6)"),  # YAML's escape
 ])
 def test_numbers_that_would_exhaust_the_machine_are_refused_before_anything_is_made(tmp_path, capsys, args, says):
     from orchestrator.cli import main
