@@ -211,3 +211,12 @@ def test_a_cache_folder_open_to_others_is_refused_with_the_fix(tmp_path):
     os.chmod(entry.parent, 0o777)
     with pytest.raises(DatasetError, match=r"writable by other users .*chmod o-w .*data.cache_dir to a folder of your own"):
         dataset_for(cfg)
+
+
+def test_a_tokenizer_name_with_escape_sequences_is_named_without_them(prepared):
+    index = json.loads((prepared / "index.json").read_text())
+    index["tokenizer"]["name"] = "\x1b]0;owned\x07\x1b[2Jother"
+    (prepared / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DatasetError, match="prepared with tokenizer ]0;owned\\[2Jother, but") as err:
+        dataset_for(config_from_dict({"data": {"source": str(prepared)}}))
+    assert "\x1b" not in str(err.value) and "\x07" not in str(err.value)

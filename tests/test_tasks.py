@@ -217,9 +217,22 @@ BAD = {
     "empty_eval": (USER_TASK.replace("else self.data[400:]", "else []"), "Blobs", "examples('eval') is empty"),
     "instance": (USER_TASK + "\n\nINSTANCE = Blobs.__new__(Blobs)\n", "INSTANCE", "(cfg) failed: TypeError"),
     "exits_at_import": ("import sys\nsys.exit(0)\n" + USER_TASK, "Blobs", "it called exit(0)"),
+    "argparse_at_import": ("import argparse\np = argparse.ArgumentParser(prog='blobs')\np.add_argument('--data', "
+                           "required=True)\np.parse_args()\n" + USER_TASK, "Blobs",
+                           "it called exit(2), saying 'usage: blobs [-h] --data DATA\\nblobs: error: the following "
+                           "arguments are required: --data'; a module that reads the command line when imported "
+                           "belongs under `if __name__ == \"__main__\":`"),
     "escape_in_metric_name": (USER_TASK.replace('{"accuracy"', '{"\\x1b[2Jaccuracy"'), "Blobs",
                               "metric name '\\x1b[2Jaccuracy' is not a short name"),
 }
+
+
+def test_a_task_that_parses_the_command_line_when_imported_sees_none_of_islands(tmp_path, monkeypatch):
+    from worker.tasks import _import
+    where = _write_task(tmp_path / "argtasks", "import argparse\nARGS = argparse.ArgumentParser().parse_args()\n"
+                        + USER_TASK, name="argtasks")
+    monkeypatch.setattr(sys, "argv", ["orchestrate", "submit", "--workers", "8"])
+    assert _import("argtasks:Blobs", where).__name__ == "Blobs" and sys.argv[1:] == ["submit", "--workers", "8"]
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

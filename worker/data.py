@@ -37,6 +37,7 @@ from core.dataset import DatasetError, Index, Shard
 from core.errors import CheckpointError, StorageError
 from core.layout import local_cache_root
 from core.storage import Storage
+from core.records import text
 from core.trust import stranger
 from worker.prepare import PrepareSpec, load_tokenizer, prepare, unit_hash
 from worker.sources import Unit, is_records
@@ -191,7 +192,7 @@ def _check_tokenizer(ds: Dataset, tokenizer: str, cfg: Config) -> None:
     else:
         want, model = load_tokenizer(tokenizer).info.name, f"the model at {cfg.model.hf}"
     if ds.index.tokenizer.name != want:
-        raise DatasetError(f"data.source {ds.url} was prepared with tokenizer {ds.index.tokenizer.name}, but {model} "
+        raise DatasetError(f"data.source {ds.url} was prepared with tokenizer {text(ds.index.tokenizer.name, 200)}, but {model} "
                            f"reads {want}: prepare it again with --tokenizer {tokenizer}, or train the model it was "
                            "prepared for")
 

@@ -25,7 +25,9 @@ written exactly as a user's task is). The loop, LTE, the ranks and the eval see 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import math
 import os
 import re
@@ -39,6 +41,7 @@ import torch
 from core.config import Config
 from core.trust import stranger
 from core.errors import IslandsError
+from core.records import text
 from worker.data import Deal, step_generator
 
 BUILTIN = {"lm": "worker.tasks.lm:LanguageModel", "digits": "worker.tasks.digits:Digits"}  # core.config_parse.BUILTIN_TASKS
@@ -238,12 +241,24 @@ def _import(name: str, path: str | None) -> type:
         if top is not None and not Path(getattr(top, "__file__", None) or "/").resolve().is_relative_to(Path(path).resolve()):
             for loaded in [m for m in sys.modules if m == top.__name__ or m.startswith(top.__name__ + ".")]:
                 del sys.modules[loaded]  # a module of that name from elsewhere, imported before in this process
+    # The module sees a command line of its own (no arguments), not islands': one that parses
+    # sys.argv when imported (argparse at module level) would read `submit --workers 8`. What it
+    # prints while importing is said once it is known whether the import worked.
+    argv, said = sys.argv, io.StringIO()
+    sys.argv = [module_name]
     try:
-        module = importlib.import_module(module_name)
+        with contextlib.redirect_stderr(said):
+            module = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # noqa: BLE001  whatever a user's module raises (or exits) while importing
         where = f" (task_path {path})" if path else " (installed in this environment, or set task_path)"
         what = f"it called exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, SystemExit) and (err := text(said.getvalue().strip(), 600)):
+            what += (f", saying {err!r}; a module that reads the command line when imported belongs under "
+                     "`if __name__ == \"__main__\":`")
         raise TaskError(f"task {name}: cannot import {module_name}{where}: {what}") from None
+    finally:
+        sys.argv = argv
+    sys.stderr.write(said.getvalue())
     cls = getattr(module, attr, None)
     if cls is None:
         raise TaskError(f"task {name}: {module_name} has no {attr!r}")
