@@ -371,3 +371,14 @@ def test_data_prepare_on_a_terminal_shows_the_bar_moving_within_a_unit(tmp_path)
     shown = {int(p) for p in _re.findall(r"preparing[^\r\n]*?\s(\d+)%", raw.decode(errors="replace"))}
     assert len({p for p in shown if 0 < p < 100}) >= 3, shown
     assert "1 empty documents dropped" in " ".join(lines), lines
+
+
+def test_a_group_value_that_only_looks_like_a_url_is_its_own_group(tmp_path, capsys):
+    """`http://[::1` is no URL (urlsplit refuses it): the record is kept, its value its group, not
+    reported as `not a JSON object`."""
+    rows = [{"text": f"doc {i} " * 30, "url": u} for i, u in enumerate(["http://[::1", "https://a.org/x", "http://[::1"])]
+    src = _jsonl(tmp_path / "a.jsonl", rows)
+    out = tmp_path / "ds"
+    assert main(["data", "prepare", str(src), "--out", str(out), "--group-field", "url", "--heldout", "0.3"]) == 0
+    said = capsys.readouterr().out
+    assert "3 documents" in said and "2 group(s)" in said and "not a JSON object" not in said, said

@@ -15,6 +15,7 @@ prepared bytes never depend on how many processes did the work.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -279,9 +280,11 @@ def _jsonl_records(unit: Unit, fields: Fields) -> Iterator[Record | BadRecord]:
                 continue
             where = f"{unit.rel} line {line_no}" if line_no is not None else f"{unit.rel} at byte {at}"
             try:
-                rec = _record(json.loads(line), f"{unit.rel}@{at}", where, fields)
+                obj = json.loads(line)
             except (ValueError, RecursionError) as exc:
                 rec = BadRecord("", f"not a JSON object ({str(exc)[:120]})")
+            else:
+                rec = _record(obj, f"{unit.rel}@{at}", where, fields)
             if isinstance(rec, BadRecord):  # only now is the line's number worth counting
                 rec = BadRecord(f"{unit.rel} line {line_no if line_no is not None else _line_at(unit.url, at)}", rec.why)
             elif plain:
@@ -344,7 +347,8 @@ def _record(obj: Any, rid: str, where: str, fields: Fields) -> Record | BadRecor
             return BadRecord(where, f"field {fields.group!r} (--group-field) is missing or not a single value")
         group = str(value)
         if group.startswith(("http://", "https://")):
-            group = urlsplit(group).hostname or group
+            with contextlib.suppress(ValueError):  # not a URL after all (`http://[`): the value is the group
+                group = urlsplit(group).hostname or group
         group = group[:256] or "_empty"
     if fields.messages:
         return _chat(obj.get(fields.messages), rid, where, group, fields.messages)
