@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import posixpath
 import socket
+import stat
 import time
 
 import torch
@@ -69,6 +72,7 @@ class Evaluator:
 def export_final(storage: Storage, cfg: Config) -> None:
     """The last global checkpoint, copied to final/model.safetensors (loads with worker.weights.load_model);
     with model.hf also written as a Hugging Face directory, final/hf (loads with from_pretrained)."""
+    _reclaim(storage, posixpath.dirname(L.FINAL))
     last = L.global_weights(cfg.rounds)
     last_m = read_manifest(storage, last)
     final_m = read_manifest(storage, L.FINAL)
@@ -85,6 +89,29 @@ def export_final(storage: Storage, cfg: Config) -> None:
         load_weights(model, tensors, storage.display(L.FINAL))
         save_pretrained_dir(hf_model, cfg.model.hf, storage, L.FINAL_HF)
         log.info("final model exported as a Hugging Face directory: %s", storage.display(L.FINAL_HF))
+
+
+def _reclaim(storage: Storage, folder: str) -> None:
+    """`folder` (final/) is the run's own: a link or a file planted at its name, or at a name in it,
+    is removed (the link itself: where it leads is never touched) and said, so the deliverable is
+    written in the run, never through the link and never given up on."""
+    root = storage.local_path("")
+    if root is None:
+        return  # an object store has no links
+    for key in [folder, *(posixpath.join(folder, n) for n in _listing(root, folder))]:
+        try:
+            mode = os.lstat(os.path.join(root, key)).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode) or (key == folder and not stat.S_ISDIR(mode)):
+            log.warning("%s is %s where the run's final model goes: removed (where a link led is untouched), and the "
+                        "final model written in the run", storage.display(key), "a link" if stat.S_ISLNK(mode) else "a file")
+            storage.remove(key)
+
+
+def _listing(root: str, folder: str) -> list[str]:
+    path = os.path.join(root, folder)
+    return os.listdir(path) if os.path.isdir(path) and not os.path.islink(path) else []
 
 
 def initial_eval(storage: Storage, evaluator: Evaluator) -> float:

@@ -204,3 +204,34 @@ def test_a_file_where_a_folder_is_due_is_one_clear_error_at_once(run_and_outside
         s.write_bytes("final/model.json", b"{}")
     assert "attempts" not in str(info.value)  # not retried: no wait makes it a folder
     assert s.move_if("nowhere/w.bin", "rejected/w.bin", None)  # no source folder: nothing to set aside
+
+
+@pytest.mark.parametrize("plant", ["a link to a folder outside", "a link in final/", "a file"])
+def test_a_planted_final_is_replaced_and_the_run_delivers_its_model(dense_run, tmp_path, capsys, plant):
+    """Every round committed, `final/` planted (a link out, a link at final/model.json, a file):
+    resume removes what was planted (never what a link leads to) and writes the final model in the
+    run: it finishes (rc 0), never `stopped`."""
+    import shutil
+    from core.checkpoint import read_manifest
+    from orchestrator.cli import main
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(dense_run, run, symlinks=True)
+    outside.mkdir()
+    (outside / "model.json").write_text('{"digest": "theirs"}')
+    final = run / "final"
+    shutil.rmtree(final)
+    if plant == "a link to a folder outside":
+        final.symlink_to(outside, target_is_directory=True)
+    elif plant == "a link in final/":
+        final.mkdir()
+        (final / "model.json").symlink_to(outside / "model.json")
+    else:
+        final.write_bytes(b"not a folder")
+    capsys.readouterr()
+    assert main(["resume", str(run)]) == 0, capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "where the run's final model goes: removed" in said.out + said.err
+    s = Storage(str(run))
+    assert final.is_dir() and not final.is_symlink() and not (final / "model.json").is_symlink()
+    assert read_manifest(s, "final/model.safetensors")["digest"] == read_manifest(s, "global/round_00002.safetensors")["digest"]
+    assert sorted(os.listdir(outside)) == ["model.json"] and (outside / "model.json").read_text() == '{"digest": "theirs"}'
