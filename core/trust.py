@@ -40,7 +40,7 @@ def unsafe_paths(storage: Storage, keys: tuple[str, ...], *, allow_group: bool =
         path = storage.local_path(key)
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # absent, or under a file: nothing there to change
             continue
         who = stranger(st, allow_group=allow_group)
         if who is None:

@@ -7,6 +7,7 @@ import posixpath
 import socket
 import stat
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,13 @@ L = RunLayout()
 def create_run(storage: Storage, cfg: Config, schedule: Schedule | None = None) -> None:
     """Write the resolved config and the round-0 global weights (and a replay's schedule) into a new
     run directory."""
+    if (root := storage.local_path("")) is not None:
+        above = Path(root)
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():
+            raise RunError(f"--run-dir {storage.display()}: {above} is a file, not a folder, so no run directory can be "
+                           "made under it; choose a run directory in a folder")
     if storage.exists(L.CONFIG):
         raise RunError(f"{storage.display()} already holds a run; `orchestrate resume {storage.display()}` "
                        "continues it, or choose another --run-dir")

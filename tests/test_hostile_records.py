@@ -244,3 +244,16 @@ def test_the_service_keeps_the_jobs_it_saved_and_sets_a_damaged_file_aside(tmp_p
     assert "at least one job id" in caplog.text and "Set aside to" in caplog.text and not s.exists(L.round_jobs(3))
     (aside,) = [n for n in s.list(posixpath.dirname(L.round_jobs(3))) if ".rejected-" in n]
     assert json.loads(s.read_bytes(f"{posixpath.dirname(L.round_jobs(3))}/{aside}")) == PLANTED_JOBS[0]
+
+
+def test_a_run_dir_under_a_file_is_one_clear_error_for_every_command(tmp_path, capsys):
+    from orchestrator.cli import main
+    (tmp_path / "file").write_text("not a folder")
+    run = str(tmp_path / "file" / "run")
+    assert main(["submit", "--executor", "inline", "--run-dir", run]) == 2
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'file'} is a file, not a folder" in out and "Traceback" not in out, out
+    for command in (["status", run], ["resume", run], ["cancel", run]):
+        assert main(command) != 0
+        out = capsys.readouterr().out
+        assert "not a run directory" in out and "Traceback" not in out, (command, out)
