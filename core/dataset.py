@@ -27,6 +27,7 @@ from core.errors import IslandsError
 
 FORMAT = "islands-dataset-v1"
 INDEX = "index.json"
+INDEX_LIMIT = 256 << 20  # bytes: an index lists shards, ~200 bytes each; past this it is not one
 SPLITS = ("train", "eval")
 DTYPES = {"uint8": 1, "uint16": 2, "uint32": 4}
 MAX_GROUPS = 4096

@@ -16,6 +16,7 @@ from core.layout import RunLayout
 from core.storage import Storage
 
 L = RunLayout()
+CONFIG_LIMIT = 4 << 20  # bytes of a config.yaml: a resolved config is a few KB
 
 
 def stranger(st: os.stat_result, *, allow_group: bool = False) -> str | None:
@@ -67,5 +68,5 @@ def read_run_config(storage: Storage) -> Config:
     code runs from it there)."""
     if not storage.exists(L.CONFIG):
         raise RunError(f"{storage.display()} is not a run directory (no {L.CONFIG})")
-    return config_from_dict(load_yaml(storage.read_bytes(L.CONFIG), storage.display(L.CONFIG)),
+    return config_from_dict(load_yaml(storage.read_bytes(L.CONFIG, limit=CONFIG_LIMIT), storage.display(L.CONFIG)),
                             source=storage.display(L.CONFIG))

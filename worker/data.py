@@ -63,7 +63,7 @@ class Dataset:
         # the folder the user names, wherever it links; nothing inside it through a link, regular files only
         self.storage = Storage(_resolved(url))
         try:
-            obj = self.storage.read_json(fmt.INDEX)
+            obj = self.storage.read_json(fmt.INDEX, limit=fmt.INDEX_LIMIT)
         except (CheckpointError, StorageError) as exc:  # a link, a FIFO, not JSON: never opened past that
             raise DatasetError(f"{self.storage.display(fmt.INDEX)} cannot be read as a dataset index: {exc}. Restore it, "
                                f"or prepare the dataset again (orchestrate data prepare SOURCE... --out {url})") from None

@@ -299,7 +299,7 @@ def prepare(spec: PrepareSpec, units: list[Unit] | None = None) -> Index:
     _refuse_foreign(storage)
     digest = _digest(spec, tok)
     try:
-        existing = storage.read_json(fmt.INDEX)
+        existing = storage.read_json(fmt.INDEX, limit=fmt.INDEX_LIMIT)
     except StorageError as exc:
         raise DatasetError(f"{storage.display(fmt.INDEX)} is damaged ({exc}); remove {storage.display()} or give "
                            "another --out") from None
@@ -402,7 +402,7 @@ def _finished(storage: Storage, i: int, digest: str, masked: bool, files: tuple[
     """Unit i's record if a previous prepare with the same settings finished it: its files, of `files`'
     (token width, listed sizes), have the sizes it says."""
     try:
-        rec = storage.read_json(fmt.part_key(i))
+        rec = storage.read_json(fmt.part_key(i), limit=fmt.INDEX_LIMIT)
     except IslandsError:  # a damaged record: the unit is prepared again
         return None
     if not isinstance(rec, dict) or rec.get("settings") != digest:
