@@ -197,6 +197,9 @@ class RoundRecord:
     replayed: list[int] = field(default_factory=list)
     """Merged workers whose base of this round was made from the previous round's contributions
     (worker/replica.py), not read."""
+    worker_state: dict[str, str] = field(default_factory=dict)
+    """Where a worker's AdamW state came from, where that is news (orchestrator.round_merge.worker_state):
+    fresh after a hard loss, a restart from a snapshot, snapshots refused."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -129,6 +129,8 @@ class RoundMerger:
             worker_read={str(w): n for w in merged if (n := _count(manifests[w], "io_read")) is not None},
             worker_written={str(w): n for w in merged if (n := _count(manifests[w], "io_written")) is not None},
             replayed=[w for w in merged if manifests[w].get("replica") is True],
+            worker_state=worker_state(manifests, restart_only=self.cfg.round.worker_mode == "persistent"
+                                      and self.cfg.algorithm != "lte"),
             jobs={str(w): {**final[j].as_dict(), "attempts": jobs.workers[w].attempts} for w, j in jobs.latest().items()})
 
     def commit(self, jobs: RoundJobs, record: RoundRecord) -> None:
@@ -240,6 +242,23 @@ class RoundMerger:
         except CheckpointError as exc:
             return None, refusal(label, exc), m
         return Contribution(w, key, weight, self.bound), "", m
+
+
+def worker_state(manifests: dict[int, dict[str, Any]], restart_only: bool) -> dict[str, str]:
+    """Where a worker's AdamW state came from, where that is news: fresh state past round 0 (a hard
+    loss, or no usable snapshot), snapshots refused, and (`restart_only`: persistent workers,
+    whose state otherwise stays in memory) a restart from a snapshot. In the workers' words, checked."""
+    out = {}
+    for w, m in manifests.items():
+        refused = m.get("state_refused_rounds")
+        refused = [r for r in refused if type(r) is int][:8] if isinstance(refused, list) else []
+        src = m.get("state_from_round")
+        said = ("fresh AdamW state" if m.get("state_fresh") is True else
+                f"its snapshot of round {src}" if type(src) is int and (restart_only or refused) else None)
+        if said:
+            out[str(w)] = said + (f" (refused: its snapshot{'s' if len(refused) > 1 else ''} of round "
+                                  f"{', '.join(map(str, refused))})" if refused else "")
+    return out
 
 
 def _count(manifest: dict[str, Any], key: str) -> int | None:

@@ -61,7 +61,7 @@ def round_line(r: int, rec: Mapping[str, Any]) -> dict[str, Any]:
     line.update({k: rec.get(k) for k in ("eval_loss", "merge_seconds", "bytes_read", "outer_grad_norm", "fp32_bytes")})
     line.update({k: _by_worker(rec.get(k, {})) for k in ("contribution_bytes", "worker_read", "worker_written")})
     line["replayed"] = list(rec.get("replayed", []))
-    line.update({k: _by_worker(rec.get(k, {}), text) for k in ("dropped_reasons", "rejected_reasons")})
+    line.update({k: _by_worker(rec.get(k, {}), text) for k in ("dropped_reasons", "rejected_reasons", "worker_state")})
     line.update({k: _by_worker(rec.get(k, {})) for k in ("worker_train_s", "worker_idle_s", "eval_metrics")})
     line["jobs"] = _by_worker(rec.get("jobs", {}), _job)
     line["utilization"] = utilization([{"worker_train_s": line["worker_train_s"], "worker_idle_s": line["worker_idle_s"]}])

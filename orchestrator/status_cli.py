@@ -124,6 +124,15 @@ def io_line(rounds: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def state_line(rounds: list[dict[str, Any]], most: int = 4) -> str | None:
+    """Where workers' AdamW state came from when that is news (a restart, fresh state, a refused
+    snapshot): the last `most` such starts."""
+    said = [f"round {r['round']} worker {w}: {how}" for r in rounds for w, how in sorted((r.get("worker_state") or {}).items())]
+    if not said:
+        return None
+    return "optimizer state: " + "; ".join(said[-most:]) + (f" (and {len(said) - most} earlier: --json)" if len(said) > most else "")
+
+
 def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -153,7 +162,8 @@ def status_view(status: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.text import Text
 
-    lines = [contribution_line(status["rounds"]), io_line(status["rounds"]), stored_line(status), jobs_line(status["rounds"])]
+    lines = [contribution_line(status["rounds"]), io_line(status["rounds"]), stored_line(status), jobs_line(status["rounds"]),
+             state_line(status["rounds"])]
     if status["failure"]:
         lines.append(f"failed in round {status['failure'].get('round')}: {status['failure']['reason']}")
     if status["state"] == "stopped":

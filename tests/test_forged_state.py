@@ -111,7 +111,7 @@ def test_a_forged_snapshot_is_refused_and_the_round_trains_from_fresh_state(trai
     forged, why = FORGERIES[case](dict(state))
     got = _round1_from(s, forged, {k: manifest[k] for k in ("round", "worker")}, caplog)
     assert why in caplog.text and "fresh AdamW state" in caplog.text
-    assert got["state_refused_rounds"] == [0] and "state_from_round" not in got
+    assert got["state_refused_rounds"] == [0] and "state_from_round" not in got and got["state_fresh"] is True
     assert read_manifest(s, L.worker_state(0, 0)) is None  # set aside with its reason, never read again
     reasons = [n for n in s.list(f"{L.worker_dir(0)}/rejected") if n.endswith(".reason.json")]
     assert any(why in s.read_json(f"{L.worker_dir(0)}/rejected/{n}")["reason"] for n in reasons)
@@ -123,3 +123,17 @@ def test_another_workers_snapshot_copied_in_is_refused_and_the_honest_one_is_tak
     assert "names worker 1, not worker 0" in caplog.text and got["state_refused_rounds"] == [0]
     got = _round1_from(s, state, {"round": 0, "worker": 0}, caplog)  # the honest file: taken
     assert got["state_from_round"] == 0 and "state_refused_rounds" not in got
+
+
+def test_the_record_and_status_say_where_a_workers_state_came_from_when_it_is_news():
+    from orchestrator.round_merge import worker_state
+    from orchestrator.status_cli import state_line
+    manifests = {0: {"state_from_round": 3}, 1: {"state_fresh": True, "state_refused_rounds": [4, "x"]},
+                 2: {}, 3: {"state_from_round": 2, "state_refused_rounds": [3]}, 4: {"state_from_round": "3\x1b[2J"}}
+    said = worker_state(manifests, restart_only=True)
+    assert said == {"0": "its snapshot of round 3", "1": "fresh AdamW state (refused: its snapshot of round 4)",
+                    "3": "its snapshot of round 2 (refused: its snapshot of round 3)"}
+    assert worker_state(manifests, restart_only=False) == {k: v for k, v in said.items() if k != "0"}  # per-round jobs
+    assert state_line([{"round": 5, "worker_state": said}]) == (
+        "optimizer state: round 5 worker 0: its snapshot of round 3; round 5 worker 1: fresh AdamW state (refused: its "
+        "snapshot of round 4); round 5 worker 3: its snapshot of round 2 (refused: its snapshot of round 3)")

@@ -81,6 +81,7 @@ class Learner:
         found = None if own_state else usable_state(storage, a.worker, a.round, bound, reader, rnd.state_refused)
         if not own_state:
             self.feedback = {} if self.uses_feedback else None
+            rnd.state_fresh = found is None and a.round > 0  # said: no snapshot (a hard loss) or none usable
         if found is not None:
             state_key, state = found
             rnd.state_from = L.parse_round(state_key.rsplit("/", 1)[-1], "state")

@@ -125,6 +125,8 @@ class Publisher:
             manifest["state_from_round"] = rnd.state_from  # a job's first round, from a snapshot on storage
         if rnd.state_refused:  # snapshots set aside (worker/state.py): from an older one, or fresh AdamW state
             manifest["state_refused_rounds"] = rnd.state_refused
+        if rnd.state_fresh:
+            manifest["state_fresh"] = True
         return manifest
 
     def checkpoint(self, rnd: RoundInProgress) -> None:

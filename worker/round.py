@@ -66,6 +66,8 @@ class RoundInProgress:
     """The round of the optimizer-state snapshot the round started from, when read from storage."""
     state_refused: list[int] = dataclasses.field(default_factory=list)
     """The rounds of the snapshots refused (set aside) before it: it started from an older one, or fresh."""
+    state_fresh: bool = False
+    """A job's first round, past round 0, started from fresh AdamW state: no usable snapshot on storage."""
     published: dict[str, torch.Tensor] | None = None
     """round.overlap, while training ahead of its base: the weights the previous round published."""
     adopted_at: int | None = None
