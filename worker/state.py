@@ -118,20 +118,23 @@ def fit_problems(tensors: dict[str, torch.Tensor], expect: Expect) -> list[str]:
     return problems
 
 
-def moment_problem(tensors: dict[str, torch.Tensor], name: str, expect: Expect) -> str | None:
-    """Why `name`'s AdamW moments cannot come from training, if they cannot. Honest moments obey
-    |exp_avg| <= C(t) sqrt(exp_avg_sq) entry by entry (Cauchy-Schwarz over the steps, as in
-    core.codec.max_update), which bounds every step AdamW takes from them; with gradient clipping
-    exp_avg_sq is at most the clip's square."""
+def moment_problem(tensors: dict[str, torch.Tensor], name: str, expect: Expect, v_max: float) -> str | None:
+    """Why `name`'s AdamW moments cannot come from training, if they cannot (`v_max`: its
+    exp_avg_sq's largest entry). Honest moments obey |exp_avg| <= C(t) sqrt(exp_avg_sq) entry by
+    entry (Cauchy-Schwarz over the steps, as in core.codec.max_update), which bounds every step
+    AdamW takes from them; checked as exp_avg^2 <= c^2 (exp_avg_sq + eps^2), which implies
+    |exp_avg| <= c (sqrt(exp_avg_sq) + eps) and holds where exp_avg_sq underflowed; one pass. With
+    gradient clipping exp_avg_sq is at most the clip's square."""
     m, v, t = (tensors[f"{name}{SEP}{s}"] for s in ADAMW_SLOTS)
     (b1, b2), steps = expect.betas, int(float(t))
     q = b1 * b1 / b2
     series = steps if abs(1 - q) < 1e-12 else (1 - q ** min(steps, 10**6)) / (1 - q)
     c = MARGIN * (1 - b1) / math.sqrt(1 - b2) * math.sqrt(series)
-    if expect.grad_clip > 0 and v.numel() and float(v.max()) > MARGIN * expect.grad_clip ** 2:
-        return (f"its exp_avg_sq reaches {float(v.max()):.3g}, more than inner.grad_clip {expect.grad_clip:g} "
-                "squared: no clipped gradient leaves that")
-    if m.numel() and bool((m.abs() > v.sqrt().add_(expect.eps).mul_(c)).any()):
+    if expect.grad_clip > 0 and v_max > MARGIN * expect.grad_clip ** 2:
+        return (f"its exp_avg_sq reaches {v_max:.3g}, more than inner.grad_clip {expect.grad_clip:g} squared: no "
+                "clipped gradient leaves that")
+    # v - m^2 / c^2 >= -eps^2 everywhere (an m of 3e38 squares to inf: refused too)
+    if m.numel() and float(torch.addcmul(v.float(), m.float(), m.float(), value=-1 / (c * c)).min()) < -expect.eps ** 2:
         return (f"its exp_avg exceeds {c:.3g} x sqrt(exp_avg_sq) + eps: AdamW would step farther than any "
                 "training could take it")
     return None
@@ -139,20 +142,26 @@ def moment_problem(tensors: dict[str, torch.Tensor], name: str, expect: Expect) 
 
 def check_state(tensors: dict[str, torch.Tensor], label: str, feedback_bound: float,
                 expect: Expect | None = None) -> None:
-    """CheckpointError naming `label` and the tensor when a state file's tensors cannot be a worker's."""
+    """CheckpointError naming `label` and the tensor when a state file's tensors cannot be a worker's.
+    Each tensor is read once for its extremes (NaN and Inf show there), its moments once more."""
+    peaks = {}
     for key, t in tensors.items():
         if not t.is_floating_point():
             raise CheckpointError(f"{label}: tensor {key} is {t.dtype}, not floating point: a worker writes its "
                                   "AdamW state and error feedback in floating point; the file is damaged or forged")
-        if t.numel() and not bool(torch.isfinite(t).all()):
+        if not t.numel():
+            continue
+        lo, hi = (float(x) for x in torch.aminmax(t.detach().reshape(-1)))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise CheckpointError(f"{label}: tensor {key} has NaN or Inf values: the file is damaged, or the "
                                   "training that wrote it diverged")
         slot = key.rpartition(SEP)[2] if SEP in key else ""
-        if slot in ("exp_avg_sq", "step", "max_exp_avg_sq") and t.numel() and bool((t < 0).any()):
+        if slot in ("exp_avg_sq", "step", "max_exp_avg_sq") and lo < 0:
             raise CheckpointError(f"{label}: tensor {key} (AdamW's {slot}) has negative values: the file is damaged "
                                   "or forged")
         if key.startswith(FEEDBACK):
             check_bound(label, key, t, feedback_bound, what="(the error-feedback buffer) holds an entry of magnitude")
+        peaks[key] = hi
     if expect is None:
         return
     if problems := fit_problems(tensors, expect):
@@ -160,7 +169,8 @@ def check_state(tensors: dict[str, torch.Tensor], label: str, feedback_bound: fl
                               + ("" if len(problems) <= 6 else f"; and {len(problems) - 6} more")
                               + ": the file is damaged, forged, or from another model")
     for name in sorted({k.rpartition(SEP)[0] for k in tensors if SEP in k and not k.startswith(FEEDBACK)}):
-        if (why := moment_problem(tensors, name, expect)) is not None:
+        why = moment_problem(tensors, name, expect, peaks.get(f"{name}{SEP}exp_avg_sq", 0.0))
+        if why is not None:
             raise CheckpointError(f"{label}: AdamW state for {name}: {why}; the file is damaged or forged")
 
 
