@@ -7,6 +7,8 @@ filesystem, NFS/Lustre and object stores (joined with posixpath, never os.path).
     lock.json                                     which merge service drives the run: epoch, heartbeat
     lease/epoch_00002.json                        who took epoch 2 of the lease (created once, never rewritten)
     CANCEL                                        marker: `orchestrate cancel` asked to stop
+    STOP                                          marker: the service was interrupted (Ctrl-C): its local
+                                                  workers save their state and end (resume clears it)
     failed.json                                   why the run stopped for good, if it did
     orchestrator.log                              every log record of the services that drove it (local runs)
     global/round_00003.safetensors (+ .json)      global weights that round 3 starts from
@@ -58,6 +60,7 @@ class RunLayout:
     LOCK = "lock.json"
     LEASE = "lease"
     CANCEL = "CANCEL"
+    STOP = "STOP"
     FAILED = "failed.json"
     REPLAY = "replay.json"
     """A replay's schedule (core/replay.py): the source run's steps, adoption steps and merge order."""

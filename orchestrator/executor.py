@@ -35,6 +35,8 @@ from orchestrator.slurm import (FIX_REQUEST, SlurmPoller, describe_request, loca
                                service_parameters, slurm_parameters, unreachable, worker_tasks)
 
 log = logging.getLogger(__name__)
+STOP_WAIT_S = 120.0
+"""How long a stopped or cancelled run's jobs get to save where they are and end before they are killed."""
 CANCELLED_MARK = "cancelled"
 """Left in a job's folder by cancel(): islands cancelled it (a local job's state is CANCELLED, not FAILED)."""
 _JOB_ID = re.compile(r"\d{1,12}(_\d{1,9})?")  # a Slurm job (array task) id or a local pid
@@ -202,6 +204,24 @@ class Executor:
         deadline = time.monotonic() + timeout_s
         while self.kind in HERE and self.own_jobs() and time.monotonic() < deadline:
             time.sleep(0.1)
+
+    def end_gracefully(self, job_ids: list[str], wait_s: float) -> list[str]:
+        """Jobs told to stop (the run's STOP or CANCEL marker, which a worker looks for between its
+        steps and while it waits, saving where it is first) get `wait_s` to end on their own; those
+        not started yet are cancelled at once, the rest once the time is up (a second Ctrl-C ends
+        the wait). Returns the jobs cancelled while still running."""
+        pending = [j for j, s in self.status(job_ids).items() if s.state.split()[0] in ("PENDING", "REQUEUED")]
+        self.cancel(pending)
+        running = [j for j in job_ids if j not in pending]
+        deadline = time.monotonic() + wait_s
+        try:
+            while running and time.monotonic() < deadline:
+                time.sleep(0.2 if self.kind in HERE else 2.0)  # sacct: not a tight loop on the controller
+                running = [j for j, s in self.status(running).items() if s.alive]
+        except KeyboardInterrupt:
+            log.warning("interrupted again: the jobs are stopped where they are")
+        self.cancel(running)
+        return running
 
     def own_jobs(self) -> list[str]:
         """The local jobs this process started that still run."""

@@ -70,6 +70,7 @@ class Service:
         # Starting (or resuming) the service is the decision to carry on: clear the stop markers.
         self.storage.remove(L.FAILED)
         self.storage.remove(L.CANCEL)
+        self.storage.remove(L.STOP)
         r = self.first_open_round()
         ensure_outer_state(self.storage, self.cfg, r, self.evaluator.metadata)  # a service that died writing it
         for done in range(r):  # a service killed between commit and evaluation left rounds without a loss

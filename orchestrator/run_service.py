@@ -96,10 +96,17 @@ def _take_run(storage: Storage, opts: ServiceOptions) -> tuple[Config, Executor,
     return cfg, Executor(cfg, folder), lease
 
 
-def _interrupted(where: str, executor: Executor) -> None:
-    """Ctrl-C: local jobs stopped (they are this machine's processes: the CPUs go back), Slurm's kept."""
+def _interrupted(storage: Storage, executor: Executor) -> None:
+    """Ctrl-C: local jobs stopped (they are this machine's processes: the CPUs go back), Slurm's
+    kept. A local worker first saves where it is (the STOP marker: mid-round its in-flight
+    checkpoint, between rounds its state snapshot), so that `resume` goes on to the same model;
+    a second Ctrl-C, or STOP_WAIT_S, ends them at once."""
+    where = storage.display()
     if executor.here:
-        executor.cancel(executor.own_jobs())
+        storage.write_bytes(L.STOP, str(time.time()).encode())
+        say("interrupted: the local workers are saving their state (Ctrl-C again stops them at once)")
+        from orchestrator.executor import STOP_WAIT_S
+        executor.end_gracefully(executor.own_jobs(), STOP_WAIT_S)
         say(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues the run")
     else:
         say(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues the run, "
@@ -178,7 +185,7 @@ def drive(storage: Storage, opts: ServiceOptions, already_done: bool = False) ->
         return 3
     except KeyboardInterrupt:
         ended = "KILLED"
-        _interrupted(storage.display(), executor)
+        _interrupted(storage, executor)
         return 130
     except leases.LeaseLost:
         raise  # the service that took the run adopted the jobs: they are its to keep

@@ -202,7 +202,7 @@ def cmd_status(args: argparse.Namespace, jobs_folder: str) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:
-    from orchestrator.executor import Executor
+    from orchestrator.executor import STOP_WAIT_S, Executor
     from core.records import RoundJobs
 
     storage = Storage(args.run)
@@ -217,6 +217,10 @@ def cmd_cancel(args: argparse.Namespace, jobs_folder: str) -> int:
     # last one, whose persistent workers wait to be handed this round
     ids = [j for k in (r - 1, r, r + 1) if 0 <= k < cfg.rounds for j in RoundJobs.load(storage, k).latest().values()]
     ids = list(dict.fromkeys(ids))  # a persistent job serves several rounds: cancel it once
-    Executor(cfg, jobs_folder).cancel(ids)
+    executor = Executor(cfg, jobs_folder)
+    if any(s.alive for s in executor.status(ids).values()):
+        console.print(f"cancelling the run during round {r}: its workers save their state first (at most "
+                      f"{STOP_WAIT_S:.0f}s; Ctrl-C stops them at once)", markup=False)
+    executor.end_gracefully(ids, STOP_WAIT_S)
     console.print(f"cancelled the run during round {r}: jobs {ids}; the merge service stops at its next poll", markup=False)
     return 0

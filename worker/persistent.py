@@ -29,7 +29,7 @@ from core.records import JobEntry, RoundJobs
 from core.storage import Storage
 from core.assignment import Assignment, current_job_id
 from worker.ranks import join
-from worker.train import InnerTrainer, load_run_config, pick_device, serve_round
+from worker.train import InnerTrainer, Stopped, load_run_config, pick_device, serve_round
 
 log = logging.getLogger(__name__)
 L = RunLayout()
@@ -45,8 +45,9 @@ def wait_for_assignment(storage: Storage, r: int, worker: int, job_id: str | Non
     """This worker's entry in round r's jobs.json once it names this job; None when we should stop."""
     last_log, refused = time.monotonic(), None
     while True:
-        if storage.exists(L.CANCEL) or storage.exists(L.FAILED):
-            log.info("worker %d: the run was cancelled or failed; stopping", worker)
+        if storage.exists(L.CANCEL) or storage.exists(L.FAILED) or storage.exists(L.STOP):
+            log.info("worker %d: the run was stopped, cancelled or failed; stopping (its newest state is written)",
+                     worker)
             return None
         entry, why = _entry(storage, r, worker)
         if why is not None and why != refused:  # said once per damage: the service rewrites the file it owns
@@ -86,7 +87,7 @@ def train_ahead(trainer: InnerTrainer, storage: Storage, r: int, worker: int) ->
         if time.monotonic() < next_poll:
             return False
         next_poll = time.monotonic() + WAIT_POLL_S
-        return storage.exists(L.CANCEL) or storage.exists(L.FAILED) or _entry(storage, r, worker)[0] is not None
+        return any(storage.exists(k) for k in (L.CANCEL, L.FAILED, L.STOP)) or _entry(storage, r, worker)[0] is not None
 
     trainer.train(until=assigned)
     log.info("worker %d: %d step(s) of round %d taken before its base was assigned", worker, trainer.round.done, r)
@@ -115,7 +116,11 @@ def run_persistent(assignment: Assignment) -> dict[str, Any]:
                 r += 1
                 continue
             sub = dataclasses.replace(assignment, round=r, base_key=entry.base, attempt=entry.attempts - 1)
-            summary, trainer = serve_round(sub, round(time.monotonic() - t_wait, 3), trainer, persistent=True)
+            try:
+                summary, trainer = serve_round(sub, round(time.monotonic() - t_wait, 3), trainer, persistent=True)
+            except Stopped as exc:  # the round's in-flight checkpoint is saved; the state snapshot below
+                log.info("%s", exc)
+                break
             served.append(summary)
             r += 1
             if r < cfg.rounds and trainer.can_go_ahead():

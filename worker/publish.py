@@ -132,7 +132,7 @@ class Publisher:
     def checkpoint(self, rnd: RoundInProgress) -> None:
         """Save an in-flight checkpoint of `rnd` (submitit calls it on rank 0 only, from its
         preemption handler). Signalled while training, the ranks saved it already, after the step
-        (InnerTrainer._stop_for_preemption): a handler runs between any two lines, and one in the
+        (InnerTrainer._stop_here): a handler runs between any two lines, and one in the
         middle of a step would save weights that step had half updated. Signalled between
         training and publishing, rank 0 saves it here; a sharded worker, whose gathers need every
         rank, keeps none (the requeued job starts the round over)."""

@@ -168,7 +168,7 @@ class Preemption:
     some not, and the saved checkpoint resumes to other weights than the run would have had; and
     gathering a sharded model needs every rank at the same point. So while a round trains
     (`deferred`), the handler only notes the signal; after each step the ranks ask one another
-    (Ranks.any: one signalled rank is enough), save the in-flight checkpoint, and then hand the
+    (Ranks.any, in InnerTrainer._asked_to_stop: one signalled rank is enough), save the in-flight checkpoint, and then hand the
     signal to submitit (hand_over). Outside training it goes to submitit at once."""
 
     def __init__(self, ranks: Ranks, signum: int, submitit_handler: Callable[[int, Any], None]) -> None:
@@ -183,10 +183,6 @@ class Preemption:
             log.warning("rank %d: preemption signal; the in-flight checkpoint follows this step", self.ranks.rank)
         else:
             self.submitit_handler(signum, frame)
-
-    def asked(self) -> bool:
-        """Was any rank signalled? Every rank must ask at the same step (a collective)."""
-        return self.ranks.any(self.signalled)
 
     def hand_over(self) -> NoReturn:
         """The in-flight checkpoint is saved: submitit requeues the job from rank 0 and exits; the

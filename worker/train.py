@@ -48,6 +48,12 @@ from worker.weights import weights_of
 log = logging.getLogger(__name__)
 L = RunLayout()
 HEARTBEAT_S = 5.0
+STOP_POLL_S = 0.5  # how often a training worker looks for the run's STOP marker
+
+
+class Stopped(Exception):
+    """The run was stopped (its service interrupted: the STOP marker): this worker saved where it is
+    (the round's in-flight checkpoint, or its newest state snapshot) and its job ends."""
 
 # The trainer of the round running in this process, for the preemption handler (see checkpoint()),
 # and a persistent worker's trainer kept between rounds (its state may still be being written).
@@ -99,6 +105,7 @@ class InnerTrainer:
         # a preemption signal is acted on between steps, every rank at the same one (worker/ranks.py)
         self.preemption = preemption(self.ranks)
         self.next_beat = 0.0  # first heartbeat after the first step
+        self.stopping, self.next_stop_poll = False, 0.0  # the run's STOP marker, seen by this rank
         self._begin(assignment, own_state=False)
 
     # the model and optimizer, by their names in a training loop
@@ -183,9 +190,9 @@ class InnerTrainer:
                 self._flush(pending)
             if beat:
                 self._heartbeat()
-            if self.preemption is not None and self.preemption.asked():
+            if self._asked_to_stop():
                 self._flush(pending)
-                self._stop_for_preemption()
+                self._stop_here()
         if self.preemption is not None:
             self.preemption.deferred = False
         rnd.trained_s, rnd.started, rnd.finished = rnd.training_s(), None, not stopped
@@ -234,13 +241,27 @@ class InnerTrainer:
         """Write the newest optimizer-state snapshot if it is in memory only (worker/publish.py)."""
         self.publisher.snapshots.flush(handler)
 
-    def _stop_for_preemption(self) -> None:
+    def _asked_to_stop(self) -> bool:
+        """After a step, every rank: was the job preempted (Slurm's signal) or the run stopped (the
+        STOP marker, looked for every STOP_POLL_S)? One small all-reduce when the job has ranks."""
+        now = time.monotonic()
+        if now >= self.next_stop_poll:
+            self.next_stop_poll = now + STOP_POLL_S
+            self.stopping = self.stopping or self.storage.exists(L.STOP) or self.storage.exists(L.CANCEL)
+        signalled = self.preemption is not None and self.preemption.signalled
+        return self.ranks.any(signalled or self.stopping)
+
+    def _stop_here(self) -> None:
         """Between two steps, every rank here: save the in-flight checkpoint (rank 0 writes; sharded,
-        every rank gathers), then hand the signal to submitit, which requeues the job. Training
-        ahead of a round's base (round.overlap) saves none: those steps are lost, by design."""
+        every rank gathers), then end: Stopped when the run was stopped (`resume` goes on from
+        this step), else hand the signal to submitit, which requeues the job. Training ahead of a
+        round's base (round.overlap) saves none: those steps are lost, by design."""
         self.settle()  # the last round's state file, being written, reaches storage first
         if not self.round.ahead and (self.ranks.lead or self.learner.params.collective):
             self.publisher.save_inflight(self.round)
+        if self.ranks.any(self.stopping):
+            raise Stopped(f"worker {self.round.worker}: the run was stopped; round {self.round.number} is saved at "
+                          f"step {self.round.done}")
         assert self.preemption is not None
         self.preemption.hand_over()
 
@@ -270,7 +291,11 @@ def _where(device: torch.device) -> str:
 
 def run_worker(assignment: Assignment) -> dict[str, Any]:
     """Entry point of a per-round worker job. Returns a small summary (the real output is in storage)."""
-    return serve_round(assignment)[0]
+    try:
+        return serve_round(assignment)[0]
+    except Stopped as exc:
+        log.info("%s", exc)
+        return {"round": assignment.round, "worker": assignment.worker, "stopped": True}
 
 
 def serve_round(assignment: Assignment, waited_s: float | None = None, carry: InnerTrainer | None = None,
