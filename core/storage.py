@@ -37,6 +37,8 @@ T = TypeVar("T")
 _FATAL_ERRNOS = {errno.ENOSPC: "the disk is full: free space on it, then try again (a run: `orchestrate resume` it)",
                  errno.EDQUOT: "the disk quota is exceeded: free space, then try again (a run: `orchestrate resume` it)",
                  errno.EACCES: "permission denied: check the run directory's owner and mode",
+                 errno.EPERM: "the operation is not permitted: check the run directory's owner and mode (and any "
+                              "immutable or append-only attribute, lsattr)",
                  errno.EROFS: "the filesystem is read-only",
                  errno.ENOTDIR: "a file stands where a folder of that path is due: move the file aside"}
 DROP_EVERY = 32 << 20

@@ -252,9 +252,20 @@ def _watch_before_run(argv: list[str]) -> list[str]:
     return out
 
 
+def _suggestion(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> str:
+    """' (did you mean --algorithm?)' for a misspelt flag, as a misspelt config key is answered."""
+    import difflib
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    known = list((sub.choices[command] if sub and command in sub.choices else parser)._option_string_actions)
+    close = [m for x in extra if x.startswith("--") for m in difflib.get_close_matches(x.split("=")[0], known, n=1)]
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     parser = parser or build_parser()
-    args = parser.parse_args(_watch_before_run(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(_watch_before_run(sys.argv[1:] if argv is None else argv))
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{_suggestion(parser, args.command, extra)}")
     if args.command is None:  # bare `orchestrate`: what it can do, as pip and git print
         parser.print_help()
         return 0

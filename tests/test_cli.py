@@ -394,3 +394,12 @@ def test_only_a_job_id_names_a_cancelled_mark(tmp_path):
         ex._mark_cancelled(job)
         assert not ex.cancelled_here(job)
     assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["4711", "4712_3"] and not (tmp_path / "escape").exists()
+
+
+def test_a_misspelt_flag_is_answered_with_the_flag_it_resembles(capsys):
+    for argv, said in ((["submit", "--algoritm", "lte"], "--algoritm lte (did you mean --algorithm?)"),
+                       (["status", "run", "--jsn"], "--jsn (did you mean --json?)")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"unrecognized arguments: {said}" in err, err

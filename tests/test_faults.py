@@ -94,6 +94,24 @@ def test_persistent_errors_fail_after_the_retries_with_what_where_how(tmp_path, 
     assert len(calls) == 4 and slept == [0.02, 0.04, 0.08]
 
 
+def test_an_operation_not_permitted_is_reported_at_once(tmp_path, slept):
+    """EPERM (here a real immutable file, chattr +i, as root) is no fault a retry can fix."""
+    import shutil
+    import subprocess
+    s = Storage(str(tmp_path / "run"))
+    s.write_json("a.json", {"k": 1})
+    target = tmp_path / "run" / "a.json"
+    if os.geteuid() != 0 or shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(target)]).returncode:
+        pytest.skip("making a file immutable needs root and chattr on a filesystem that has the attribute")
+    try:
+        with pytest.raises(StorageError, match=r"could not publish a.json in .*: Operation not permitted; the "
+                                               r"operation is not permitted: check the run directory's owner"):
+            s.write_json("a.json", {"k": 2})
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], check=True)
+    assert slept == []
+
+
 # -- a real full disk ------------------------------------------------------------------------------
 @pytest.fixture
 def small_disk(tmp_path, mount_tmpfs):
