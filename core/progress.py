@@ -97,7 +97,12 @@ def human(x: float) -> str:
 def bytes_sent(mean: float, fp32: int | None, when: str = "") -> str:
     """A contribution's size as status and the report say it: `contributions: 25.7kB per
     worker-round (round 7), 1/75 of the weights in fp32 (1.9MB)`."""
-    ratio = f", 1/{fp32 / mean:.0f} of the weights in fp32 ({human(fp32)}B)" if fp32 and mean else ""
+    if not (fp32 and mean):
+        ratio = ""
+    elif fp32 / mean >= 1.5:
+        ratio = f", 1/{fp32 / mean:.0f} of the weights in fp32 ({human(fp32)}B)"
+    else:  # dense: about the weights' size, which `1/1` would not say
+        ratio = f", {mean / fp32:.2f}x the weights in fp32 ({human(fp32)}B)"
     return f"contributions: {human(mean)}B per worker-round{when}{ratio}"
 
 

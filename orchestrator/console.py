@@ -26,6 +26,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+def say_command(lead: str, command: str, out: Console | None = None) -> None:
+    """`lead` and a command to paste after it: one line where it fits the terminal, else the
+    command on a line of its own, never broken (the terminal wraps it; it copies as one line)."""
+    out = out or console
+    if out.is_terminal and len(lead) + 1 + len(command) > out.width:
+        out.print(lead, markup=False, soft_wrap=True)
+        out.print(command, markup=False, soft_wrap=True)
+    else:
+        out.print(f"{lead} {command}", markup=False, soft_wrap=True)
+
+
 def say(text: str, out: Console | None = None) -> None:
     """One line of a command's output (on `out`, else the one console). On a terminal it is wrapped
     between words at its width, never inside a number or a word; a word longer than a line (a path)

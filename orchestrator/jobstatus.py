@@ -14,7 +14,7 @@ ACTIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING
 class JobStatus:
     job_id: str
     state: str
-    """Scheduler state, e.g. PENDING, RUNNING, COMPLETED, FAILED, "CANCELLED by 0"."""
+    """Scheduler state, e.g. PENDING, RUNNING, COMPLETED, FAILED, "CANCELLED by alice"."""
     submit: str | None = None
     start: str | None = None
     end: str | None = None

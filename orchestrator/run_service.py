@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from core.errors import IslandsError, RunError
 from core.layout import RunLayout
 from core.storage import Storage, sweep_temporaries
-from orchestrator.console import console, say, setup_logging
+from orchestrator.console import console, say, say_command, setup_logging
 
 if TYPE_CHECKING:
     from core.config import Config
@@ -75,7 +75,7 @@ def _say_done(storage: Storage, status: dict, done: str) -> None:
     say(f"{done}: {status['rounds_done']} rounds, final eval {status['loss']} "
         f"{'not evaluated' if final is None else format(final, '.4f')}; final model: {status['final_model']}"
         + (f"; as a Hugging Face folder: {status['final_hf']}" if status.get("final_hf") else ""))
-    say(f"inspect it with: orchestrate status {storage.display()}")
+    say_command("inspect it with:", f"orchestrate status {storage.display()}")
 
 
 def _take_run(storage: Storage, opts: ServiceOptions) -> tuple[Config, Executor, Lease]:

@@ -225,8 +225,22 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
         parts = line.split("|")
         if len(parts) != len(names) or "." in parts[0]:
             continue
-        rows[parts[0]] = dict(zip(names, parts))
+        row = dict(zip(names, parts))
+        row["State"] = _by_whom(row["State"])
+        rows[parts[0]] = row
     return rows
+
+
+def _by_whom(state: str) -> str:
+    """sacct's `CANCELLED by 1000` with the user's name (`CANCELLED by alice`), as a person reads it."""
+    head, sep, uid = state.partition(" by ")
+    if sep and uid.isdigit():
+        import pwd
+        try:
+            return f"{head} by {pwd.getpwuid(int(uid)).pw_name}"
+        except KeyError:
+            return f"{head} by uid {uid}"
+    return state
 
 
 SQUEUE_FORMAT = "%i|%T|%V|%S"

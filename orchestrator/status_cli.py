@@ -38,7 +38,8 @@ def status_with_jobs(storage: Storage, jobs_folder: str) -> dict[str, Any]:
         entries += list(current["workers"].values())
     executor = Executor(cfg, jobs_folder)
     why = unreachable() if executor.kind == "slurm" else None
-    status["scheduler"] = "answered" if why is None else f"unreachable ({why}): job states as recorded at each commit"
+    status["scheduler"] = ("reachable: job states as it reports them now" if why is None else
+                           f"unreachable ({why}): job states as recorded at each commit")
     if why is None and entries:
         states = executor.status(sorted({str(v["job_id"]) for v in entries}))
         for v in entries:
@@ -169,7 +170,7 @@ def status_view(status: dict[str, Any]) -> Any:
     if status["state"] == "stopped":
         lines.append(f"no merge service drives the run (it was interrupted or killed): `orchestrate resume "
                      f"{status['run_dir']}` continues it")
-    if status["scheduler"] != "answered":
+    if not status["scheduler"].startswith("reachable"):
         lines.append(f"scheduler {status['scheduler']}")
     current = current_table(status)
     return Group(status_table(status), *([current] if current is not None else []), *(Text(x) for x in lines if x))

@@ -403,3 +403,21 @@ def test_a_misspelt_flag_is_answered_with_the_flag_it_resembles(capsys):
             main(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and f"unrecognized arguments: {said}" in err, err
+
+
+def test_a_command_to_paste_is_never_broken_across_lines():
+    import io
+    from rich.console import Console
+    from orchestrator.console import say_command
+    for width, want in ((120, "inspect it with: orchestrate status /a/long/path/to/the/run\n"),
+                        (40, "inspect it with:\norchestrate status /a/long/path/to/the/run\n")):
+        out = io.StringIO()
+        say_command("inspect it with:", "orchestrate status /a/long/path/to/the/run",
+                    Console(file=out, width=width, force_terminal=True, color_system=None))
+        assert out.getvalue() == want
+
+
+def test_a_dense_contribution_is_said_against_the_weights_not_as_one_in_one():
+    from core.progress import bytes_sent
+    assert bytes_sent(2.1e6, 2_000_000).endswith(", 1.05x the weights in fp32 (2.0MB)")
+    assert bytes_sent(25.7e3, 1_900_000).endswith(", 1/74 of the weights in fp32 (1.9MB)")

@@ -43,7 +43,7 @@ def test_two_workers_two_rounds(tmp_path, corpus_cache, capsys):
             break
         assert time.time() < deadline, jobs
         time.sleep(0.2)
-    assert later["scheduler"] == "answered" and all(j["state"] == "COMPLETED" and j["run_s"] > 0 for j in jobs), jobs
+    assert later["scheduler"].startswith("reachable") and all(j["state"] == "COMPLETED" and j["run_s"] > 0 for j in jobs), jobs
     assert all(r["wall_s"] > 0 for r in later["rounds"])  # each round's first submission to its commit
     # persistent workers (the default): busy and idle seconds per worker, and their share
     assert all(set(r["worker_train_s"]) == set(r["worker_idle_s"]) == {"0", "1"} for r in st["rounds"])

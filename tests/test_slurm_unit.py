@@ -68,6 +68,9 @@ def test_parse_sacct_and_squeue():
     assert parse_squeue("12_1|RUNNING|2026-11-22T03:00:00|2026-11-22T03:00:04\n12_2|PENDING|2026-11-22T03:00:00|N/A\n"
                         "garbage\n") == {"12_1": ("RUNNING", "2026-11-22T03:00:00", "2026-11-22T03:00:04"),
                                          "12_2": ("PENDING", "2026-11-22T03:00:00", "N/A")}
+    import pwd
+    who = parse_sacct("13|CANCELLED by 0|x|x|x|n1\n14|CANCELLED by 999999|x|x|x|n1\n")
+    assert who["13"]["State"] == f"CANCELLED by {pwd.getpwuid(0).pw_name}" and who["14"]["State"] == "CANCELLED by uid 999999"
 
 
 def test_poller_gone_after_grace():
