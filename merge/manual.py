@@ -36,6 +36,7 @@ from core.checkpoint import DTYPES, ITEMSIZE, TORCH_DTYPES
 from core.checkpoint_writer import OutputFile, StreamWriter
 from core.config import OuterConfig
 from core.errors import CheckpointError, IslandsError, StorageError
+from core.layout import RunLayout
 from core.storage import Storage
 from merge import DEFAULT_BUFFER_BYTES
 from merge import adapters as lora
@@ -44,6 +45,8 @@ from merge.inputs import INDEX, InputError, Model, compare_specs, finite, nonfin
 from merge.methods import check_method_args, method_spec, with_defaults
 from merge.outer import state_out_specs
 from merge.reading import read_tensors
+
+L = RunLayout()
 
 MERGE_KEY = "islands.merge"
 """safetensors metadata key of every output file: the method, inputs, weights and parameters as JSON."""
@@ -99,8 +102,21 @@ class ManualMerge:
     """Read buffers of all inputs together: the merge's working set."""
 
 
+def run_model(url: str, role: str) -> str:
+    """A run directory a person names, as the model it stands for: as an input its final model,
+    as the base its initial one (round 0's global, which a run keeps: orchestrator/retention.py),
+    so that runs fine-tuned from one base merge against it; any other URL as it is."""
+    try:
+        is_run = Storage(url, follow_links=True).exists(L.CONFIG)
+    except (OSError, IslandsError):
+        return url
+    return posixpath.join(url.rstrip("/"), L.global_weights(0) if role == "base" else L.FINAL) if is_run else url
+
+
 def manual_merge(req: ManualMerge) -> ManualResult:
     """Merge the models at req.inputs into req.out (see the module docstring); return what was done."""
+    req = dataclasses.replace(req, inputs=[run_model(u, "input") for u in req.inputs],
+                              base=run_model(req.base, "base") if req.base else None)
     params = dict(req.params)
     weights = [1.0] * len(req.inputs) if req.weights is None else [float(w) for w in req.weights]
     problems: list[str] = []

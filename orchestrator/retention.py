@@ -10,7 +10,8 @@ Kept, once round r is committed (the service's next round is r+1):
   N, the last N committed rounds' tensors;
 - round.late_policy fold: the contributions of the rounds a later merge may still fold in
   (round.max_staleness);
-- with keep_every N, every N-th global (round 0 included).
+- round 0's global, the run's base (its initial model: `orchestrate merge --base RUN` names it);
+- with keep_every N, every N-th global.
 The rest goes: the tensors of older globals, outer states, contributions and re-based folds. A
 worker keeps its own newest optimizer-state snapshot (worker/publish.py). Deletion goes through the
 service's storage (core.storage: by name inside the run's folders, never through a link, fenced: a
@@ -46,7 +47,8 @@ def doomed(cfg: Config, committed: int, first: int = 0) -> list[tuple[str, int]]
     if rc.keep_last <= 0:
         return []
     oldest, contrib_oldest = _windows(cfg, committed)
-    out = [("global", q) for q in range(first, contrib_oldest) if not (rc.keep_every and q % rc.keep_every == 0)]
+    # round 0's global is the run's base, kept: task vectors (TIES, task arithmetic) are taken against it
+    out = [("global", q) for q in range(max(first, 1), contrib_oldest) if not (rc.keep_every and q % rc.keep_every == 0)]
     out += [("state", q) for q in range(max(first, 1), oldest)]
     out += [(what, q) for q in range(first, max(contrib_oldest, 0)) for what in ("contrib", "folded")]
     return out

@@ -275,3 +275,27 @@ def test_model_stock_with_opposite_task_vectors_is_one_clear_error(tmp_path):
     with pytest.raises(MergeError, match="tensor w point in opposite directions"):
         _merge(tmp_path, "model-stock", fts, base)
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_two_runs_final_models_merge_against_their_base_named_by_run_directory(dense_run, tmp_path, corpus_cache):
+    """Runs from one seed share round 0's global, which a run keeps (its base): `orchestrate merge
+    RUN1 RUN2 --base RUN1` takes each run's final model and that base; task arithmetic by hand."""
+    from core.checkpoint import load_checkpoint, read_manifest
+    from core.storage import Storage
+    from orchestrator.cli import main
+    from runs import DENSE, submit_tiny
+    other = tmp_path / "other"
+    assert main(submit_tiny(other, corpus_cache, *DENSE, "--set", "inner.lr=0.002", executor="inline")) == 0
+    base = "global/round_00000.safetensors"
+    assert read_manifest(Storage(str(other)), base)["digest"] == read_manifest(Storage(str(dense_run)), base)["digest"]
+    out = tmp_path / "merged.safetensors"
+    assert main(["merge", str(dense_run), str(other), "--base", str(dense_run), "--method", "task-arithmetic",
+                 "--out", str(out)]) == 0
+    g0 = load_checkpoint(Storage(str(dense_run)), base)[0]
+    f1, f2 = (load_checkpoint(Storage(str(r)), "final/model.safetensors")[0] for r in (dense_run, other))
+    got = load_file(out)
+    for name, b in g0.items():
+        want = b.double() + (f1[name].double() - b.double()) + (f2[name].double() - b.double())
+        torch.testing.assert_close(got[name].double(), want, rtol=0, atol=1e-6)
+    assert main(["merge", str(dense_run), str(other), "--base", str(dense_run), "--method", "ties",
+                 "--out", str(tmp_path / "ties.safetensors")]) == 0

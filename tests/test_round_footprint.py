@@ -33,10 +33,10 @@ def _cfg(**round_keys) -> object:
 def test_the_plan_keeps_the_last_committed_round_and_what_it_is_told_to():
     assert doomed(_cfg(keep_last=0), 9) == []  # keep everything
     got = doomed(_cfg(keep_last=1), 5)
-    assert sorted(q for w, q in got if w == "global") == [0, 1, 2, 3, 4]  # global_5 and global_6 stay
+    assert sorted(q for w, q in got if w == "global") == [1, 2, 3, 4]  # global_5 and global_6 stay, and the base
     assert sorted(q for w, q in got if w == "state") == [1, 2, 3, 4]
     assert sorted(q for w, q in got if w == "contrib") == [0, 1, 2, 3, 4]  # round 5's: a rebuild of state 6 needs them
-    assert sorted(q for w, q in doomed(_cfg(keep_last=2), 5) if w == "global") == [0, 1, 2, 3]
+    assert sorted(q for w, q in doomed(_cfg(keep_last=2), 5) if w == "global") == [1, 2, 3]
     assert sorted(q for w, q in doomed(_cfg(keep_last=1, keep_every=2), 5) if w == "global") == [1, 3]
     fold = doomed(_cfg(keep_last=1, late_policy="fold", max_staleness=3), 5)  # a merge may fold rounds 3..5 in
     assert sorted(q for w, q in fold if w == "contrib") == [0, 1, 2] and max(q for w, q in fold if w == "global") == 2
@@ -54,7 +54,8 @@ def test_a_pruned_run_is_flat_and_still_resumes_rebuilds_and_replays(tmp_path, c
     args = ["submit", "--executor", "inline", "--run-dir", str(run), "--set", f"data.cache_dir={corpus_cache}", *TINY,
             "--workers", "2", "--rounds", "4", "--inner-steps", "2"]
     assert main(args) == 0
-    assert _tensors(run) == ["final/model.safetensors", "global/round_00003.safetensors", "global/round_00004.safetensors",
+    assert _tensors(run) == ["final/model.safetensors", "global/round_00000.safetensors",  # the run's base
+                             "global/round_00003.safetensors", "global/round_00004.safetensors",
                              "outer/state_00003.safetensors", "outer/state_00004.safetensors",
                              "rounds/00003/contrib/worker_000.safetensors", "rounds/00003/contrib/worker_001.safetensors"]
     assert (run / "global" / "round_00001.json").exists() and (run / "rounds" / "00000" / "record.json").exists()

@@ -128,10 +128,12 @@ def _cache_key(line: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _pruned(storage: Storage, r: int) -> bool:
-    """Were round r's tensors deleted by retention (its global's manifest is there, its data not)?"""
+def _pruned(storage: Storage, r: int, worker: int) -> bool:
+    """Were round r's tensors deleted by retention (the manifest of its global, or of `worker`'s
+    contribution, is there, its data not)? Round 0's global, the run's base, is always kept."""
     try:
-        return storage.exists(manifest_key(L.global_weights(r))) and not storage.exists(L.global_weights(r))
+        return any(storage.exists(manifest_key(k)) and not storage.exists(k)
+                   for k in (L.global_weights(r), L.contribution(r, worker)))
     except Exception:  # noqa: BLE001 - a storage that cannot say: the statistics say why themselves
         return False
 
@@ -152,7 +154,7 @@ def outer_stats_cached(storage: Storage, rounds: Sequence[Mapping[str, Any]], ca
             out[r] = hit
             continue
         weights = [float(((line.get("weights") or {}).get(str(w), 1.0))) for w in workers]
-        if _pruned(storage, r):
+        if _pruned(storage, r, workers[0]):
             continue
         try:
             out[r] = {"key": key, **outer_grad_stats(storage, r, workers, weights)}
