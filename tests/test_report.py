@@ -558,3 +558,25 @@ def test_the_jobs_line_counts_each_job_once_and_names_a_few_that_did_not_complet
     assert jobs_line(rounds, most=2) == ("jobs: 6 FAILED, 1 RUNNING; round 0 worker 1 job 100 FAILED; "
                                          "round 1 worker 1 job 101 FAILED; and 4 more (--json)")
     assert jobs_line([{"round": 0, "jobs": {}}]) is None
+
+
+def test_the_outer_gradient_plot_draws_every_recorded_round_and_says_which_it_measured(tmp_path, corpus_cache, monkeypatch):
+    """Retention's defaults keep the last round's tensors only: the merged step's norm comes from
+    every round's record; the workers' norms and cosines from the kept round, which the plot says."""
+    from orchestrator.observe.report import plot_outer
+    from orchestrator.observe.report_data import collect, outer_stats_cached
+    from runs import submit_tiny
+    run = tmp_path / "run"
+    assert main(submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "2",
+                            executor="inline")) == 0
+    data = collect(Storage(str(run)))
+    data.outer = outer_stats_cached(Storage(str(run)), data.kind("round"), tmp_path / "cache.json")
+    assert sorted(data.outer) == [2]  # rounds 0 and 1: pruned
+    fig = plot_outer(data)
+    norm_ax, cos_ax = fig.axes[:2]
+    merged = next(line for line in norm_ax.get_lines() if line.get_label().startswith("merged"))
+    assert list(merged.get_xdata()) == [0, 1, 2]
+    assert list(merged.get_ydata()) == [line["outer_grad_norm"] for line in data.kind("round")]
+    notes = [t.get_text() for ax in (norm_ax, cos_ax) for t in ax.texts]
+    assert notes == ["each worker's norm: round 2 only, whose tensors are kept (round.keep_last; 0 keeps all)",
+                     "cosines: round 2 only, whose tensors are kept (round.keep_last; 0 keeps all)"], notes

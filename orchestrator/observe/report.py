@@ -188,16 +188,19 @@ def plot_bytes(data: RunData) -> Any:
 def plot_outer(data: RunData) -> Any:
     fig, (norm_ax, cos_ax) = _figure(11, 4.0, cols=2)
     stats = {r: s for r, s in sorted(data.outer.items()) if "error" not in s}
-    if not stats:
-        _empty(norm_ax, "no merged round with readable checkpoints yet")
+    # the merged step's norm is in every round's record; the workers' own need their tensors
+    recorded = {line["round"]: line["outer_grad_norm"] for line in data.kind("round") if line.get("outer_grad_norm") is not None}
+    if not stats and not recorded:
+        _empty(norm_ax, "no merged round yet")
         _empty(cos_ax, "needs a merged round with 2+ workers")
         return fig
-    xs = list(stats)
+    xs = list(recorded) or list(stats)
     for r, s in stats.items():
         norm_ax.scatter([r] * len(s["norms"]), s["norms"], s=14, color="tab:blue", alpha=0.6,
                         label="each worker" if r == next(iter(stats)) else None)
-    norm_ax.plot(xs, [s["mean_grad_norm"] for s in stats.values()], color="black", marker="o", markersize=_marker(len(xs)),
-                 label="merged outer gradient (weighted mean)")
+    norm_ax.plot(xs, list(recorded.values()) or [s["mean_grad_norm"] for s in stats.values()], color="black", marker="o",
+                 markersize=_marker(len(xs)), label="merged outer gradient (weighted mean)")
+    _kept_only(norm_ax, list(stats), len(xs), "each worker's norm")
     norm_ax.set_xlabel("round")
     norm_ax.set_ylabel("L2 norm of global - worker weights")
     norm_ax.set_title("Outer-gradient norm per round")
@@ -219,7 +222,17 @@ def plot_outer(data: RunData) -> Any:
     cos_ax.set_title("Agreement between workers' outer gradients")
     cos_ax.legend(fontsize=8)
     _round_axis(cos_ax, len(px))
+    _kept_only(cos_ax, px, len(xs), "cosines")
     return fig
+
+
+def _kept_only(ax: Any, shown: list[int], rounds: int, what: str) -> None:
+    """Say on the plot when `what` covers fewer rounds than the run has: only the rounds whose
+    tensors retention kept (round.keep_last) can be measured."""
+    if len(shown) < rounds:
+        where = f"round{'s' if len(shown) != 1 else ''} {', '.join(map(str, shown[:6]))}{' ...' if len(shown) > 6 else ''}"
+        ax.text(0.01, 0.01, f"{what}: {where} only, whose tensors are kept (round.keep_last; 0 keeps all)",
+                transform=ax.transAxes, fontsize=7, color="dimgray", va="bottom")
 
 
 def contribution_counts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, list[int]]:
