@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each round; only --run-dir, --executor and --set executor.* may be given)")
     p.add_argument("--detach", action="store_true",
                    help="run the merge service in the background (a CPU-only job on Slurm) and return at once")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config, the jobs (and sbatch script) and the bytes a round moves and "
+                        "the run keeps; submit nothing, write nothing")
     _group_arg(p)
     p = sub.add_parser("resume", help="continue a run from its run directory")
     p.add_argument("run", help=RUN_HELP)
@@ -126,6 +129,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     storage = run_storage(cfg.run_dir)
     if cfg.task_path is not None:  # the jobs import from it wherever they start
         cfg = replace(cfg, task_path=str(Path(cfg.task_path).expanduser().resolve()))
+    if args.dry_run:  # before anything is made: no data prepared, no folder, no job
+        from orchestrator.dry_run import plan
+        for line in plan(cfg, jobs_folder(storage, create=False)):
+            print(line)
+        return 0
     from worker.tasks import task_for
     task_for(cfg).check()  # built once on the CPU and tried (lm: its data prepared), before anything is made
     from orchestrator.lease import refuse_unsafe

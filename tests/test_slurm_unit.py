@@ -259,3 +259,29 @@ def test_scheduler_output_that_is_not_utf8_or_holds_escapes_is_read_as_plain_tex
     out = capsys.readouterr().out
     assert "Slurm refuses the worker jobs: no]0;owned[2J\ufffd\ufffd node" in " ".join(out.split()), out
     assert "Traceback" not in out and not any(c in out for c in "\033\007\x9b")
+
+
+def test_a_dry_run_says_the_config_the_jobs_the_sbatch_script_and_the_bytes_golden():
+    """orchestrator.dry_run.plan for the headline run on Slurm, top-k: against a golden file. To accept
+    an intended change: ISLANDS_REGEN_GOLDEN=1 pytest tests/test_slurm_unit.py"""
+    from orchestrator.dry_run import plan
+    cfg = config_from_dict({"workers": 8, "rounds": 128, "run_dir": "/shared/runs/r1", "executor": {"kind": "slurm",
+                            "preset": "gpu-1"}, "round": {"contribution": "delta", "codec": "topk"}})
+    text = "\n".join(plan(cfg, "/shared/runs/r1/jobs")) + "\n"
+    path = GOLDEN / "dry_run_slurm_topk.txt"
+    if os.environ.get("ISLANDS_REGEN_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+    assert sbatch_text(cfg, "/shared/runs/r1/jobs", 8).splitlines()[0] in text
+
+
+def test_a_dry_run_submits_nothing_and_writes_nothing(tmp_path, capsys):
+    from orchestrator.cli import main
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    assert main(["submit", "--executor", "local", "--run-dir", str(run), "--set", f"data.cache_dir={cache}",
+                 "--workers", "3", "--rounds", "5", "--dry-run"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "dry run: nothing is submitted or written" in out and "workers: 3" in out and "rounds: 5" in out
+    assert ("run directory at the end: about 28.7MB (15.0 W: the kept globals and outer states, the last round's "
+            "contributions, each worker's newest state snapshot, the final model)") in out, out
+    assert not run.exists() and not cache.exists()
