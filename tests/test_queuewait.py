@@ -393,3 +393,17 @@ def test_tables_on_an_80_column_terminal_have_one_unit_each_and_no_cut_number(tm
     assert first[:4] == ["1", "1.58", "1.63", "2.81"], lines  # mean 5700 s, median 5880 s, p90 10104 s: in hours
     assert not any(re.search(r"\d(s|min|h|d)\b", x) for x in lines[at:at + 8]), lines
     assert any(x.startswith("end to end and queue (") for x in lines), lines
+
+
+def test_per_round_jobs_draw_waits_from_jobs_that_asked_for_a_round_not_a_day():
+    """A per-round job asks for its round (10 min here), not the persistent jobs' 24 h: on the
+    shipped KTH trace its waits come from 1-node jobs that asked for 5 to 20 minutes, and the
+    projection says so beside the figure."""
+    data = read_swf(_kth(), cores_per_node=1)
+    spec = qp.ProjectionSpec(rounds=128, round_seconds=600, workers=8, job_time_limit_s=24 * 3600, samples=200)
+    assert spec.round_job_limit_s == 600
+    pool, how = qp.matched(data.jobs, qs.parse_buckets(), 1, spec.round_job_limit_s)
+    assert len(pool) >= qp.MIN_MATCHED and all(300 <= j.requested_s < 1200 for j in pool)
+    pools = qp.project(data, qs.parse_buckets(), spec)["pools"]
+    assert pools["per_round"]["matched"] == "(b)'s 10min jobs: 1 node(s), requested time 5min to 20min", pools
+    assert pools["per_round"]["jobs"] == len(pool) and pools["single_node"]["jobs"] != len(pool)

@@ -42,6 +42,13 @@ class ProjectionSpec:
     """(d): training starts, every job lifetime, once this many workers run (islands' round.min_workers);
     the others join at a later round. Default: half of K, rounded up."""
 
+    @property
+    def round_job_limit_s(self) -> float:
+        """What a per-round job (b) asks for: its round, in whole minutes, at least one. Its waits are
+        drawn from trace jobs that asked for about that, not for the persistent jobs' limit: a
+        short job backfills where a long one cannot."""
+        return 60.0 * max(1, math.ceil(self.round_seconds / 60))
+
     def problems(self) -> list[str]:
         out = [f"{name} must be positive, got {value}" for name, value in (
             ("--rounds", self.rounds), ("--round-seconds", self.round_seconds), ("--workers", self.workers),
@@ -119,15 +126,16 @@ def project(data: WaitData, buckets: Sequence[Bucket], spec: ProjectionSpec) -> 
     rng = np.random.default_rng(spec.seed)
     k, n, compute = spec.workers, spec.samples, spec.rounds * spec.round_seconds
     one, one_how = matched(data.jobs, buckets, 1, spec.job_time_limit_s)
+    short, short_how = matched(data.jobs, buckets, 1, spec.round_job_limit_s)
     many, many_how = matched(data.jobs, buckets, k, spec.job_time_limit_s)
-    draw_one, draw_many = _drawer(one, rng), _drawer(many, rng)
+    draw_one, draw_short, draw_many = _drawer(one, rng), _drawer(short, rng), _drawer(many, rng)
     # a persistent worker that started early idles after its first round of a lifetime until the
     # slowest peer's contribution is merged; not after the run's very last round
     last_rounds = spec.rounds - (spec.lifetimes - 1) * spec.lifetime_rounds
     held = spec.lifetimes - (last_rounds == 1)
     runs = {
         "data_parallel": (queue_time(draw_many, spec.lifetimes, 1, n), spec.lifetimes),
-        "per_round": (queue_time(draw_one, spec.rounds, k, n), spec.rounds * k),
+        "per_round": (queue_time(draw_short, spec.rounds, k, n), spec.rounds * k),
         "persistent": (queue_time(draw_one, spec.lifetimes, k, n, idle_waits=held), spec.lifetimes * k),
         "elastic": (queue_time(draw_one, spec.lifetimes, k, n, order=spec.quorum, idle_waits=spec.lifetimes),
                     spec.lifetimes * k),
@@ -147,4 +155,6 @@ def project(data: WaitData, buckets: Sequence[Bucket], spec: ProjectionSpec) -> 
             "job_time_limit_s": spec.job_time_limit_s, "lifetime_rounds": spec.lifetime_rounds,
             "compute_s": compute, "samples": n, "seed": spec.seed, "models": models, "fastest": best["model"],
             "pools": {"single_node": {"jobs": len(one), "censored": sum(j.censored for j in one), "matched": one_how},
+                      "per_round": {"jobs": len(short), "censored": sum(j.censored for j in short),
+                                    "matched": f"(b)'s {duration(spec.round_job_limit_s)} jobs: {short_how}"},
                       "k_node": {"jobs": len(many), "censored": sum(j.censored for j in many), "matched": many_how}}}
