@@ -97,7 +97,7 @@ def jobs_line(rounds: list[dict[str, Any]], most: int = 4) -> str | None:
                 continue
             seen[job] = state
             if state != "COMPLETED" and state.split()[0] not in ACTIVE:
-                odd.append(f"round {r['round']} worker {w} job {job} {state}")
+                odd.append(f"worker {w} job {job} {state} (submitted in round {r['round']})")
     if not seen:
         return None
     line = "jobs: " + ", ".join(f"{n} {state}" for state, n in Counter(seen.values()).most_common())

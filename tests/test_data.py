@@ -170,9 +170,10 @@ def test_a_damaged_cache_is_prepared_again(tmp_path):
 
 def test_a_json_lines_source_is_prepared_on_first_use_and_a_failed_one_leaves_nothing(tmp_path, caplog, capsys):
     """A raw .jsonl as data.source (as a user names their corpus): prepared once into the cache like
-    a text folder, each record's text a document, saying so and where; a second run reuses it. One
-    whose records have no `text` is one error through `submit`, naming the `data prepare` command,
-    and the cache keeps nothing of it."""
+    a text folder, each record's text a document, saying so (a line of the log, not a warning: it
+    is the documented path) and where; a second run reuses it. One whose records have no `text` is
+    one error through `submit`, naming the `data prepare` command, and the cache keeps nothing of it."""
+    caplog.set_level("INFO", logger="worker.data")
     from orchestrator.cli import main
     good = tmp_path / "corpus.jsonl"
     good.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 40, "id": i}) + "\n" for i in range(60)))

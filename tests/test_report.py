@@ -486,7 +486,7 @@ def test_status_of_a_run_in_progress_fits_80_columns_and_says_how_jobs_ended(tin
     assert lines[at + 1].split() == ["worker", "job", "state", "queued", "ran", "progress"], lines
     for w in (0, 1):
         assert re.fullmatch(rf" {w}\s+\d+\s+COMPLETED\s+\w+\s+\w+\s+published", lines[at + 3 + w]), lines
-    assert lines[-1] == "jobs: 1 COMPLETED, 1 FAILED; round 0 worker 1 job 999999 FAILED", lines
+    assert lines[-1] == "jobs: 1 COMPLETED, 1 FAILED; worker 1 job 999999 FAILED (submitted in round 0)", lines
 
 
 @slow
@@ -555,8 +555,8 @@ def test_the_jobs_line_counts_each_job_once_and_names_a_few_that_did_not_complet
     from orchestrator.status_cli import jobs_line
     persistent = {"0": {"job_id": "7", "state": "RUNNING"}}  # one job serving every round
     rounds = [{"round": r, "jobs": {**persistent, "1": {"job_id": str(100 + r), "state": "FAILED"}}} for r in range(6)]
-    assert jobs_line(rounds, most=2) == ("jobs: 6 FAILED, 1 RUNNING; round 0 worker 1 job 100 FAILED; "
-                                         "round 1 worker 1 job 101 FAILED; and 4 more (--json)")
+    assert jobs_line(rounds, most=2) == ("jobs: 6 FAILED, 1 RUNNING; worker 1 job 100 FAILED (submitted in round 0); "
+                                         "worker 1 job 101 FAILED (submitted in round 1); and 4 more (--json)")
     assert jobs_line([{"round": 0, "jobs": {}}]) is None
 
 

@@ -221,7 +221,7 @@ def _text_dataset(source: str | None, include_tests: bool, cache_dir: str | os.P
         _remove_entry(directory)
     if any(is_records(rel) for rel, _, _, _ in files):  # JSON lines or parquet: records, as `data prepare` reads them
         given = str(Path(source.removeprefix("file://")).expanduser().resolve())  # type: ignore[union-attr]
-        logger.warning("data.source %s holds records (JSON lines or parquet): preparing them once, each record's "
+        logger.info("data.source %s holds records (JSON lines or parquet): preparing them once, each record's "
                        "'text' field a document, into %s; `orchestrate data prepare` names other fields", given, directory)
         spec, units = PrepareSpec(sources=(given,), out=str(directory), tokenizer=tokenizer, heldout=heldout,
                                   skip_bad=True), None
