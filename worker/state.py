@@ -92,7 +92,7 @@ def fit_problems(tensors: dict[str, torch.Tensor], expect: Expect) -> list[str]:
             name, want = key[len(FEEDBACK):], expect.whole.get(key[len(FEEDBACK):])
         elif SEP in key:
             name, _, slot = key.rpartition(SEP)
-            if name not in expect.trained:
+            if name not in expect.trained or name not in expect.held:
                 problems.append(f"tensor {key} is AdamW state for {name}, which the model does not train")
                 continue
             if slot not in ADAMW_SLOTS:

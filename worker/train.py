@@ -243,9 +243,10 @@ class InnerTrainer:
 
     def _asked_to_stop(self) -> bool:
         """After a step, every rank: was the job preempted (Slurm's signal) or the run stopped (the
-        STOP marker, looked for every STOP_POLL_S)? One small all-reduce when the job has ranks."""
+        STOP marker, looked for by rank 0 every STOP_POLL_S)? One small all-reduce when the job has
+        ranks."""
         now = time.monotonic()
-        if now >= self.next_stop_poll:
+        if self.ranks.lead and now >= self.next_stop_poll:
             self.next_stop_poll = now + STOP_POLL_S
             self.stopping = self.stopping or self.storage.exists(L.STOP) or self.storage.exists(L.CANCEL)
         signalled = self.preemption is not None and self.preemption.signalled
