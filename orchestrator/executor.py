@@ -209,7 +209,11 @@ class Executor:
         """Jobs told to stop (the run's STOP or CANCEL marker, which a worker looks for between its
         steps and while it waits, saving where it is first) get `wait_s` to end on their own; those
         not started yet are cancelled at once, the rest once the time is up (a second Ctrl-C ends
-        the wait). Returns the jobs cancelled while still running."""
+        the wait). Each is marked islands' own stop, however it ends: a resume resubmits it as
+        expected, not as lost work. Returns the jobs cancelled while still running."""
+        if self.kind != "inline":
+            for j in job_ids:
+                self._mark_cancelled(j)
         pending = [j for j, s in self.status(job_ids).items() if s.state.split()[0] in ("PENDING", "REQUEUED")]
         self.cancel(pending)
         running = [j for j in job_ids if j not in pending]

@@ -199,7 +199,7 @@ def test_the_readme_run_on_a_terminal_shows_round_lines_and_a_live_footer(tmp_pa
 @pytest.mark.slow
 def test_on_an_80_column_terminal_lines_break_between_words_and_the_footer_says_evaluating(tmp_path, corpus_cache):
     """The run's lines wrapped between words (never inside a number), a path longer than a line left
-    whole for the terminal to wrap (it copies as one); while the service evaluates a committed round
+    whole for the terminal to wrap (it copies as one), and so is a command to paste; while the service evaluates a committed round
     (3000 eval batches: seconds), the footer says so rather than `running`."""
     run = tmp_path / ("a-run-directory-whose-name-is-long-enough-to-need-a-line-of-its-own-" + "x" * 20)
     cmd = [sys.executable, "-m", "orchestrator.cli", "submit", "--workers", "2", "--rounds", "2", "--inner-steps", "30",
@@ -208,7 +208,10 @@ def test_on_an_80_column_terminal_lines_break_between_words_and_the_footer_says_
     raw, lines = in_a_terminal(cmd, cols=80, rows=40)
     text = raw.decode(errors="replace")
     pieces = [p for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).split("\r\n") for p in line.split("\r")]
-    assert all(len(p) <= 80 or " " not in p.strip() for p in pieces), [p for p in pieces if len(p) > 80]
+    # a command to paste stays one line (its path is longer than one), written whole for the terminal to wrap
+    assert all(len(p) <= 80 or " " not in p.strip() or p.startswith("orchestrate ") for p in pieces), \
+        [p for p in pieces if len(p) > 80]
+    assert f"inspect it with:\r\norchestrate status {run}\r\n" in text
     assert "merged: evaluating the new global model" in text
     cut = [(a, b) for a, b in zip(lines, lines[1:]) if " " in a and re.search(r"[\d.]$", a) and re.match(r"[\d.]", b)]
     assert not cut, cut  # no number cut between two lines

@@ -88,6 +88,7 @@ class SimWorker(InnerTrainer):
         self.stop = StopRule(cfg, None, SOLO)  # no replay
         self.preemption = None  # a simulation: no job to preempt
         self.next_beat = float("inf")
+        self.stopping, self.next_stop_poll = False, float("inf")  # no run directory to stop it
         self._round_at(0)
 
     def _heartbeat(self) -> None:
