@@ -125,7 +125,11 @@ def run_persistent(assignment: Assignment) -> dict[str, Any]:
             r += 1
             if r < cfg.rounds and trainer.can_go_ahead():
                 _CURRENT_ROUND = r  # a requeue now goes on at round r, not the round just published
-                train_ahead(trainer, storage, r, assignment.worker)
+                try:
+                    train_ahead(trainer, storage, r, assignment.worker)
+                except Stopped as exc:  # its steps ahead of the base are dropped; the snapshot below
+                    log.info("%s", exc)
+                    break
     finally:
         if trainer is not None:  # the newest optimizer state reaches storage before the job ends
             trainer.flush_state() if r < cfg.rounds else trainer.settle()

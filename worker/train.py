@@ -261,8 +261,10 @@ class InnerTrainer:
         if not self.round.ahead and (self.ranks.lead or self.learner.params.collective):
             self.publisher.save_inflight(self.round)
         if self.ranks.any(self.stopping):
-            raise Stopped(f"worker {self.round.worker}: the run was stopped; round {self.round.number} is saved at "
-                          f"step {self.round.done}")
+            rnd = self.round
+            raise Stopped(f"worker {rnd.worker}: the run was stopped; " + (
+                f"its {rnd.done} step(s) ahead of round {rnd.number}'s base are dropped" if rnd.ahead else
+                f"round {rnd.number} is saved at step {rnd.done}"))
         assert self.preemption is not None
         self.preemption.hand_over()
 
