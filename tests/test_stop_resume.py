@@ -85,4 +85,3 @@ def test_ctrl_c_between_rounds_then_resume_ends_at_the_same_model(tmp_path, corp
     assert main(["resume", str(run)]) == 0
     assert [read_manifest(s, L.contribution(2, w)).get("state_from_round") for w in (0, 1)] == [1, 1]
     assert read_manifest(s, L.FINAL)["digest"] == uninterrupted
-
