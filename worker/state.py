@@ -104,7 +104,7 @@ def fit_problems(tensors: dict[str, torch.Tensor], expect: Expect) -> list[str]:
                     problems.append(f"tensor {key} (AdamW's step count) is {list(t.shape)}-shaped or not a whole "
                                     "number >= 1")
                 continue
-            name, want = name, expect.held[name][0]
+            want = expect.held[name][0]
             if t.dtype != expect.held[name][1]:
                 problems.append(f"tensor {key} is {t.dtype}, its parameter {expect.held[name][1]}")
         else:
