@@ -103,23 +103,24 @@ def _reclaim(storage: Storage, folder: str) -> None:
     """`folder` (final/) is the run's own: a link or a file planted at its name, or at a name in it,
     is removed (the link itself: where it leads is never touched) and said, so the deliverable is
     written in the run, never through the link and never given up on."""
-    root = storage.local_path("")
-    if root is None:
+    if storage.local_path(folder) is None:
         return  # an object store has no links
-    for key in [folder, *(posixpath.join(folder, n) for n in _listing(root, folder))]:
-        try:
-            mode = os.lstat(os.path.join(root, key)).st_mode
-        except FileNotFoundError:
-            continue
-        if stat.S_ISLNK(mode) or (key == folder and not stat.S_ISDIR(mode)):
+    mode = _lmode(storage, folder)
+    names = storage.list(folder) if mode is not None and stat.S_ISDIR(mode) else []  # a real folder only
+    for key in [folder, *(posixpath.join(folder, n) for n in names)]:
+        mode = _lmode(storage, key)
+        if mode is not None and (stat.S_ISLNK(mode) or (key == folder and not stat.S_ISDIR(mode))):
             log.warning("%s is %s where the run's final model goes: removed (where a link led is untouched), and the "
                         "final model written in the run", storage.display(key), "a link" if stat.S_ISLNK(mode) else "a file")
             storage.remove(key)
 
 
-def _listing(root: str, folder: str) -> list[str]:
-    path = os.path.join(root, folder)
-    return os.listdir(path) if os.path.isdir(path) and not os.path.islink(path) else []
+def _lmode(storage: Storage, key: str) -> int | None:
+    """The mode of what is at `key` of a local run, a link itself; None when nothing is."""
+    try:
+        return os.lstat(storage.local_path(key)).st_mode  # type: ignore[arg-type]
+    except FileNotFoundError:
+        return None
 
 
 def initial_eval(storage: Storage, evaluator: Evaluator) -> float:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, corpus_cache) -> str:
     run = tmp_path_factory.mktemp("whole") / "run"
-    assert main(submit_tiny(run, corpus_cache, *SHAPE)) == 0
+    assert main(submit_tiny(run, corpus_cache, *SHAPE, executor="inline")) == 0  # the same bytes as processes
     return read_manifest(Storage(str(run)), L.FINAL)["digest"]
 
 
