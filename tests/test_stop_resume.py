@@ -74,11 +74,15 @@ def test_ctrl_c_mid_round_then_resume_ends_at_the_same_model(tmp_path, corpus_ca
 
 
 def test_ctrl_c_between_rounds_then_resume_ends_at_the_same_model(tmp_path, corpus_cache, uninterrupted):
-    """Worker 1 has published round 1 and waits for round 2; worker 0 is slow to publish: both end
-    with their state written (a snapshot of round 1 each), and round 2 starts from those."""
+    """Worker 1 has published round 1 and waits for round 2; worker 0 has trained round 1 and is slow
+    to publish it: both end with their state written (a snapshot of round 1 each), and round 2 starts
+    from those."""
     run = tmp_path / "run"
-    _interrupt_when(run, submit_tiny(run, corpus_cache, *SHAPE),
-                    lambda s: read_manifest(s, L.contribution(1, 1)) is not None, slow="worker_000.publish=2")
+
+    def ready(s: Storage) -> bool:  # worker 0's heartbeat after its last step, before it publishes
+        p = _progress(s, 0)
+        return (p.get("round"), p.get("step")) == (1, 4) and read_manifest(s, L.contribution(1, 1)) is not None
+    _interrupt_when(run, submit_tiny(run, corpus_cache, *SHAPE), ready, slow="worker_000.publish=3")
     s = Storage(str(run))
     assert not s.exists(L.round_record(1))  # interrupted before round 1 was merged
     assert [read_manifest(s, L.worker_state(w, 1)) is not None for w in (0, 1)] == [True, True]
