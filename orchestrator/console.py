@@ -48,6 +48,20 @@ def say(text: str, out: Console | None = None) -> None:
     out.print(text, markup=False, soft_wrap=True)
 
 
+def break_path(path: str, width: int) -> str:
+    """`path` in lines of at most `width`, each broken after a `/` (a name is cut only where it alone
+    is longer than a line): a table cell that folds a path without cutting a name in two."""
+    lines = [""]
+    for part in path.replace("/", "/\0").split("\0"):
+        while len(part) > width:  # one name longer than the column: folded, as nothing else can be
+            lines[-1:] = [lines[-1], part[:width]] if lines[-1] else [part[:width]]
+            part = part[width:]
+        if len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(x for x in lines if x)
+
+
 def narrow_table(*columns: Any, title: str, fold: bool = False) -> Any:
     """A table for an 80-column terminal: no column rules or edge padding, its title on the left
     (wrapped at words); `fold`: a cell too long for its column folds onto more lines, never cut."""

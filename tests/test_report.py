@@ -515,9 +515,10 @@ def test_a_run_stopped_before_its_last_evaluation_is_stopped_not_evaluating(tiny
 
 def test_eval_on_an_80_column_terminal_keeps_checkpoint_names_apart(tiny_run, tmp_path):
     """Two checkpoints deep in one folder: their common folder is said once, and each name is shown
-    whole (cut to the column, `.../worker_000.safetensors` and `.../worker_001...` read the same)."""
+    whole (cut to the column, `.../worker_000.safetensors` and `.../worker_001...` read the same);
+    a label longer than its column breaks after a `/`, never inside a name."""
     from safetensors.torch import load_file
-    deep = tmp_path / "experiments-of-the-week" / "a-rather-long-folder-name-for-this-sweep" / "contributions"
+    deep = tmp_path / "experiments-of-the-week" / "a-long-folder-name-for-this-sweep" / "contributions"
     for w, r in ((0, 1), (1, 2)):
         write_checkpoint(Storage(str(deep)), f"worker_{w:03d}.safetensors", load_file(tiny_run / f"global/round_{r:05d}.safetensors"))
     cmd = [sys.executable, "-m", "orchestrator.cli", "eval", str(deep / "worker_000.safetensors"),
@@ -527,6 +528,21 @@ def test_eval_on_an_80_column_terminal_keeps_checkpoint_names_apart(tiny_run, tm
     assert f"checkpoints under {deep}/" in "".join(x.strip() for x in lines).replace("│", ""), screen
     rows = [x for x in lines if "worker_00" in x]
     assert len(rows) == 2 and "worker_000.safetensors" in rows[0] and "worker_001.safetensors" in rows[1], screen
+    # a run's final model and a checkpoint elsewhere: their labels are long paths, each name on one line
+    final = tiny_run / "final" / "model.safetensors"
+    raw, lines = in_a_terminal([*cmd[:4], str(final), str(deep / "worker_000.safetensors"), *cmd[6:]], cols=80, rows=40)
+    body = lines[[i for i, x in enumerate(lines) if x.lstrip().startswith("checkpoint")][0]:]
+    cells = [x.split()[0] for x in body[2:] if x.split()]
+    for name in (*final.parts[-4:], *deep.parts[-3:], "worker_000.safetensors"):
+        assert any(name in c for c in cells), (name, "\n".join(lines))
+
+
+def test_report_on_an_80_column_terminal_breaks_lines_between_words(tiny_run, tmp_path):
+    out = tmp_path / "a-report-folder-with-a-name-long-enough-to-wrap-the-line"
+    raw, lines = in_a_terminal([sys.executable, "-m", "orchestrator.cli", "report", str(tiny_run), "--out", str(out)],
+                               cols=80, rows=40)
+    assert "committed):" in " ".join(lines).split(), "\n".join(lines)  # a word broken by the terminal is not
+    assert f"{out / 'report.html'}\r\n" in raw.decode(), "\n".join(lines)  # a path is written whole, for the terminal to wrap
 
 
 @slow

@@ -31,41 +31,45 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from orchestrator.console import console
+    from orchestrator.console import say
     from orchestrator.observe.report import write_report
 
     storage = Storage(args.run)
     out = Path(args.out) if args.out else Path(f"{Path(storage.root).name or 'run'}-report")
     result = write_report(storage, out)
-    console.print(f"report of {storage.display()} ({result['state']}, {result['rounds']} rounds committed): "
-                  f"{result['html']}", markup=False)
-    console.print(f"plots: {', '.join(Path(p).name for p in result['images'])}; metrics: {result['metrics']}", markup=False)
+    say(f"report of {storage.display()} ({result['state']}, {result['rounds']} rounds committed): {result['html']}")
+    say(f"plots: {', '.join(Path(p).name for p in result['images'])}; metrics: {result['metrics']}")
     for line in result["problems"]:
-        console.print(line, markup=False)
+        say(line)
     return 0
 
 
-def _table(rows: list[dict], title: str, *columns: str) -> tuple[Table, list[str]]:
-    """A table of checkpoints for a terminal, and each row's label: the checkpoints' common folder is
-    said once in the title, and a label too long for its column folds onto more lines rather than
-    being cut (cut, `.../worker_000.safetensors` and `.../worker_001.safetensors` read the same)."""
+def _table(rows: list[dict], title: str, cells: list[list[str]], *columns: str) -> Table:
+    """A table of checkpoints for a terminal: the checkpoints' common folder is said once in the
+    title; the label column takes what the other columns leave of the terminal's width, and a label
+    longer than that breaks after a `/`, never inside a name, and is never cut
+    (cut, `.../worker_000.safetensors` and `.../worker_001.safetensors` read the same)."""
+    from orchestrator.console import break_path, console, narrow_table
     labels = [r["checkpoint"] for r in rows]
     paths = [x for x in labels if x.startswith("/")]
     common = os.path.commonpath(paths) if len(paths) > 1 else ""
     if common not in ("", "/"):
         title += f"; checkpoints under {common}/"
         labels = [x[len(common) + 1:] if x.startswith(common + "/") else x for x in labels]
-    return Table(Column("checkpoint", overflow="fold"), *columns, title=title), labels
+    others = 2 + sum(max(len(c), *(len(row[i]) for row in cells)) + 2 for i, c in enumerate(columns))  # + the edges
+    width = max(16, min(console.width - others, max(map(len, labels)) if labels else 16))
+    table = narrow_table(Column("checkpoint", width=width, overflow="fold"),
+                         *(Column(c, no_wrap=True) for c in columns), title=title)
+    for label, row in zip(labels, cells):
+        table.add_row(break_path(label, width), *row)
+    return table
 
 
 def _print_task_rows(rows: list[dict], title: str) -> int:
     from orchestrator.console import console
     names = [k for k in rows[0] if k != "checkpoint"]
     if console.is_terminal:
-        table, labels = _table(rows, title, *names)
-        for r, label in zip(rows, labels):
-            table.add_row(label, *(f"{r[k]:.4f}" for k in names))
-        console.print(table)
+        console.print(_table(rows, title, [[f"{r[k]:.4f}" for k in names] for r in rows], *names))
         return 0
     print(title)
     for r in rows:
@@ -93,10 +97,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     title = (f"held-out eval: {d['batches']} batches x {d['batch_size']} x {d['block_size']} {per}s "
              f"({d['tokens']} {per}s; data from {d['config']})")
     if console.is_terminal:
-        table, labels = _table(rows, title, f"loss (nats/{per})", "perplexity", f"bits/{per}")
-        for r, label in zip(rows, labels):
-            table.add_row(label, f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r[f'bits_per_{per}']:.4f}")
-        console.print(table)
+        cells = [[f"{r['loss']:.4f}", f"{r['perplexity']:.2f}", f"{r[f'bits_per_{per}']:.4f}"] for r in rows]
+        console.print(_table(rows, title, cells, f"loss (nats/{per})", "perplexity", f"bits/{per}"))
         return 0
     print(title)
     for r in rows:
