@@ -135,11 +135,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(line)
         return 0
     from worker.tasks import task_for
-    task_for(cfg).check()  # built once on the CPU and tried (lm: its data prepared), before anything is made
+    task = task_for(cfg)
+    task.check()  # built once on the CPU and tried (lm: its data prepared), before anything is made
     from orchestrator.lease import refuse_unsafe
     refuse_unsafe(storage, allow_group=args.allow_group_write)  # a folder made beforehand, open to others
     create_run(storage, cfg, schedule)
     say(f"run directory: {storage.display()}")
+    say(task.describe_data())
     if args.detach:
         from orchestrator.executor import Executor
         executor = Executor(cfg, jobs_folder(storage))

@@ -107,10 +107,10 @@ def _interrupted(storage: Storage, executor: Executor) -> None:
         say("interrupted: the local workers are saving their state (Ctrl-C again stops them at once)")
         from orchestrator.executor import STOP_WAIT_S
         executor.end_gracefully(executor.own_jobs(), STOP_WAIT_S)
-        say(f"interrupted: this run's local jobs are stopped; `orchestrate resume {where}` continues the run")
+        say_command("interrupted: this run's local jobs are stopped; to go on:", f"orchestrate resume {where}")
     else:
-        say(f"interrupted: the round's Slurm jobs keep running; `orchestrate resume {where}` continues the run, "
-            f"`orchestrate cancel {where}` stops them")
+        say_command("interrupted: the round's Slurm jobs keep running; to go on:", f"orchestrate resume {where}")
+        say_command("to stop them:", f"orchestrate cancel {where}")
 
 
 def jobs_folder(storage: Storage, create: bool = True) -> str:

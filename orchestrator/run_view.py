@@ -58,15 +58,24 @@ class RunView:
             self.current = rec["round"] + 1
             if rec.get("round_s") is not None:
                 wall = rec["round_s"]
-                self.measured.append(wall)
+                self.measured.append(wall if self.measured else self._recurring(rec))
                 self.last = rec["committed_at"]
         say(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), self.console)  # wrapped between words
         self.console.file.flush()  # a file or a pipe (a Slurm log, `| tee`) gets each round when it ends
 
+    def _recurring(self, rec: dict[str, Any]) -> float:
+        """What of the first round this service measures comes again each round: persistent workers
+        start (processes, imports, the model built, the first steps compiled) in it only, so its
+        workers' round time and the merge; per-round jobs start every round, so all of it."""
+        train = [v for v in (rec.get("worker_train_s") or {}).values() if isinstance(v, (int, float))]
+        if self.cfg.round.worker_mode != "persistent" or not train:
+            return rec["round_s"]
+        return min(rec["round_s"], max(train) + (rec.get("merge_seconds") or 0.0))
+
     def eta(self) -> float | None:
-        """Seconds left from now: the mean round time of this service's rounds times the rounds left,
-        less the time the round in progress has run; None before a round was measured. The round
-        line and the footer both say this."""
+        """Seconds left from now: the mean round time of this service's rounds (its first without its
+        jobs' start) times the rounds left, less the time the round in progress has run; None before
+        a round was measured. The round line and the footer both say this."""
         if not self.measured:
             return None
         left = sum(self.measured) / len(self.measured) * max(0, self.cfg.rounds - self.current)

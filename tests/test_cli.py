@@ -303,7 +303,7 @@ def test_ctrl_c_stops_the_local_run_and_its_jobs_without_a_traceback(tmp_path, c
     itself and says how to go on."""
     run, out = _interrupted_run(tmp_path, corpus_cache, rounds=50, steps=300, worker=1)
     text = out.read_text()
-    assert f"interrupted: this run's local jobs are stopped; `orchestrate resume {run}` continues the run" in text
+    assert f"interrupted: this run's local jobs are stopped; to go on: orchestrate resume {run}\n" in text
     assert "Traceback" not in text, text[-3000:]
     logs = "".join(p.read_text(errors="replace") for p in (run / "jobs").rglob("*.err"))
     assert "KeyboardInterrupt" not in logs and "Traceback" not in logs, logs[-3000:]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.config import Config, config_from_dict
+from core.config import Config, config_from_dict, replace
 from core.dataset import DatasetError
 from worker import data
 from worker.data import BatchSampler, Dataset, dataset_for, eval_batches
@@ -113,6 +113,28 @@ def test_non_iid_shares_are_whole_groups(stdlib):
     groups = [{s.group for s in sm.shards} for sm in samplers]
     assert not (groups[0] & groups[1]) and not (groups[1] & groups[2]) and not (groups[0] & groups[2])
     assert set().union(*groups) == {s.group for s in stdlib.index.split("train")}
+
+
+def test_the_run_says_which_data_and_groups_each_worker_reads(tmp_path):
+    """The line `submit` prints: the dataset, its train tokens, and the deal; non-iid names each
+    worker's groups as the samplers deal them, with their share of the tokens."""
+    files = {f"{g}/{i}.txt": g.encode() * n for g, n in (("big", 500), ("mid", 100), ("low", 60)) for i in range(3)}
+    src = write_tree(tmp_path / "src", files)
+    cfg = config_from_dict({"workers": 2, "model": {"block_size": 16}, "data": {
+        "cache_dir": str(tmp_path / "cache"), "source": str(src), "sharding": "non-iid"}})
+    task = LanguageModel(cfg)
+    train = [s for s in task.dataset.index.split("train") if s.tokens > 16]
+    tokens = {g: sum(s.tokens for s in train if s.group == g) for g in ("big", "mid", "low")}
+    dealt = [{s.group for s in task.sampler(w, 2, 2).shards} for w in (0, 1)]
+    assert dealt == [{"big"}, {"mid", "low"}], tokens  # the largest group to worker 0, the others to the less loaded
+    line = task.describe_data()
+    share = round(100 * tokens["big"] / sum(tokens.values()))
+    assert line == (f"data: {task.dataset.storage.display()}, {sum(tokens.values()):,} train tokens in {len(train)} "
+                    f"shard(s); non-iid, 3 groups dealt whole: worker 0: big ({share}%); worker 1: mid, low "
+                    f"({100 - share}%)"), line
+    iid = LanguageModel(replace(cfg, data__sharding="iid"))
+    assert iid.describe_data().endswith("; iid: each of the 2 workers draws windows from its own 1/2 of them "
+                                        "(dealt at random by seed 0)")
 
 
 def test_batches_are_a_pure_function_of_seed_worker_and_step(stdlib):

@@ -189,3 +189,26 @@ def test_the_round_line_and_the_footer_say_one_eta(tmp_path):
     assert ", round 1m40s, ETA 4m50s" in line, line  # 3 rounds left x 100 s, less the 10 s since the commit
     head = view.footer().renderables[0].plain
     assert head.startswith("round 1 (2/4) running for 10s, ETA 4m50s, 36 rounds/h"), head
+
+
+def test_the_first_eta_leaves_out_the_start_of_persistent_workers(tmp_path):
+    """The first round of a service holds its persistent workers' start (processes, imports, the
+    model built): only their round time (worker_train_s) and the merge come again; per-round jobs
+    start every round, so their whole first round does."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from core.config import config_from_dict
+    from orchestrator.run_view import RunView
+    rec = {"round": 0, "eval_loss": 5.0, "merged": [0, 1], "dropped": [], "rejected": [], "merge_seconds": 2.0,
+           "worker_train_s": {"0": 30.0, "1": 28.0}, "round_s": 100.0, "committed_at": time.time() - 10}
+    for mode, eta in (("persistent", "ETA 1m26s"), ("per_round", "ETA 4m50s")):  # 3 x (30 + 2) - 10; 3 x 100 - 10
+        out = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
+        view = RunView(out, Storage(str(tmp_path)), config_from_dict({"workers": 2, "rounds": 4,
+                                                                      "round": {"worker_mode": mode}}), first_round=0)
+        view.round_done(rec)
+        assert eta in out.file.getvalue(), (mode, out.file.getvalue())
+        view.round_done({**rec, "round": 1, "round_s": 40.0, "committed_at": time.time()})
+        assert view.measured == ([32.0, 40.0] if mode == "persistent" else [100.0, 40.0])

@@ -379,7 +379,8 @@ def step_generator(seed: int, worker: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(unit_hash(seed, worker, step) * 2**63))
 
 
-def _deal_groups(shards: list[Shard], num_workers: int, url: str) -> list[list[str]]:
+def deal_groups(shards: list[Shard], num_workers: int, url: str) -> list[list[str]]:
+    """Non-iid: each worker's whole groups, the largest first to the least loaded worker."""
     sizes: dict[str, int] = {}
     for s in shards:
         sizes[s.group] = sizes.get(s.group, 0) + s.tokens
@@ -413,7 +414,7 @@ class BatchSampler:
         self.segment = SEGMENT_WINDOWS * (block_size + 1)
         worker %= num_workers
         if mode == "non-iid":
-            mine = set(_deal_groups(shards, num_workers, ds.url)[worker])
+            mine = set(deal_groups(shards, num_workers, ds.url)[worker])
             shards = [s for s in shards if s.group in mine]
         self.shards = shards
         self.cum = np.cumsum([math.ceil(s.tokens / self.segment) for s in shards]) if shards else np.zeros(0, np.int64)

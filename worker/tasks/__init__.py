@@ -109,6 +109,10 @@ class Runner:
     def check(self) -> None:
         """Try the task once on the CPU before a run is made (`orchestrate submit`); TaskError if it fails."""
 
+    def describe_data(self) -> str:
+        """One line for the start of a run: which data each worker reads."""
+        raise NotImplementedError
+
 
 class ExampleSampler:
     """A worker's batches from indexable examples: its share is every K-th index of a seeded affine
@@ -147,6 +151,11 @@ class Examples(Runner):
 
     def check(self) -> None:
         _check_examples(self, self.cfg)
+
+    def describe_data(self) -> str:
+        n, k = len(self.task.examples("train")), self.cfg.workers
+        return (f"data: task {self.name}, {n:,} train examples; iid: each of the {k} workers draws from its own "
+                f"1/{k} of them (dealt at random by seed {self.cfg.seed})")
 
     def sampler(self, worker: int, num_workers: int, batch_size: int) -> ExampleSampler:
         if self.cfg.data.sharding != "iid":

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from core.config import Config
-from worker.data import BatchSampler, Dataset, dataset_for, eval_batches
+from core.records import text
+from worker.data import BatchSampler, Dataset, dataset_for, deal_groups, eval_batches
 from worker.tasks import Runner
 from worker.weights import build_model, model_metadata
 
@@ -51,6 +52,26 @@ class LanguageModel(Runner):
         never empty once the deal succeeds), and K samplers of a big index would cost seconds."""
         for worker in {0, self.cfg.workers - 1}:
             self.sampler(worker, self.cfg.workers, self.cfg.worker_batch_size)
+
+    def describe_data(self, most: int = 4) -> str:
+        """Which data each worker reads: the dataset, its train split, and the deal (iid: a share of
+        its segments each; non-iid: whole groups, named for the first `most` workers)."""
+        c, ds = self.cfg, self.dataset
+        train = [s for s in ds.index.split("train") if s.tokens > c.model.block_size]
+        tokens = sum(s.tokens for s in train)
+        line = f"data: {ds.storage.display()}, {tokens:,} train tokens in {len(train)} shard(s)"
+        if c.data.sharding == "iid":
+            return line + (f"; iid: each of the {c.workers} workers draws windows from its own 1/{c.workers} of "
+                           f"them (dealt at random by seed {c.seed})")
+        sizes: dict[str, int] = {}
+        for s in train:
+            sizes[s.group] = sizes.get(s.group, 0) + s.tokens
+        deal = deal_groups(train, c.workers, ds.url)
+        parts = [f"worker {w}: {', '.join(text(g, 40) or '?' for g in groups[:3])}"
+                 + (f" and {len(groups) - 3} more" if len(groups) > 3 else "")
+                 + f" ({sum(sizes[g] for g in groups) / max(1, tokens):.0%})" for w, groups in enumerate(deal[:most])]
+        more = f"; and {c.workers - most} more workers" if c.workers > most else ""
+        return line + f"; non-iid, {len(sizes)} groups dealt whole: " + "; ".join(parts) + more
 
     def metadata(self) -> dict[str, str]:
         return model_metadata(self.cfg.model)
