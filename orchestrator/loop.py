@@ -34,7 +34,7 @@ from orchestrator.observe.trackers import Trackers
 from orchestrator.outer_state import ensure_outer_state
 from orchestrator.plan import Decision, WorkerView, decide
 from orchestrator import retention
-from core.records import Failure, RoundJobs, RoundRecord, RunInfo, number
+from core.records import Failure, JobEntry, RoundJobs, RoundRecord, RunInfo, number
 from orchestrator.round_merge import RoundMerger
 from orchestrator.runstate import arrived_workers
 from orchestrator.run_models import Evaluator, export_final
@@ -135,11 +135,16 @@ class Service:
             # a job that published and ended between the listing and the scheduler's answer is not
             # a loss: list again, after the answer (storage first would miss it, storage after cannot)
             arrived = set(arrived_workers(self.storage, jobs.round))
-        views = [WorkerView(w, w in arrived, w not in arrived and states.get(j, UNKNOWN).alive, jobs.workers[w].attempts)
+        views = [WorkerView(w, w in arrived, w not in arrived and states.get(j, UNKNOWN).alive, self._attempts(jobs.workers[w]))
                  for w, j in jobs.latest().items()]
         decision = decide(views, quorum=self.cfg.quorum, elapsed_s=time.time() - (jobs.submitted_at or time.time()),
                           deadline_s=self.cfg.round.deadline_s, max_retries=self.cfg.round.max_retries)
         return decision, states
+
+    def _attempts(self, entry: JobEntry) -> int:
+        """A worker's attempts at a round that count against round.max_retries: a job islands stopped
+        itself (Ctrl-C, `orchestrate cancel`, then `resume`) spends no retry."""
+        return entry.attempts - sum(self.executor.cancelled_here(j) for j in entry.job_ids)
 
     def evaluate(self, record: RoundRecord) -> None:
         """Add the new global model's eval metrics to a committed round record (off the critical path)."""

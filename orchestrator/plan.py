@@ -23,7 +23,7 @@ class WorkerView:
     alive: bool
     """Its latest job is pending or running."""
     attempts: int
-    """Jobs submitted for this (round, worker) so far."""
+    """Jobs submitted for this (round, worker) so far, less those islands stopped itself."""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,21 @@ def test_duplicate_from_a_requeued_job_is_merged_once(tmp_path):
     assert [n for n in s.list(L.contributions_dir(0)) if n.startswith("worker_000")] == ["worker_000.json", "worker_000.safetensors"]
 
 
+def test_jobs_islands_stopped_itself_spend_no_retry(tmp_path):
+    """Ctrl-C or `orchestrate cancel`, then `resume`, as often as a user likes: a job islands stopped
+    itself is resubmitted without counting against round.max_retries (0 here); a job that ends
+    without a contribution on its own still counts (the tests of max_retries=0 here)."""
+    class StoppedThrice(Scripted):
+        def _work(self, job_id, t):
+            if t.worker == 1 and sum(w == 1 for _, w, _ in self.submitted) <= 3:
+                self.cancelled.add(job_id)  # as islands' own stop leaves a job: marked, no contribution
+                return
+            super()._work(job_id, t)
+    s = _run(tmp_path, StoppedThrice({}))
+    rec = s.read_json(L.round_record(0))
+    assert rec["merged"] == [0, 1] and rec["jobs"]["1"]["attempts"] == 4, rec
+
+
 def test_duplicate_published_after_the_merge_is_not_merged_again(tmp_path):
     def again_later(s, t):
         publish(s, t.round, t.worker, t.base_key, -0.25)
