@@ -227,6 +227,28 @@ def test_persistent_workers_serve_rounds_across_a_requeue(tmp_path, corpus_cache
     assert all(w is not None and w >= 0 for w in waits)  # idle time between rounds is recorded
 
 
+def test_cancel_lets_slurm_workers_save_their_round_and_end_on_their_own(tmp_path, corpus_cache, capsys):
+    """`orchestrate cancel` mid-round: each persistent worker (a Slurm job) sees CANCEL between two
+    steps, saves its round's in-flight checkpoint and ends by itself within the grace wait
+    (COMPLETED in sacct: never killed by scancel); the service stops at its next poll."""
+    from core.checkpoint import read_manifest
+    from core.layout import RunLayout
+    from orchestrator.runstate import read_heartbeat
+    run = tmp_path / "run"
+    proc = _start(_args(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "5000"))
+    s = Storage(str(run))
+    _wait_for(lambda: all((read_heartbeat(s, w) or {}).get("step", 0) > 0 for w in (0, 1)), "both workers to train",
+              timeout=180, proc=proc)
+    assert main(["cancel", str(run)]) == 0
+    assert "its workers save their state first" in capsys.readouterr().out
+    assert proc.wait(timeout=60) == 3, proc.stdout.read().decode()[-3000:]
+    saved = [read_manifest(s, RunLayout().worker_inflight(w, 0)) for w in (0, 1)]
+    assert all(m is not None and 0 < m["steps_done"] < 5000 for m in saved), saved
+    for w in (0, 1):
+        job = s.read_json("rounds/00000/jobs.json")["workers"][str(w)]["job_ids"][0]
+        assert set(wait_for_sacct_state(job, "COMPLETED").values()) == {"COMPLETED"}
+
+
 def test_lte_four_workers_as_slurm_jobs(tmp_path, corpus_cache, capsys):
     """`--algorithm lte --workers 4` on the real scheduler: each head is its own array task on its
     own emulated node, only heads cross storage, and the merged base moves every round."""

@@ -38,8 +38,11 @@ def _interrupt_when(run: Path, args: list[str], ready, slow: str) -> str:
     its output (it ends 130, having stopped its workers)."""
     import os
     env = {**os.environ, "ISLANDS_SLOWPOINT": slow}
+    # SIGINT at its default, as in a terminal's foreground job (a suite run in the background of a
+    # shell has it ignored, and a child keeps that)
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     s, deadline = Storage(str(run)), time.time() + 180
     while not (s.exists(L.CONFIG) and ready(s)):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
