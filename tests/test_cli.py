@@ -335,20 +335,6 @@ def test_a_service_that_stops_on_an_error_stops_its_local_jobs(tmp_path, corpus_
     assert "the merge service stopped: this run's local jobs are stopped" in (run / "orchestrator.log").read_text()
 
 
-@pytest.mark.slow
-def test_resume_after_ctrl_c_does_not_warn_about_the_jobs_ctrl_c_stopped(tmp_path, corpus_cache):
-    """The jobs the interrupted service cancelled end CANCELLED (islands' own mark); `resume` resubmits
-    them as expected business, said in the run's log, not as warnings about lost work."""
-    run, _ = _interrupted_run(tmp_path, corpus_cache, rounds=2, steps=400, worker=0)  # in round 0
-    resumed = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0 and "done in" in resumed.stdout, resumed.stdout + resumed.stderr
-    assert "WARNING" not in resumed.stderr and "CANCELLED" not in resumed.stdout + resumed.stderr, resumed.stderr
-    log = (run / "orchestrator.log").read_text()
-    assert "(islands cancelled them: Ctrl-C or `orchestrate cancel`); resubmitting" in log, log[-3000:]
-    assert re.search(r"INFO orchestrator.submission: round 0: worker 0 job \d+ ended \(CANCELLED\)", log), log[-3000:]
-
-
 def test_a_planted_heartbeat_is_no_heartbeat(tmp_path, corpus_cache):
     run = _tiny_run(tmp_path, corpus_cache)
     s = Storage(run)

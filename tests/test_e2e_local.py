@@ -135,7 +135,7 @@ def test_a_second_service_forced_onto_a_live_run_fences_the_first(tmp_path, corp
     first stops before its next commit, naming who took it: no round submitted or merged twice."""
     run = tmp_path / "run"
     # per-round jobs: each round's submissions are then countable (one batch, one job per worker)
-    args = submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "4", "--inner-steps", "3", "--set", "round.worker_mode=per_round")
+    args = submit_tiny(run, corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "3", "--set", "round.worker_mode=per_round")
     first = _until_round_0(run, args)
     s = Storage(str(run))
     refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], capture_output=True,
@@ -147,7 +147,7 @@ def test_a_second_service_forced_onto_a_live_run_fences_the_first(tmp_path, corp
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 2 and "was taken over by pid" in out and "(epoch 2, forced with --force)" in out, out[-3000:]
     assert "this merge service (epoch 1) stops" in out
-    for r in range(4):
+    for r in range(3):
         jobs = s.read_json(f"rounds/{r:05d}/jobs.json")
         assert jobs["sbatch_calls"] == 1 and all(len(e["job_ids"]) == 1 for e in jobs["workers"].values()), jobs
         assert s.read_json(f"rounds/{r:05d}/record.json")["merged"] == [0, 1]

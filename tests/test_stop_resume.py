@@ -7,6 +7,8 @@ bit-reproducible by itself). Real processes: the service and its workers are the
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,18 +38,17 @@ def uninterrupted(tmp_path_factory, corpus_cache) -> str:
 def _interrupt_when(run: Path, args: list[str], ready, slow: str) -> str:
     """The run started as a process with ISLANDS_SLOWPOINT `slow`, SIGINT once `ready(storage)`;
     its output (it ends 130, having stopped its workers)."""
-    import os
     env = {**os.environ, "ISLANDS_SLOWPOINT": slow}
-    # SIGINT at its default, as in a terminal's foreground job (a suite run in the background of a
-    # shell has it ignored, and a child keeps that)
+    # as a terminal's foreground job: its own process group, SIGINT at its default (a suite run in
+    # the background of a shell has it ignored, and a child keeps that)
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     s, deadline = Storage(str(run)), time.time() + 180
     while not (s.exists(L.CONFIG) and ready(s)):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C (the workers ignore it)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 130, out[-3000:]
     return out
@@ -69,7 +70,15 @@ def test_ctrl_c_mid_round_then_resume_ends_at_the_same_model(tmp_path, corpus_ca
     s = Storage(str(run))
     saved = read_manifest(s, L.worker_inflight(0, 1))
     assert saved is not None and 1 <= saved["steps_done"] < 4, saved  # worker 0 stopped mid-round 1
-    assert main(["resume", str(run)]) == 0
+    # resumed, the jobs the Ctrl-C stopped are resubmitted as expected business, said in the run's
+    # log, never as warnings about lost work
+    resumed = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resume", str(run)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "done in" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert "WARNING" not in resumed.stderr and "CANCELLED" not in resumed.stdout + resumed.stderr, resumed.stderr
+    log = (run / "orchestrator.log").read_text()
+    assert "(islands cancelled them: Ctrl-C or `orchestrate cancel`); resubmitting" in log, log[-3000:]
+    assert re.search(r"INFO orchestrator.submission: round 1: worker 0 job \d+ ended \(\w+\)", log), log[-3000:]
     got = read_manifest(s, L.contribution(1, 0))
     assert got["resumed_at_step"] == saved["steps_done"]  # went on from where it stopped
     assert read_manifest(s, L.FINAL)["digest"] == uninterrupted
