@@ -162,8 +162,9 @@ class Service:
         self.on_round(record)
 
     def _check_cancel(self, jobs: RoundJobs) -> None:
-        if self.storage.exists(L.CANCEL):
-            self.executor.cancel(list(jobs.latest().values()))
+        if self.storage.exists(L.CANCEL):  # the workers see it too: each saves where it is, then ends
+            from orchestrator.executor import STOP_WAIT_S
+            self.executor.end_gracefully(list(jobs.latest().values()), STOP_WAIT_S)
             raise Cancelled(f"run cancelled during round {jobs.round} (marker {self.storage.display(L.CANCEL)})")
 
     def _fail(self, jobs: RoundJobs, decision: Decision, states: dict[str, JobStatus]) -> None:
