@@ -129,7 +129,7 @@ def test_the_run_says_which_data_and_groups_each_worker_reads(tmp_path):
     assert dealt == [{"big"}, {"mid", "low"}], tokens  # the largest group to worker 0, the others to the less loaded
     line = task.describe_data()
     share = round(100 * tokens["big"] / sum(tokens.values()))
-    assert line == (f"data: {task.dataset.storage.display()}, {sum(tokens.values()):,} train tokens in {len(train)} "
+    assert line == (f"data: {src}, {sum(tokens.values()):,} train tokens in {len(train)} "
                     f"shard(s); non-iid, 3 groups dealt whole: worker 0: big ({share}%); worker 1: mid, low "
                     f"({100 - share}%)"), line
     iid = LanguageModel(replace(cfg, data__sharding="iid"))

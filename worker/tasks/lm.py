@@ -59,7 +59,8 @@ class LanguageModel(Runner):
         c, ds = self.cfg, self.dataset
         train = [s for s in ds.index.split("train") if s.tokens > c.model.block_size]
         tokens = sum(s.tokens for s in train)
-        line = f"data: {ds.storage.display()}, {tokens:,} train tokens in {len(train)} shard(s)"
+        source = c.data.source or "the Python standard library's source (the default corpus)"
+        line = f"data: {source}, {tokens:,} train tokens in {len(train)} shard(s)"
         if c.data.sharding == "iid":
             return line + (f"; iid: each of the {c.workers} workers draws windows from its own 1/{c.workers} of "
                            f"them (dealt at random by seed {c.seed})")
