@@ -48,6 +48,7 @@ class RunView:
         self.console, self.storage, self.cfg = console, storage, cfg
         self.phase = phase  # the service's: training, merging or evaluating (orchestrator.loop.Service.phase)
         self.current = first_round
+        self.resumed_at = first_round if first_round > 0 else None
         self.last = time.time()  # the service's start, then its last commit: the round in progress runs since
         self.measured: list[float] = []
         """The round times (RoundRecord.round_s) of the rounds this service committed: the ETA's."""
@@ -58,7 +59,8 @@ class RunView:
             self.current = rec["round"] + 1
             if rec.get("round_s") is not None:
                 wall = rec["round_s"]
-                self.measured.append(wall if self.measured else self._recurring(rec))
+                if rec["round"] != self.resumed_at:  # a resumed round: its workers may go on from mid-round
+                    self.measured.append(wall if self.measured else self._recurring(rec))
                 self.last = rec["committed_at"]
         say(round_line(rec, self.cfg.rounds, self.cfg.workers, wall, self.eta()), self.console)  # wrapped between words
         self.console.file.flush()  # a file or a pipe (a Slurm log, `| tee`) gets each round when it ends
@@ -74,8 +76,9 @@ class RunView:
 
     def eta(self) -> float | None:
         """Seconds left from now: the mean round time of this service's rounds (its first without its
-        jobs' start) times the rounds left, less the time the round in progress has run; None before
-        a round was measured. The round line and the footer both say this."""
+        jobs' start; a resume's first left out, as its workers may have gone on from mid-round) times
+        the rounds left, less the time the round in progress has run; None before a round was
+        measured. The round line and the footer both say this."""
         if not self.measured:
             return None
         left = sum(self.measured) / len(self.measured) * max(0, self.cfg.rounds - self.current)

@@ -185,7 +185,10 @@ def test_the_readme_run_on_a_terminal_shows_round_lines_and_a_live_footer(tmp_pa
     text = raw.decode(errors="replace")
     assert "Traceback" not in text and " INFO " not in text and "WARNING" not in text, text[-3000:]
     assert "running for" in text and "worker 1: " in text  # the live footer was drawn (and is gone at the end)
-    assert lines[0] == f"run directory: {run}" and lines[1].startswith("diloco: 2 workers x 2 rounds x 60 inner"), lines
+    head = next(i for i, x in enumerate(lines) if x.startswith("diloco: "))  # the data line before it wraps
+    assert lines[0] == f"run directory: {run}" and lines[1].startswith("data: the Python standard library's source")
+    assert lines[head].startswith("diloco: 2 workers x 2 rounds x 60 inner"), lines
+    lines = lines[head - 1:]
     number = r"\d+(\.\d+)?"
     busy = r", workers busy \d+%"  # persistent workers (the default)
     assert re.fullmatch(rf"round 0 \(1/2\): eval loss {number}, merged 2/2, merge {number}s, round \w+{busy}, ETA \w+",

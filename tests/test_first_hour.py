@@ -212,3 +212,9 @@ def test_the_first_eta_leaves_out_the_start_of_persistent_workers(tmp_path):
         assert eta in out.file.getvalue(), (mode, out.file.getvalue())
         view.round_done({**rec, "round": 1, "round_s": 40.0, "committed_at": time.time()})
         assert view.measured == ([32.0, 40.0] if mode == "persistent" else [100.0, 40.0])
+    # resumed into round 2, its workers going on from mid-round: no ETA until a whole round is measured
+    view = RunView(Console(file=io.StringIO()), Storage(str(tmp_path)), config_from_dict({"rounds": 4}), first_round=2)
+    view.round_done({**rec, "round": 2, "round_s": 5.0, "worker_train_s": {"0": 1.0}})
+    assert view.measured == [] and view.eta() is None
+    view.round_done({**rec, "round": 3, "round_s": 40.0})
+    assert view.measured == [32.0]
