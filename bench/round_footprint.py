@@ -9,7 +9,7 @@ wrote as it exits. The difference of the two runs over R x K worker-rounds is th
 figure, free of what does not grow with rounds (imports, the corpus). The run directory (its
 checkpoints and records; jobs/ logs left out) is measured after R and after 2R rounds.
 
-With top-k a second row reads the dense global every round (round.replica false): the workers'
+With top-k a second row reads the dense global every round (round.replica never): the workers'
 replica of the merge (worker/replica.py) against dense reads, in the same run. Its turnaround is
 the 2R run's mean, per worker-round, from the last contribution of round r (its manifest's
 written_at) to the worker's base of round r+1 in its model (`base_at`), with the seconds it took
@@ -28,10 +28,10 @@ import tempfile
 from pathlib import Path
 
 CODECS = {"fp32": [], "topk": ["--set", "round.contribution=delta", "--set", "round.codec=topk",
-                               "--set", "outer.optimizer=sgd", "--set", "outer.lr=3"]}
+                               "--set", "outer.optimizer=sgd", "--set", "outer.lr=3", "--set", "round.replica=always"]}
 BASELINE = ["--set", "round.state_every=1", "--set", "round.keep_last=0"]
 """State written every round, nothing deleted: what a run did before snapshots and retention."""
-DENSE_BASE = ["--set", "round.replica=false"]
+DENSE_BASE = ["--set", "round.replica=never"]
 """Every worker reads the global weights: what a run did before workers replayed the merge."""
 
 

@@ -230,14 +230,16 @@ class RoundConfig:
     keep_every: int = 0
     """Also keep the global weights of every this many rounds (round 0 included); 0: only the last
     ones and the final model."""
-    replica: bool = True
+    replica: Literal["auto", "always", "never"] = "auto"
     """A persistent worker with `delta` contributions makes the next global weights itself, from
     the round's record and the contributions it merged (the merge's outer step, summed in the same
     order), whenever those are fewer bytes than the global weights (codec topk: about K/63 of
     them), and uses them only if they hash to the published global's digest; otherwise it reads
     the global weights, saying why (worker/replica.py). With an outer optimizer that has state
     (Nesterov's momentum) the worker holds that state too: one more fp32 copy of the weights in
-    host memory. false: always read them."""
+    host memory. `auto`: only while its last replay took no longer than its last read (both
+    measured by the worker: a fast filesystem reads, a slow one replays); `always`: whenever it
+    can (the fewest bytes from storage); `never`: always read them."""
     max_update: float = 0.0
     """The largest magnitude any entry of a worker's outer gradient (base - its weights, error
     feedback included) may have; a contribution or error-feedback buffer past it is refused as

@@ -20,7 +20,7 @@ from core import codec
 from core.assignment import Assignment
 from core.checkpoint import load_checkpoint, read_manifest
 from core.checkpoint_writer import write_checkpoint
-from core.config import load_config
+from core.config import load_config, replace
 from core.layout import RunLayout, manifest_key
 from core.storage import Storage
 from tests.service_support import WORK, Scripted, scripted_run
@@ -96,6 +96,34 @@ def test_a_replica_started_mid_run_reads_the_outer_state_once(nesterov_run, capl
             assert got is not None and all(torch.equal(got[k], v) for k, v in _global(s, r)[0].items())
             rep.hold(_task(s, r), got, _global(s, r)[1])
     assert sum("outer optimizer state of round" in m for m in caplog.messages) == 1
+
+
+def test_auto_reads_while_its_last_replay_was_slower_than_its_last_read(nesterov_run, caplog):
+    """round.replica auto (the default): a worker whose replay took longer than its read reads the
+    next global (said once), and replays again once a read has become the slower way (a
+    filesystem under load); `always` replays whatever the seconds say."""
+    s, cfg = nesterov_run
+    assert cfg.round.replica == "auto"
+    rep = Replica.of(cfg, world=1, collective=False)
+    rep.hold(_task(s, 0), *_global(s, 0))
+    rep.took(False, 0.5)  # round 0's base: read
+    got = rep.next_global(s, _task(s, 1), _global(s, 1)[1])
+    assert got is not None  # never replayed yet: tried
+    rep.took(True, 2.0)
+    rep.hold(_task(s, 1), got, _global(s, 1)[1])
+    with caplog.at_level(logging.INFO, logger="worker.replica"):
+        for r in (2, 3):
+            assert rep.next_global(s, _task(s, r), _global(s, r)[1]) is None
+            rep.took(False, 0.5)
+            rep.hold(_task(s, r), *_global(s, r))
+    assert sum("while that is the faster way (replaying took 2.00s, reading 0.50s)" in m for m in caplog.messages) == 1
+    rep.took(False, 2.5)  # the filesystem slowed down: the replica is back, the outer state read once
+    got = rep.next_global(s, _task(s, 4), _global(s, 4)[1])
+    assert got is not None and all(torch.equal(got[k], v) for k, v in _global(s, 4)[0].items())
+    always = Replica.of(replace(cfg, round__replica="always"), world=1, collective=False)
+    always.hold(_task(s, 1), *_global(s, 1))
+    always.took(True, 9.0)
+    assert always.next_global(s, _task(s, 2), _global(s, 2)[1]) is not None
 
 
 def _replay_round(s: Storage, cfg, r: int = 2):
@@ -206,7 +234,7 @@ def test_anything_missing_or_altered_after_the_commit_reads_the_global(nesterov_
 
 
 @pytest.mark.parametrize("sets, why", [
-    (["round.replica=false"], "round.replica is off"),
+    (["round.replica=never"], "round.replica=never"),
     (["round.contribution=weights"], "contributions are weights"),
     (["round.aggregate=median"], "round.aggregate median"),
     (["round.worker_mode=per_round"], "not persistent"),
@@ -227,11 +255,12 @@ def _submit(run: Path, *args: str) -> None:
 def test_a_run_with_replicas_publishes_the_same_globals_as_one_without(tmp_path):
     """The real command: 3 persistent workers, top-k deltas, 4 rounds; worker 1's replica is made to
     differ every round (a failpoint), so it reads the global, the others replay theirs. A replay of
-    the run with round.replica off publishes the same bytes, round after round."""
+    the run with round.replica never publishes the same bytes, round after round."""
     a, b = tmp_path / "a", tmp_path / "b"
     _submit(a, "--executor", "local", "--workers", "3", "--rounds", "4", "--inner-steps", "2",
-            "--set", "inner.warmup_steps=1", "--set", "data.eval_batches=1", *(x for t in TOPK for x in ("--set", t)))
-    _submit(b, "--replay", str(a), "--set", "round.replica=false")
+            "--set", "inner.warmup_steps=1", "--set", "data.eval_batches=1", "--set", "round.replica=always",
+            *(x for t in TOPK for x in ("--set", t)))
+    _submit(b, "--replay", str(a), "--set", "round.replica=never")
     for r in range(1, 4):  # rounds 1..3 start from a global made by a merge
         seen = {w: json.loads((a / "rounds" / f"{r:05d}" / "contrib" / f"worker_{w:03d}.json").read_text())
                 for w in range(3)}

@@ -36,7 +36,8 @@ def test_every_read_a_worker_makes_goes_through_a_checked_bounded_loader(tmp_pat
 
     monkeypatch.setattr(Storage, "read_bytes", watched)  # read_json reads through it too
     assert main(submit_tiny(tmp_path / "run", corpus_cache, "--workers", "2", "--rounds", "3", "--inner-steps", "2",
-                            "--set", "round.contribution=delta", "--set", "round.codec=topk", executor="inline")) == 0
+                            "--set", "round.contribution=delta", "--set", "round.codec=topk", "--set", "round.replica=always",
+                            executor="inline")) == 0
     unchecked = [(key, stack[:4]) for key, _, stack in reads if not LOADERS & set(stack)]
     assert not unchecked, unchecked
     unbounded = [key for key, limit, _ in reads if limit is None]

@@ -127,8 +127,9 @@ class Learner:
 
     def _took(self, digest: str, base: dict[str, torch.Tensor], replayed: bool, t0: float) -> Base:
         """The base in the model since perf_counter `t0`: its weights kept for a delta contribution."""
-        return Base(digest, base if self.cfg.round.contribution == "delta" else None, replayed,
-                    round(time.perf_counter() - t0, 4), time.time())
+        seconds = round(time.perf_counter() - t0, 4)
+        self.replica.took(replayed, seconds)
+        return Base(digest, base if self.cfg.round.contribution == "delta" else None, replayed, seconds, time.time())
 
     def _take_feedback(self, tensors: dict[str, torch.Tensor]) -> None:
         """The error-feedback buffer out of a state file's tensors (an older run's has none: {})."""

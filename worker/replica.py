@@ -11,8 +11,10 @@ the CPU. The result is used only if it hashes to the published global's digest
 (core.checkpoint_writer.digest_of, over the header the published file has): the same bytes as
 reading it, for K - 1 contributions' bytes instead of W.
 
-It reads the global weights instead, saying why in one log line, whenever it cannot be sure:
-round.replica off, a multi-rank worker, LTE or a robust aggregate (another merge), weights
+With round.replica auto it reads the global weights while that is the faster way: while its last
+replay took longer than its last read (each measured from asking for the base to having it in the
+model; said once). It reads them, saying why in one log line, whenever it cannot be sure:
+round.replica never, a multi-rank worker, LTE or a robust aggregate (another merge), weights
 contributions, a round that folded late inputs, contributions not coded against global_r, inputs
 that are not fewer bytes than the global, anything missing, damaged or altered; and for the rest
 of the job once a replayed global's digest differs (the arithmetic is not the merge's: reading the
@@ -25,6 +27,7 @@ outer/state_r once after a dense read.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,11 +78,13 @@ class Replica:
     """Reasons logged already, so that an expected one (bytes) is said once, not every round."""
     mine: tuple[str, dict[str, torch.Tensor], dict[str, str]] | None = None
     """This worker's last contribution as it wrote it (digest, tensors, metadata): not read back."""
+    seconds: dict[bool, float] = field(default_factory=dict)
+    """round.replica auto: how long the last base took to have in the model, replayed (True) or read."""
 
     @classmethod
     def of(cls, cfg: Config, world: int, collective: bool) -> Replica:
         rc = cfg.round
-        off = ("round.replica is off" if not rc.replica else
+        off = ("round.replica=never" if rc.replica == "never" else
                "algorithm lte merges heads, not outer gradients" if cfg.algorithm == "lte" else
                "contributions are weights, not deltas" if rc.contribution != "delta" else
                f"round.aggregate {rc.aggregate} is not the running sum's mean" if rc.aggregate != "mean" else
@@ -107,6 +112,11 @@ class Replica:
         buffers; None (the reason logged) when they are to be read instead."""
         if self.off or self.round is None or self.round != a.round - 1 or a.base_key != L.global_weights(a.round):
             return None  # a first round, a requeue, a worker's own base (late_policy continue): read, as always
+        if self.cfg.round.replica == "auto" and self.seconds.get(True, 0.0) > self.seconds.get(False, math.inf):
+            self._say(f"worker {a.worker} round {a.round}: reading the global weights while that is the faster way "
+                      f"(replaying took {self.seconds[True]:.2f}s, reading {self.seconds[False]:.2f}s)", key="slower")
+            self.round, self.state = None, None  # the held outer state goes stale with this round's merge
+            return None
         try:
             return self._replay(storage, a, digest)
         except Fallback as why:
@@ -120,8 +130,14 @@ class Replica:
         self.round, self.state = None, None  # the held weights may be part-stepped: read global_r+1 whole
         return None
 
-    def _say(self, line: str, warn: bool = False) -> None:
-        key = line.split(": ", 2)[-1]
+    def took(self, replayed: bool, seconds: float) -> None:
+        """The base of a round was in the model `seconds` after it was asked for, replayed or read:
+        what round.replica auto chooses by (a read is timed every round it is chosen, so a
+        filesystem that slows down brings the replica back)."""
+        self.seconds[replayed] = seconds
+
+    def _say(self, line: str, warn: bool = False, key: str | None = None) -> None:
+        key = key or line.split(": ", 2)[-1]
         if warn or key not in self.said:
             self.said.add(key)
             (log.warning if warn else log.info)("replica: %s", line)
