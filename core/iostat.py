@@ -4,8 +4,9 @@ failpoint pattern: one environment variable, nothing otherwise).
 With ISLANDS_IO_REPORT naming a folder, `report_at_exit("worker")` makes the process write
 `ROLE-PID.json` there as it exits: its /proc/self/io counters (rchar and wchar: every byte passed
 to read and write calls, page cache or not, so they count what crossed a shared filesystem's client
-too). A benchmark takes the difference of two runs that differ only in their number of rounds, so
-what does not grow with rounds (imports, the corpus index) cancels out (bench/round_footprint.py).
+too) and its peak resident memory (maxrss). A benchmark takes the difference of two runs that
+differ only in their number of rounds, so what does not grow with rounds (imports, the corpus
+index) cancels out (bench/round_footprint.py).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def report_at_exit(role: str) -> None:
         return
 
     def write() -> None:
-        report = {"role": role, "pid": os.getpid(), **counters()}
+        import resource  # the process's peak resident memory, in bytes (Linux counts ru_maxrss in KiB)
+        report = {"role": role, "pid": os.getpid(), **counters(),
+                  "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         (Path(folder) / f"{role}-{os.getpid()}.json").write_text(json.dumps(report))
     atexit.register(write)

@@ -243,12 +243,14 @@ def test_the_outer_gradient_norm_is_finite_for_finite_gradients_past_float32s_sq
 def test_io_counters_are_reported_at_exit_only_when_asked(tmp_path):
     import subprocess
     import sys
-    code = "from core import iostat; iostat.report_at_exit('worker'); open('/proc/self/io').read()"
+    code = ("from core import iostat; iostat.report_at_exit('worker'); open('/proc/self/io').read(); "
+            "held = b'1' * (200 << 20)")  # 200 MiB resident at its peak
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, env={**os.environ, "ISLANDS_IO_REPORT": str(tmp_path)})
     (report,) = tmp_path.glob("worker-*.json")
     got = json.loads(report.read_text())
     assert got["role"] == "worker" and got["rchar"] > 0 and got["wchar"] >= 0
+    assert 200 << 20 < got["maxrss"] < 2 << 30  # the process's peak resident memory, in bytes
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, env={k: v for k, v in os.environ.items()
                                                                              if k != "ISLANDS_IO_REPORT"})
     assert len(list(tmp_path.glob("*.json"))) == 1
