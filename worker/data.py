@@ -379,11 +379,17 @@ def step_generator(seed: int, worker: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(unit_hash(seed, worker, step) * 2**63))
 
 
-def deal_groups(shards: list[Shard], num_workers: int, url: str) -> list[list[str]]:
-    """Non-iid: each worker's whole groups, the largest first to the least loaded worker."""
+def group_tokens(shards: list[Shard]) -> dict[str, int]:
+    """Each group's train tokens."""
     sizes: dict[str, int] = {}
     for s in shards:
         sizes[s.group] = sizes.get(s.group, 0) + s.tokens
+    return sizes
+
+
+def deal_groups(shards: list[Shard], num_workers: int, url: str) -> list[list[str]]:
+    """Non-iid: each worker's whole groups, the largest first to the least loaded worker."""
+    sizes = group_tokens(shards)
     if len(sizes) < num_workers:
         raise DatasetError(f"Cannot shard the {len(sizes)} group(s) of {url}'s train split over {num_workers} workers "
                            "(data.sharding non-iid): each worker needs at least one whole group; use fewer workers, "

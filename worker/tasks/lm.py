@@ -13,7 +13,7 @@ import torch
 
 from core.config import Config
 from core.records import text
-from worker.data import BatchSampler, Dataset, dataset_for, deal_groups, eval_batches
+from worker.data import BatchSampler, Dataset, dataset_for, deal_groups, eval_batches, group_tokens
 from worker.tasks import Runner
 from worker.weights import build_model, model_metadata
 
@@ -64,9 +64,7 @@ class LanguageModel(Runner):
         if c.data.sharding == "iid":
             return line + (f"; iid: each of the {c.workers} workers draws windows from its own 1/{c.workers} of "
                            f"them (dealt at random by seed {c.seed})")
-        sizes: dict[str, int] = {}
-        for s in train:
-            sizes[s.group] = sizes.get(s.group, 0) + s.tokens
+        sizes = group_tokens(train)
         deal = deal_groups(train, c.workers, ds.url)
         parts = [f"worker {w}: {', '.join(text(g, 40) or '?' for g in groups[:3])}"
                  + (f" and {len(groups) - 3} more" if len(groups) > 3 else "")
