@@ -206,21 +206,23 @@ Feedback = dict[str, torch.Tensor]
 
 
 def encode(base: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], enc: Encoding,
-           feedback: Feedback | None = None, decay: float = 0.0
+           feedback: Feedback | None = None, decay: float = 0.0, in_place: bool = False
            ) -> tuple[dict[str, torch.Tensor], dict[str, str], Feedback | None]:
     """(tensors, safetensors metadata, new feedback) of a delta contribution: float tensors as coded
     deltas base - weights (computed in fp32), other tensors as the weights have them.
 
     With `feedback` (error feedback; {} at first), each float tensor codes decay x feedback + delta
     instead, and the new feedback is what that coding left out (the entries not kept and the kept
-    ones' rounding): SparseLoCo's error feedback. `feedback` itself is not changed."""
+    ones' rounding): SparseLoCo's error feedback. `feedback` itself is not changed, unless
+    `in_place`: then it is the new feedback, each tensor overwritten once it is coded, so that a
+    worker holds one buffer of the model's size while it codes, not two."""
     if enc.codec not in CODECS:
         raise ValueError(f"unknown codec {enc.codec!r}; valid: {', '.join(CODECS)}")
     missing = sorted(set(weights) ^ set(base))
     if missing:
         raise CheckpointError(f"cannot code a delta: the weights and their base differ in tensors {missing[:5]}")
     out: dict[str, torch.Tensor] = {}
-    left: Feedback = {}
+    left: Feedback = feedback if in_place and feedback is not None else {}
     for name, w in weights.items():
         if w.dtype not in _FLOATS:
             out[name] = w
@@ -234,7 +236,12 @@ def encode(base: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
         entries = encode_tensor(name, d, enc)
         out.update(entries)
         if feedback is not None:
-            left[name] = d - decode_tensor(name, tuple(d.shape), enc, entries.__getitem__)  # an entry may be d itself
+            rest = d - decode_tensor(name, tuple(d.shape), enc, entries.__getitem__)  # an entry may be d itself
+            held = left.get(name)
+            if held is not None and held.dtype == rest.dtype and held.numel() == rest.numel() and held.is_contiguous():
+                held.view(rest.shape).copy_(rest)
+            else:
+                left[name] = rest
     return out, enc.metadata(), (left if feedback is not None else None)
 
 

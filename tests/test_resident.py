@@ -14,6 +14,7 @@ import pytest
 
 import worker.learner as learner
 import worker.params as params
+import worker.publish as publish
 import worker.train as train
 from core.checkpoint import read_manifest
 from core.config import config_from_dict
@@ -76,6 +77,36 @@ def test_resident_worker_publishes_what_per_round_jobs_publish(tmp_path, corpus_
         assert _digest(resident, L.global_weights(r + 1)) == _digest(fresh, L.global_weights(r + 1)), r
 
 
+def test_a_snapshot_of_the_models_own_state_holds_its_round_however_slow_the_write(tmp_path, corpus_cache,
+                                                                                  monkeypatch):
+    """On a CPU a persistent worker's snapshot is its optimizer's own tensors (and its feedback
+    buffer, replaced in place while the next contribution is coded), written in the background:
+    the next round's first step waits for the write, so a slow one still holds its round's state."""
+    write, written = params.write_checkpoint, {}
+
+    def slow(storage, key, *a, **kw):
+        if threading.current_thread().name.startswith("state-"):
+            time.sleep(0.4)
+        entry = write(storage, key, *a, **kw)
+        written[storage.url, key] = _digest(storage, key)  # each round's, before the next prunes it
+        return entry
+
+    monkeypatch.setattr(params, "write_checkpoint", slow)
+    topk = {"contribution": "delta", "codec": "topk", "topk": 0.1}
+    fresh, resident = _run(tmp_path, corpus_cache, "fresh", round=topk), _run(tmp_path, corpus_cache, "resident", round=topk)
+    carry = None
+    for r in range(ROUNDS):
+        train.run_worker(_task(fresh, r))
+        _merge(fresh, r)
+        _, carry = train.serve_round(_task(resident, r), 0.0, carry, persistent=True)
+        _merge(resident, r)  # no settle: the next round starts while the state is being written
+    carry.settle()
+    for r in range(ROUNDS):
+        assert _digest(resident, L.contribution(r, 0)) == _digest(fresh, L.contribution(r, 0)), r
+        key = L.worker_state(0, r)
+        assert written[resident.url, key] == written[fresh.url, key], r
+
+
 def test_resident_round_reads_no_state_file(tmp_path, corpus_cache, monkeypatch):
     s = _run(tmp_path, corpus_cache, "run")
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
@@ -87,16 +118,22 @@ def test_resident_round_reads_no_state_file(tmp_path, corpus_cache, monkeypatch)
     again.settle()
 
 
-def test_resident_rounds_reuse_their_host_buffers(tmp_path, corpus_cache):
+@pytest.mark.parametrize("device", ["cpu", "a GPU's copying path"])
+def test_resident_rounds_reuse_their_host_buffers(tmp_path, corpus_cache, monkeypatch, device):
     """Base in, weights and optimizer state out: the same host memory every round (pinned on a
-    GPU, where fresh pageable memory made each copy ~25x slower), holding that round's bytes."""
-    s = _run(tmp_path, corpus_cache, "run")
+    GPU, where fresh pageable memory made each copy ~25x slower), holding that round's bytes. On a
+    CPU the model's optimizer state (and a delta's weights) are host memory already and are written
+    without a copy: those buffers stay empty. The GPU's copies are taken here by saying the model is
+    not on a CPU (no GPU on this machine)."""
+    if device != "cpu":
+        monkeypatch.setattr(publish, "on_cpu", lambda d: False)
+    s = _run(tmp_path, corpus_cache, "run", round={"contribution": "delta", "codec": "topk"})
     _, trainer = train.serve_round(_task(s, 0), 0.0, None, persistent=True)
     trainer.settle()
     _merge(s, 0)
     host = {"base": trainer.learner.host_base, "out": trainer.publisher.host_out, "state": trainer.publisher.host_state}
     before = {name: {k: t.data_ptr() for k, t in h._bufs.items()} for name, h in host.items()}
-    assert all(before.values())
+    assert {name: bool(b) for name, b in before.items()} == {"base": True, "out": device != "cpu", "state": device != "cpu"}
     first = _digest(s, L.worker_state(0, 0))  # one snapshot is kept on storage: round 1's replaces it
     _, again = train.serve_round(_task(s, 1), 0.0, trainer, persistent=True)
     again.settle()

@@ -111,6 +111,21 @@ def test_error_feedback_sends_what_it_left_out_later():
         codec.encode(base, weights, enc, {"w": torch.zeros(8)}, 1.0)
 
 
+def test_in_place_feedback_is_the_same_buffer_holding_the_same_values():
+    """in_place (a CPU worker, which holds one buffer instead of two): the new feedback is the
+    old buffer, overwritten with what the copying encode returns, and the coded tensors are equal."""
+    torch.manual_seed(1)
+    base = {"w": torch.randn(32, 16), "b": torch.randn(16), "n": torch.arange(3)}
+    weights = {k: v - 0.1 * torch.randn_like(v) if v.is_floating_point() else v for k, v in base.items()}
+    enc = codec.Encoding("topk", 1.0, "x", 1 / 8, 4)
+    fb = {"w": torch.randn(32, 16)}  # "b" has none yet: a new buffer is made for it
+    copied, _, new = codec.encode(base, weights, enc, {k: t.clone() for k, t in fb.items()}, decay=0.9)
+    held = fb["w"]
+    coded, _, same = codec.encode(base, weights, enc, fb, decay=0.9, in_place=True)
+    assert same is fb and same["w"] is held and same.keys() == new.keys() == {"w", "b"}
+    assert all(torch.equal(same[k], new[k]) for k in new) and all(torch.equal(coded[k], copied[k]) for k in copied)
+
+
 def _setup(mem, k=3, seed=0):
     torch.manual_seed(seed)
     g = {"a.w": torch.randn(96, 100), "a.b": torch.randn(100), "c": torch.randn(()), "n": torch.arange(4)}

@@ -53,9 +53,15 @@ class Publisher:
         # Reused every round (pinned on a GPU): weights and optimizer state out. A contribution of
         # plain weights reuses the base's buffers, read back into the model before training; a delta
         # needs the base until it is coded. Host memory: 3-4x the fp32 weights.
-        self.host_state = HostBuffers(device)
-        self.host_out = learner.host_base if self.cfg.round.contribution == "weights" else HostBuffers(device)
+        # On a CPU the model's own tensors are host memory: the coded delta is made from them (nothing
+        # trains while it is coded), and so is the state snapshot unless the worker trains ahead while
+        # it is written (round.overlap); before its next step the snapshot is settled (before_training).
+        cpu = on_cpu(device) and not learner.params.collective
+        self.state_live = cpu and self.cfg.round.overlap == "off"
+        self.host_state = HostBuffers(device, live=self.state_live)
+        self.host_out = learner.host_base if self.cfg.round.contribution == "weights" else HostBuffers(device, live=cpu)
         self.snapshots = Snapshots(storage, learner.params, learner.ranks)
+        self.coding = False  # the error feedback is being replaced by the new one (_contribution)
         self.io = iostat.counters()  # at the last manifest: a round's bytes read and written are the difference
 
     def publish(self, rnd: RoundInProgress, seconds: float, state_later: bool = False) -> dict[str, Any] | None:
@@ -96,11 +102,19 @@ class Publisher:
                 learner.replica.mine = (entry["digest"], tensors, metadata or {})
         # only now: an in-flight checkpoint saved before this (a signal during the write) resumes the
         # round, so it must hold the buffer the round started with
-        learner.feedback = feedback
+        learner.feedback, self.coding = feedback, False
         remove_checkpoint(self.storage, L.worker_inflight(a.worker, a.round))
         if state_later and snapshot and not params.collective:
             self.snapshots.write_later(state, a.round, a.worker)
         return entry
+
+    def before_training(self) -> None:
+        """The model's optimizer state is about to change: a snapshot made of its own tensors is
+        written first, or (round.state_every) dropped; a stop from here on saves an in-flight
+        checkpoint, which holds it."""
+        if self.state_live:
+            self.snapshots.settle()
+            self.snapshots.unsaved = None
 
     def _manifest(self, rnd: RoundInProgress, seconds: float) -> dict[str, Any]:
         """What a contribution's manifest says of its round (rank 0)."""
@@ -138,9 +152,10 @@ class Publisher:
         rank, keeps none (the requeued job starts the round over)."""
         if not self.ranks.lead or rnd.inflight_at == rnd.done:
             return
-        if self.params.collective:
-            log.warning("worker %d round %d: preempted outside its training steps; the requeued job starts "
-                        "the round over from its base", rnd.worker, rnd.number)
+        if self.params.collective or self.coding:
+            log.warning("worker %d round %d: preempted outside its training steps%s; the requeued job starts "
+                        "the round over from its base", rnd.worker, rnd.number,
+                        " (while its error feedback was being replaced)" if self.coding else "")
             return
         self.snapshots.settle()
         self.save_inflight(rnd)
@@ -172,7 +187,11 @@ class Publisher:
         held = rnd.base.weights if rnd.base is not None else None
         base = held if held is not None else codec.load_weights(self.storage, rnd.assignment.base_key)
         t0, enc = time.perf_counter(), codec.encoding_for(rc, rnd.base_digest, rnd.number)
-        tensors, metadata, feedback = codec.encode(base, weights, enc, self.learner.feedback, rc.error_feedback)
+        # state_live: the feedback buffer becomes the new one as it is coded (one buffer held, not two);
+        # until the commit a preemption keeps no in-flight checkpoint, which would need the round's first
+        self.coding = self.state_live
+        tensors, metadata, feedback = codec.encode(base, weights, enc, self.learner.feedback, rc.error_feedback,
+                                                   in_place=self.state_live)
         manifest["contribution"] = _coding(rc, enc, time.perf_counter() - t0)
         return tensors, metadata, feedback
 
@@ -281,6 +300,12 @@ class Snapshots:
         rounds = {r for n in self.storage.list(folder) if (r := L.parse_state(n, committed=False)) is not None}
         for r in sorted(r for r in rounds if r < keep_from):
             remove_checkpoint(self.storage, L.worker_state(worker, r))  # manifest first
+
+
+def on_cpu(device: torch.device) -> bool:
+    """Are the model's tensors host memory, to be written without a copy? (Tests say no to take a
+    GPU's copying path on a CPU.)"""
+    return device.type == "cpu"
 
 
 def _coding(rc: Any, enc: codec.Encoding, encode_s: float) -> dict[str, Any]:

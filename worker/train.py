@@ -171,6 +171,7 @@ class InnerTrainer:
         self.step_model.train()
         pending: list[torch.Tensor] = []
         failpoint_name, slow_name = f"rank_{ranks.rank}.step", f"worker_{rnd.worker:03d}.step"
+        self.publisher.before_training()  # before the clock: a snapshot still being written is not training
         rnd.started = time.monotonic() - rnd.trained_s
         stopped = False
         if self.preemption is not None:

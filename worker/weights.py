@@ -68,10 +68,14 @@ class HostBuffers:
 
     A buffer is handed out again by the next call for the same name: whoever holds the tensors
     of one call must be done with them before the next (the trainer's rounds are sequential;
-    the background state write is waited for before the state is copied again)."""
+    the background state write is waited for before the state is copied again).
 
-    def __init__(self, device: torch.device) -> None:
+    `live`: copy_of hands out a CPU source's own tensors where they already have the wanted dtype:
+    the holder promises that nothing changes them while it uses them (worker/publish.py)."""
+
+    def __init__(self, device: torch.device, live: bool = False) -> None:
         self.pin = device.type == "cuda"
+        self.live = live
         self._bufs: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -83,6 +87,9 @@ class HostBuffers:
 
     def copy_of(self, tensors: dict[str, torch.Tensor], dtype_of=lambda t: t.dtype) -> dict[str, torch.Tensor]:
         """Host copies of `tensors` (on any device), each converted to dtype_of(tensor)."""
+        if self.live:
+            return {k: t.detach() if t.device.type == "cpu" and t.dtype == dtype_of(t) else t.detach().to("cpu", dtype_of(t))
+                    for k, t in tensors.items()}
         out = {k: self(k, tuple(t.shape), dtype_of(t)).copy_(t.detach(), non_blocking=self.pin) for k, t in tensors.items()}
         if self.pin:
             torch.cuda.synchronize()  # non-blocking copies off the GPU: the bytes are there only now
