@@ -86,6 +86,7 @@ class SimWorker(InnerTrainer):
         # the learner's parts the loop uses: no params (nothing read or published), no DDP
         self.learner = SimpleNamespace(model=model, opt=opt, names=names, step_model=model, device=device)
         self.stop = StopRule(cfg, None, SOLO)  # no replay
+        self.publisher = SimpleNamespace(before_training=lambda: None)  # nothing published, no snapshot to wait for
         self.preemption = None  # a simulation: no job to preempt
         self.next_beat = float("inf")
         self.stopping, self.next_stop_poll = False, float("inf")  # no run directory to stop it
