@@ -52,7 +52,7 @@ class Publisher:
         device = learner.device
         # Reused every round (pinned on a GPU): weights and optimizer state out. A contribution of
         # plain weights reuses the base's buffers, read back into the model before training; a delta
-        # needs the base until it is coded. Host memory: 3-4x the fp32 weights.
+        # needs the base until it is coded. Host memory on a GPU: 3-4x the fp32 weights.
         # On a CPU the model's own tensors are host memory: the coded delta is made from them (nothing
         # trains while it is coded), and so is the state snapshot unless the worker trains ahead while
         # it is written (round.overlap); before its next step the snapshot is settled (before_training).
