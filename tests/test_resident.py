@@ -7,6 +7,7 @@ and never lose a state write to preemption. Real files, the real merge (merge_ro
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -105,6 +106,36 @@ def test_a_snapshot_of_the_models_own_state_holds_its_round_however_slow_the_wri
         assert _digest(resident, L.contribution(r, 0)) == _digest(fresh, L.contribution(r, 0)), r
         key = L.worker_state(0, r)
         assert written[resident.url, key] == written[fresh.url, key], r
+
+
+@pytest.mark.parametrize("codec", ["topk", "fp32"])
+def test_a_preemption_while_the_feedback_is_replaced_keeps_no_in_flight_checkpoint(tmp_path, corpus_cache,
+                                                                                   monkeypatch, caplog, codec):
+    """Signalled during the contribution's write: with error feedback (topk) its buffer is already
+    the next round's, so no in-flight checkpoint is saved and the log says why; a delta without
+    feedback (fp32) saves one, as before."""
+    caplog.set_level(logging.INFO)
+    s = _run(tmp_path, corpus_cache, "run", round={"contribution": "delta", "codec": codec})
+    trainer, write = None, publish.write_checkpoint
+
+    def signalled(storage, key, *a, **kw):
+        if key == L.contribution(0, 0):
+            trainer.publisher.checkpoint(trainer.round)  # what submitit's handler calls
+        return write(storage, key, *a, **kw)
+
+    monkeypatch.setattr(publish, "write_checkpoint", signalled)
+    real_init = train.InnerTrainer.__init__
+
+    def keep(self, *a, **kw):
+        nonlocal trainer
+        trainer = self
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(train.InnerTrainer, "__init__", keep)
+    train.serve_round(_task(s, 0), 0.0, None, persistent=True)
+    saved = [r.getMessage() for r in caplog.records if "in-flight checkpoint at step" in r.getMessage()]
+    replaced = [r.getMessage() for r in caplog.records if "while its error feedback was being replaced" in r.getMessage()]
+    assert (bool(saved), bool(replaced)) == ((False, True) if codec == "topk" else (True, False))
 
 
 def test_resident_round_reads_no_state_file(tmp_path, corpus_cache, monkeypatch):

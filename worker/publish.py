@@ -189,9 +189,9 @@ class Publisher:
         t0, enc = time.perf_counter(), codec.encoding_for(rc, rnd.base_digest, rnd.number)
         # state_live: the feedback buffer becomes the new one as it is coded (one buffer held, not two);
         # until the commit a preemption keeps no in-flight checkpoint, which would need the round's first
-        self.coding = self.state_live
+        self.coding = self.state_live and self.learner.feedback is not None
         tensors, metadata, feedback = codec.encode(base, weights, enc, self.learner.feedback, rc.error_feedback,
-                                                   in_place=self.state_live)
+                                                   in_place=self.coding)
         manifest["contribution"] = _coding(rc, enc, time.perf_counter() - t0)
         return tensors, metadata, feedback
 
