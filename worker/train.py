@@ -169,11 +169,9 @@ class InnerTrainer:
         cuda = self.learner.device.type == "cuda"
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
         self.step_model.train()
-        pending: list[torch.Tensor] = []
         failpoint_name, slow_name = f"rank_{ranks.rank}.step", f"worker_{rnd.worker:03d}.step"
         self.publisher.before_training()  # before the clock: a snapshot still being written is not training
-        rnd.started = time.monotonic() - rnd.trained_s
-        stopped = False
+        rnd.started, pending, stopped = time.monotonic() - rnd.trained_s, [], False
         if self.preemption is not None:
             self.preemption.deferred = True
         while not self.stop.spent(rnd):
